@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv (if absent) and installs what it needs.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The exact CPU build of PyTorch; a looser spec would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.lmcache-installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e examples/lmcache-plugin-example
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lmcache demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,343 @@
+"""The one configuration object of lmcache.
+
+Sources, later ones winning: a YAML file (an explicit path, or ``LMCACHE_CONFIG_FILE``),
+then ``LMCACHE_<KEY>`` environment variables (values read as YAML scalars, so
+``LMCACHE_TIERS='[{backend: cpu, capacity: 1GiB}]'`` works), then explicit overrides.
+Every value is validated on load; an error names the key and, when the value came from a
+file, the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+from .units import parse_size
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write-through", "write-back")
+HASH_ALGORITHMS = ("xxh3_128", "blake2b")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Environment variables with the LMCACHE_ prefix that are not config keys.
+_ENV_NOT_KEYS = {
+    "CONFIG_FILE",
+    "DEBUG",
+    "PLUGINS",
+    "DISABLED_PLUGINS",
+    "DISABLE_PLUGIN_AUTOLOAD",
+    "LOG_LEVEL",
+}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of one engine's KV cache, as the cache engine stores it.
+
+    KV tensors handed to :meth:`CacheEngine.store` have the layout
+    ``(num_layers, 2, num_tokens, num_kv_heads, head_size)``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "float16"
+    layout: str = "lt2hd"  # layers, k/v, tokens, heads, head_size
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"kv_spec.{name}", f"must be a positive integer, got {v!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError("kv_spec.tp_rank", f"must be in [0, tp_size), got {self.tp_rank!r}")
+        from .dtypes import dtype_from_name
+
+        try:
+            dtype_from_name(self.dtype)
+        except ValueError as exc:
+            raise ConfigError("kv_spec.dtype", str(exc)) from None
+
+    @property
+    def signature(self) -> str:
+        """Canonical string naming this shape; part of every chunk key."""
+        return (
+            f"{self.dtype}-L{self.num_layers}-H{self.num_kv_heads}-D{self.head_size}"
+            f"-{self.layout}-tp{self.tp_rank}of{self.tp_size}"
+        )
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_size)
+
+    def bytes_per_token(self) -> int:
+        from .dtypes import dtype_from_name
+
+        itemsize = dtype_from_name(self.dtype).itemsize
+        return self.num_layers * 2 * self.num_kv_heads * self.head_size * itemsize
+
+
+@dataclass
+class TierConfig:
+    """One storage tier: a backend, its capacity, codec and eviction policy.
+
+    ``options`` holds the backend-specific keys (``path`` for disk, ``url`` for redis,
+    ...); the backend validates them when the tier is built.
+    """
+
+    backend: str
+    capacity: int
+    codec: str = "raw"
+    policy: str = "lru"
+    name: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.backend
+
+
+@dataclass
+class Config:
+    """Validated lmcache configuration. Build it with :func:`load_config`."""
+
+    chunk_size: int = 256
+    save_unfull_chunk: bool = True
+    write_policy: str = "write-through"
+    namespace: str = "default"
+    model: str = "default"
+    hash_algorithm: str = "xxh3_128"
+    tiers: list[TierConfig] = field(
+        default_factory=lambda: [TierConfig(backend="cpu", capacity=1 << 30)]
+    )
+    memory_pool_size: int | None = None  # None: CPU tier capacities + staging_size
+    staging_size: int = 256 << 20
+    write_queue_size: int = 256
+    lookup_pin_timeout: float = 30.0
+    kv_spec: KVSpec | None = None
+    source: str | None = field(default=None, compare=False)
+
+    @property
+    def pool_size(self) -> int:
+        """Bytes of the host memory pool: explicit, or CPU tiers plus staging."""
+        if self.memory_pool_size is not None:
+            return self.memory_pool_size
+        cpu = sum(t.capacity for t in self.tiers if t.backend == "cpu")
+        return cpu + self.staging_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        for t in d["tiers"]:
+            t.update(t.pop("options"))
+        return d
+
+
+# ---------------------------------------------------------------- validation helpers
+
+def _int(key: str, v: Any, src: str | None, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(key, f"expected an integer, got {v!r}", src)
+    if v < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {v}", src)
+    return v
+
+
+def _bool(key: str, v: Any, src: str | None) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"expected true or false, got {v!r}", src)
+    return v
+
+
+def _str(key: str, v: Any, src: str | None) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(key, f"expected a non-empty string, got {v!r}", src)
+    return v
+
+
+def _choice(key: str, v: Any, choices: tuple[str, ...], src: str | None) -> str:
+    if v not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {v!r}", src)
+    return v
+
+
+def _size(key: str, v: Any, src: str | None, allow_zero: bool = False) -> int:
+    try:
+        n = parse_size(v)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc), src) from None
+    if n == 0 and not allow_zero:
+        raise ConfigError(key, "must be larger than 0", src)
+    return n
+
+
+def _name(key: str, v: Any, src: str | None) -> str:
+    v = _str(key, v, src)
+    if not _NAME_RE.match(v):
+        raise ConfigError(
+            key, f"{v!r} may only contain letters, digits, '.', '_' and '-'", src
+        )
+    return v
+
+
+def _tier(i: int, raw: Any, src: str | None) -> TierConfig:
+    key = f"tiers[{i}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(key, f"expected a mapping such as {{backend: cpu, capacity: 4GiB}}, got {raw!r}", src)
+    raw = dict(raw)
+    if "backend" not in raw:
+        raise ConfigError(f"{key}.backend", "is required", src)
+    if "capacity" not in raw:
+        raise ConfigError(f"{key}.capacity", "is required (e.g. capacity: 4GiB)", src)
+    tier = TierConfig(
+        backend=_name(f"{key}.backend", raw.pop("backend"), src),
+        capacity=_size(f"{key}.capacity", raw.pop("capacity"), src),
+        codec=_name(f"{key}.codec", raw.pop("codec", "raw"), src),
+        policy=_name(f"{key}.policy", raw.pop("policy", "lru"), src),
+    )
+    if "name" in raw:
+        tier.name = _name(f"{key}.name", raw.pop("name"), src)
+    for k in list(raw):
+        if not isinstance(k, str):
+            raise ConfigError(f"{key}.{k!r}", "keys must be strings", src)
+    tier.options = raw
+    return tier
+
+
+_SCALARS = {
+    "chunk_size": lambda k, v, s: _int(k, v, s, 1),
+    "save_unfull_chunk": _bool,
+    "write_policy": lambda k, v, s: _choice(k, v, WRITE_POLICIES, s),
+    "namespace": _name,
+    "model": _str,
+    "hash_algorithm": lambda k, v, s: _choice(k, v, HASH_ALGORITHMS, s),
+    "memory_pool_size": lambda k, v, s: None if v in (None, "auto") else _size(k, v, s),
+    "staging_size": lambda k, v, s: _size(k, v, s, allow_zero=True),
+    "write_queue_size": lambda k, v, s: _int(k, v, s, 1),
+    "lookup_pin_timeout": lambda k, v, s: _positive_float(k, v, s),
+}
+KEYS = tuple(_SCALARS) + ("tiers", "kv_spec")
+
+
+def _positive_float(key: str, v: Any, src: str | None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(key, f"expected a positive number of seconds, got {v!r}", src)
+    return float(v)
+
+
+def _kv_spec(raw: Any, src: str | None) -> KVSpec | None:
+    if raw is None or isinstance(raw, KVSpec):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kv_spec", f"expected a mapping, got {raw!r}", src)
+    fields_ = {f.name for f in dataclasses.fields(KVSpec)}
+    for k in raw:
+        if k not in fields_:
+            raise ConfigError(f"kv_spec.{k}", f"unknown key; known keys: {', '.join(sorted(fields_))}", src)
+    try:
+        return KVSpec(**raw)
+    except TypeError as exc:
+        raise ConfigError("kv_spec", str(exc), src) from None
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.problem, src) from None
+
+
+def _apply(cfg: Config, data: Mapping[str, Any], src: str | None) -> None:
+    for key, value in data.items():
+        if key in _SCALARS:
+            setattr(cfg, key, _SCALARS[key](key, value, src))
+        elif key == "tiers":
+            if not isinstance(value, list) or not value:
+                raise ConfigError("tiers", f"expected a non-empty list of tiers, got {value!r}", src)
+            tiers = [v if isinstance(v, TierConfig) else _tier(i, v, src) for i, v in enumerate(value)]
+            names = [t.name for t in tiers]
+            dup = {n for n in names if names.count(n) > 1}
+            if dup:
+                raise ConfigError(
+                    "tiers", f"two tiers are named {sorted(dup)[0]!r}; give them distinct 'name' keys", src
+                )
+            cfg.tiers = tiers
+        elif key == "kv_spec":
+            cfg.kv_spec = _kv_spec(value, src)
+        else:
+            import difflib
+
+            hint = difflib.get_close_matches(str(key), KEYS, n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(KEYS)}"
+            raise ConfigError(str(key), "unknown key" + extra, src)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("<file>", f"cannot read config file: {exc.strerror}", str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("<file>", f"not valid YAML: {exc}", str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("<file>", "the top level must be a mapping of keys to values", str(path))
+    return data
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith("LMCACHE_"):
+            continue
+        key = name[len("LMCACHE_"):].lower()
+        if key.upper() in _ENV_NOT_KEYS:
+            continue
+        if key not in KEYS:
+            log.warning("ignoring environment variable %s: %s is not a config key", name, key)
+            continue
+        try:
+            out[key] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"cannot parse {raw!r}: {exc}", f"${name}") from None
+    return out
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Config:
+    """Build a validated :class:`Config`.
+
+    ``source`` is a YAML file path, a mapping, a ``Config`` (copied) or ``None`` (then
+    ``LMCACHE_CONFIG_FILE`` names the file, if set). Environment variables
+    ``LMCACHE_<KEY>`` override it and keyword ``overrides`` override both.
+    """
+    environ = os.environ if environ is None else environ
+    if isinstance(source, Config):
+        cfg = dataclasses.replace(source, tiers=[dataclasses.replace(t, options=dict(t.options)) for t in source.tiers])
+        _apply(cfg, _env_values(environ), "environment")
+        _apply(cfg, overrides, None)
+        return cfg
+    cfg = Config()
+    if source is None and environ.get("LMCACHE_CONFIG_FILE"):
+        source = environ["LMCACHE_CONFIG_FILE"]
+    if isinstance(source, Mapping):
+        _apply(cfg, source, None)
+    elif source is not None:
+        path = Path(source)
+        cfg.source = str(path)
+        _apply(cfg, _read_yaml(path), str(path))
+    for key, value in _env_values(environ).items():
+        _apply(cfg, {key: value}, f"$LMCACHE_{key.upper()}")
+    _apply(cfg, overrides, None)
+    return cfg

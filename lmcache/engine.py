@@ -1,0 +1,242 @@
+"""The cache engine: the public API engines and connectors call.
+
+KV tensors have the layout ``(num_layers, 2, num_tokens, num_kv_heads, head_size)``
+(index 0 of the second axis is K, 1 is V). ``store`` splits the tokens into chunks,
+skips chunks already cached and puts the rest into the hierarchy; ``lookup`` tells how
+many leading tokens are cached; ``retrieve`` returns exactly the stored bytes of the
+longest cached prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .config import Config, KVSpec, load_config
+from .dtypes import dtype_from_name, dtype_name
+from .errors import KVShapeError
+from .hierarchy import StorageHierarchy, Tier
+from .keys import CacheKey, Chunk, TokenProcessor
+from .memory import MemoryObj, MemoryPool
+from .plugin_manager import Registries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetrieveResult:
+    """What :meth:`CacheEngine.retrieve` found.
+
+    ``kv`` holds the first ``num_tokens`` tokens' KV (or is ``None`` on a total miss
+    when no ``out`` was given); ``tiers`` names, per retrieved chunk, the tier it came
+    from.
+    """
+
+    num_tokens: int
+    kv: torch.Tensor | None
+    tiers: list[str] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass
+class StoreResult:
+    stored_tokens: int  # tokens in chunks newly written
+    skipped_tokens: int  # tokens in chunks already cached
+    dropped_tokens: int  # tokens not stored (no memory)
+
+
+class CacheEngine:
+    """Store, look up and retrieve KV for token sequences through a tier hierarchy."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        kv_spec: KVSpec | None = None,
+        registries: Registries | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.clock = clock
+        self.kv_spec: KVSpec | None = kv_spec or config.kv_spec
+        self.tokens = TokenProcessor(config.chunk_size, config.save_unfull_chunk, config.hash_algorithm)
+        self.pool = MemoryPool(config.pool_size)
+        self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_config(
+        cls,
+        source: "str | os.PathLike[str] | Mapping[str, Any] | Config | None" = None,
+        *,
+        kv_spec: KVSpec | Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> "CacheEngine":
+        """Build an engine from a YAML path, a mapping or a :class:`Config`
+        (then environment variables, then ``overrides``)."""
+        cfg = load_config(source, **overrides)
+        if isinstance(kv_spec, Mapping):
+            kv_spec = KVSpec(**kv_spec)
+        return cls(cfg, kv_spec=kv_spec)
+
+    # --------------------------------------------------------------- keys
+    def _key(self, chunk_hash: str) -> str:
+        assert self.kv_spec is not None
+        return CacheKey(self.config.namespace, self.config.model, self.kv_spec.signature, chunk_hash).to_string()
+
+    def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
+        chunks = self.tokens.chunks(tokens)
+        return chunks, [self._key(c.chunk_hash) for c in chunks]
+
+    def _adopt_spec(self, kv: torch.Tensor) -> KVSpec:
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise KVShapeError(
+                f"kv must have shape (num_layers, 2, num_tokens, num_kv_heads, head_size), got {tuple(kv.shape)}"
+            )
+        with self._lock:
+            if self.kv_spec is None:
+                self.kv_spec = KVSpec(
+                    num_layers=kv.shape[0], num_kv_heads=kv.shape[3], head_size=kv.shape[4], dtype=dtype_name(kv.dtype)
+                )
+            spec = self.kv_spec
+        want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_size)
+        got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4])
+        if got != want or dtype_name(kv.dtype) != spec.dtype:
+            raise KVShapeError(
+                f"kv of shape {tuple(kv.shape)} and dtype {kv.dtype} does not match this engine's kv_spec "
+                f"({spec.num_layers}, 2, T, {spec.num_kv_heads}, {spec.head_size}) {spec.dtype}"
+            )
+        return spec
+
+    # --------------------------------------------------------------- API
+    def lookup(self, tokens: Any, *, pin: bool = False) -> int:
+        """Number of leading tokens whose KV is cached.
+
+        With ``pin=True`` the hits are leased (not evictable) until the matching
+        :meth:`retrieve` or until ``lookup_pin_timeout`` seconds pass.
+        """
+        return self.locate(tokens, pin=pin)[0]
+
+    def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
+        """Like :meth:`lookup`, also naming the tier of each cached chunk."""
+        self._check_open()
+        if self.kv_spec is None:
+            return 0, []
+        chunks, keys = self.chunk_keys(tokens)
+        tiers = self.hierarchy.contains_prefix(keys)
+        if pin:
+            for key, tname in zip(keys, tiers):
+                self.hierarchy.tier(tname).lease(key, self.config.lookup_pin_timeout)
+        n = chunks[len(tiers) - 1].end if tiers else 0
+        return n, tiers
+
+    def store(self, tokens: Any, kv: torch.Tensor) -> StoreResult:
+        """Store the KV of ``tokens``; ``kv`` is ``(layers, 2, len(tokens), heads, head_size)``."""
+        self._check_open()
+        spec = self._adopt_spec(kv)
+        chunks, keys = self.chunk_keys(tokens)
+        if kv.shape[2] != _length(tokens):
+            raise KVShapeError(f"kv holds {kv.shape[2]} tokens but {_length(tokens)} tokens were given")
+        present = self.hierarchy.contains_any(keys)
+        stored = skipped = dropped = 0
+        dtype = dtype_from_name(spec.dtype)
+        for chunk, key, here in zip(chunks, keys, present):
+            if here:
+                skipped += chunk.num_tokens
+                continue
+            obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+            if obj is None:
+                dropped += chunk.num_tokens
+                log.debug("memory pool exhausted: not storing chunk %s", key)
+                continue
+            try:
+                obj.tensor.copy_(kv[:, :, chunk.start : chunk.end])
+                self.hierarchy.put(key, obj)
+            finally:
+                obj.unref()
+            stored += chunk.num_tokens
+        return StoreResult(stored, skipped, dropped)
+
+    def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None) -> RetrieveResult:
+        """KV of the longest cached prefix of ``tokens``.
+
+        With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
+        into it and ``result.kv`` is ``out``; otherwise a new tensor of exactly
+        ``num_tokens`` tokens is returned (``None`` on a total miss).
+        """
+        self._check_open()
+        if self.kv_spec is None:
+            return RetrieveResult(0, out)
+        spec = self.kv_spec
+        chunks, keys = self.chunk_keys(tokens)
+        got: list[tuple[Chunk, MemoryObj, Tier]] = []
+        try:
+            for chunk, key in zip(chunks, keys):
+                r = self.hierarchy.get(key)
+                if r is None:
+                    break
+                obj, tier = r
+                if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
+                    log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
+                    obj.unref()
+                    tier.remove([key])
+                    break
+                got.append((chunk, obj, tier))
+            n = got[-1][0].end if got else 0
+            if out is None and n:
+                out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
+            elif out is not None and n and (
+                out.shape[2] < n or tuple(out.shape[:2]) + tuple(out.shape[3:]) != (spec.num_layers, 2, spec.num_kv_heads, spec.head_size)
+            ):
+                raise KVShapeError(f"out of shape {tuple(out.shape)} cannot hold {n} tokens of {spec.signature}")
+            for chunk, obj, _ in got:
+                out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
+        finally:
+            for _, obj, _ in got:
+                obj.unref()
+            self.hierarchy.release_leases(keys)
+        return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
+
+    # --------------------------------------------------------------- admin
+    def flush(self) -> None:
+        """Wait for queued lower-tier writes."""
+        self.hierarchy.flush()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tiers": {t.name: {**t.stats.as_dict(), **t.usage().__dict__} for t in self.hierarchy.tiers},
+            "pool": {"capacity": self.pool.capacity, "used": self.pool.used, "live": self.pool.live},
+            "hierarchy": {
+                "dropped_writes": self.hierarchy.stats.dropped_writes,
+                "skipped_no_memory": self.hierarchy.stats.skipped_no_memory,
+                "promotions": self.hierarchy.stats.promotions,
+            },
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CacheEngine is closed")
+
+    def close(self) -> None:
+        """Flush pending tier writes and release every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hierarchy.close()
+
+    def __enter__(self) -> "CacheEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _length(tokens: Any) -> int:
+    return len(tokens) if not hasattr(tokens, "shape") else int(tokens.shape[0])

@@ -1,0 +1,58 @@
+"""The small error hierarchy of lmcache.
+
+A missing key is never an error (backends return ``None``); a conflict raises a
+built-in (``FileExistsError``); everything else raised on purpose by lmcache is an
+:class:`LMCacheError` so that callers can catch one type.
+"""
+
+from __future__ import annotations
+
+
+class LMCacheError(Exception):
+    """Base class of every error lmcache raises on purpose."""
+
+
+class ConfigError(LMCacheError, ValueError):
+    """A configuration value is unknown, of the wrong type or impossible.
+
+    The message names the key (dotted path, e.g. ``tiers[1].capacity``) and, when the
+    value came from a file, the file.
+    """
+
+    def __init__(self, key: str, problem: str, source: str | None = None):
+        self.key = key
+        self.problem = problem
+        self.source = source
+        where = f" (in {source})" if source else ""
+        super().__init__(f"config key '{key}'{where}: {problem}")
+
+
+class PluginError(LMCacheError):
+    """A plugin could not be loaded, or two plugins claim the same name."""
+
+
+class MissingDependencyError(PluginError, ImportError):
+    """A plugin needs an optional dependency that is not installed."""
+
+
+class UnknownPluginError(PluginError, KeyError):
+    """No plugin of that kind is registered under that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MemoryPoolError(LMCacheError):
+    """Misuse of a memory object: double free, use after free, wrong size."""
+
+
+class CorruptPayloadError(LMCacheError):
+    """Stored bytes failed their header or checksum check; they are never handed out."""
+
+
+class BackendError(LMCacheError):
+    """A storage backend failed (unreachable, timed out, I/O error)."""
+
+
+class KVShapeError(LMCacheError, ValueError):
+    """A KV tensor does not match the shape the cache engine was set up for."""

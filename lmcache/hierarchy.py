@@ -1,0 +1,609 @@
+"""The storage hierarchy: ordered tiers with byte-accurate capacities.
+
+- ``get``: the first tier that has a key wins; the hit is promoted into the tiers above.
+- ``put``: into the top tier; lower tiers get it per the write policy: ``write-through``
+  (every tier, asynchronously through a bounded queue) or ``write-back`` (a tier receives
+  what the tier above evicts).
+- capacities are accounted in stored bytes and never exceeded: space is reserved (an upper
+  bound) before a write and settled after it;
+- eviction never removes a pinned entry, one leased by a lookup, or one a reader holds;
+- a tier that raises degrades to misses and is retried with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .config import Config, TierConfig
+from .errors import ConfigError
+from .memory import MemoryObj, MemoryPool
+from .plugin_manager import Registries, get_registries
+from .policies import EvictionPolicy
+from .storage import BackendContext, StorageBackend, Usage
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START = 0.05
+_writer_lock = threading.Lock()
+BACKOFF_MAX = 30.0
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    get_seconds: float = 0.0
+    puts: int = 0
+    put_bytes: int = 0
+    put_seconds: float = 0.0
+    evictions: int = 0
+    skipped_puts: int = 0  # did not fit (everything pinned, or larger than the tier)
+    errors: int = 0
+    last_error: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Health:
+    failures: int = 0
+    down_until: float = 0.0
+
+
+class Tier:
+    """One backend plus capacity, eviction policy, pins and health."""
+
+    def __init__(
+        self,
+        cfg: TierConfig,
+        backend: StorageBackend,
+        policy: EvictionPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.capacity = cfg.capacity
+        self.backend = backend
+        self.policy = policy
+        self.clock = clock
+        self.stats = TierStats()
+        self._lock = threading.RLock()
+        self._index: dict[str, int] = {}  # key -> stored bytes accounted here
+        self._reserved = 0
+        self.used = 0
+        self._pins: dict[str, int] = {}
+        self._leases: dict[str, list[float]] = {}
+        self._health = _Health()
+        #: called with (key, obj) for each evicted entry when the hierarchy demotes
+        self.on_evict: Callable[[str, MemoryObj], None] | None = None
+        for key, size in backend.keys():
+            self._index[key] = size
+            self.used += size
+            policy.on_insert(key)
+        if self.used > self.capacity:
+            with self._lock:
+                self._make_room(0)
+
+    # -------------------------------------------------------------- health
+    @property
+    def available(self) -> bool:
+        return self.clock() >= self._health.down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        h = self._health
+        h.failures += 1
+        delay = min(BACKOFF_START * (2 ** (h.failures - 1)), BACKOFF_MAX)
+        h.down_until = self.clock() + delay
+        self.stats.errors += 1
+        self.stats.last_error = f"{what}: {type(exc).__name__}: {exc}"
+        log.warning("tier %s: %s failed (%s); treating it as a miss for %.2fs", self.name, what, exc, delay)
+
+    def _ok(self) -> None:
+        if self._health.failures:
+            self._health = _Health()
+
+    # ---------------------------------------------------------------- pins
+    def pin(self, key: str) -> None:
+        with self._lock:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            n = self._pins.get(key, 0)
+            if n <= 1:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] = n - 1
+
+    def lease(self, key: str, seconds: float) -> None:
+        with self._lock:
+            now = self.clock()
+            if len(self._leases) > 4096:
+                for k in [k for k, v in self._leases.items() if max(v) <= now]:
+                    del self._leases[k]
+            self._leases.setdefault(key, []).append(now + seconds)
+
+    def release_lease(self, key: str) -> None:
+        with self._lock:
+            v = self._leases.get(key)
+            if v:
+                v.remove(min(v))
+                if not v:
+                    del self._leases[key]
+
+    def is_pinned(self, key: str) -> bool:
+        if key in self._pins:
+            return True
+        v = self._leases.get(key)
+        if not v:
+            return False
+        now = self.clock()
+        live = [t for t in v if t > now]
+        if live:
+            if len(live) != len(v):
+                self._leases[key] = live
+            return True
+        del self._leases[key]
+        return False
+
+    def _evictable(self, key: str) -> bool:
+        return not self.is_pinned(key) and not self.backend.in_use(key)
+
+    # --------------------------------------------------------- data path
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not self.available:
+            return [False] * len(keys)
+        try:
+            out = self.backend.contains(keys)
+        except Exception as exc:
+            self._failed("contains", exc)
+            return [False] * len(keys)
+        self._ok()
+        return out
+
+    def get(self, key: str) -> MemoryObj | None:
+        if not self.available:
+            self.stats.misses += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            obj = self.backend.get_one(key)
+        except Exception as exc:
+            self._failed("get", exc)
+            self.stats.misses += 1
+            return None
+        self._ok()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            if obj is None:
+                self.stats.misses += 1
+                size = self._index.pop(key, None)  # vanished (corrupt, or removed by a peer)
+                if size is not None:
+                    self.used -= size
+                    self.policy.on_remove(key)
+                return None
+            self.stats.hits += 1
+            self.stats.hit_bytes += obj.nbytes
+            self.stats.get_seconds += dt
+            if key in self._index:
+                self.policy.on_access(key)
+        return obj
+
+    def _make_room(self, need: int) -> bool:
+        """Evict until ``need`` more bytes fit. Called with the lock held."""
+        while self.used + self._reserved + need > self.capacity:
+            victim = self.policy.victim(lambda k: not self._evictable(k))
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, key: str) -> None:
+        demote = None
+        if self.on_evict is not None:
+            try:
+                demote = self.backend.get_one(key)
+            except Exception as exc:  # the entry is lost to the lower tier, not to correctness
+                self._failed("read for demotion", exc)
+        try:
+            self.backend.remove_one(key)
+        except Exception as exc:
+            self._failed("remove", exc)
+        size = self._index.pop(key, 0)
+        self.used -= size
+        self.policy.on_remove(key)
+        self.stats.evictions += 1
+        if demote is not None:
+            self.on_evict(key, demote)  # takes over the reference
+
+    def evict_bytes(self, nbytes: int) -> int:
+        """Evict unpinned entries until ``nbytes`` were freed (or nothing is left)."""
+        freed = 0
+        with self._lock:
+            while freed < nbytes:
+                victim = self.policy.victim(lambda k: not self._evictable(k))
+                if victim is None:
+                    break
+                freed += self._index.get(victim, 0)
+                self._evict(victim)
+        return freed
+
+    def put(self, key: str, obj: MemoryObj) -> bool:
+        """Store ``obj`` unless present; the caller keeps its reference. True if stored."""
+        if not self.available:
+            self.stats.skipped_puts += 1
+            return False
+        need = self.backend.reserve_size(key, obj)
+        with self._lock:
+            if key in self._index:
+                return True
+            if need > self.capacity or not self._make_room(need):
+                self.stats.skipped_puts += 1
+                return False
+            self._reserved += need
+        t0 = time.perf_counter()
+        try:
+            stored = self.backend.put_one(key, obj)
+        except Exception as exc:
+            with self._lock:
+                self._reserved -= need
+            self._failed("put", exc)
+            return False
+        self._ok()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._reserved -= need
+            old = self._index.get(key)
+            if old is None:
+                self.policy.on_insert(key)
+            self._index[key] = stored
+            self.used += stored - (old or 0)
+            if stored > need:  # a backend that under-reserved: settle at once
+                self._make_room(0)
+            self.stats.puts += 1
+            self.stats.put_bytes += stored
+            self.stats.put_seconds += dt
+        return True
+
+    def remove(self, keys: Sequence[str]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                try:
+                    removed = self.backend.remove_one(k)
+                except Exception as exc:
+                    self._failed("remove", exc)
+                    continue
+                size = self._index.pop(k, None)
+                if size is not None:
+                    self.used -= size
+                    self.policy.on_remove(k)
+                n += bool(removed or size is not None)
+        return n
+
+    def usage(self) -> Usage:
+        return Usage(self.used, self.capacity, len(self._index))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"Tier({self.name!r}, backend={self.cfg.backend}, used={self.used}/{self.capacity})"
+
+
+@dataclass
+class _Write:
+    tier: int
+    key: str
+    obj: MemoryObj
+
+
+@dataclass
+class HierarchyStats:
+    dropped_writes: int = 0  # lower-tier writes dropped because the queue was full
+    skipped_no_memory: int = 0  # store chunks skipped because the pool was exhausted
+    promotions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class StorageHierarchy:
+    def __init__(
+        self,
+        config: Config,
+        pool: MemoryPool,
+        registries: Registries | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self.registries = registries or get_registries()
+        self.write_back = config.write_policy == "write-back"
+        self.stats = HierarchyStats()
+        self._codecs: dict[str, object] = {}
+        self.tiers: list[Tier] = []
+        try:
+            for i, tcfg in enumerate(config.tiers):
+                self.tiers.append(self._build_tier(i, tcfg))
+        except BaseException:
+            for t in self.tiers:
+                t.backend.close()
+            raise
+        if self.write_back:
+            for i, t in enumerate(self.tiers[:-1]):
+                t.on_evict = self._demoter(i + 1)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.write_queue_size)
+        self._inflight: dict[str, list] = {}  # key -> [obj, queued writes, target tier]
+        self._closed = False
+        self._worker = threading.Thread(target=self._run_writes, name="lmcache-tier-writer", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------ building
+    def _codec(self, name: str, options: dict | None = None):
+        if options:
+            return self.registries.codecs.load(name)(**options)
+        c = self._codecs.get(name)
+        if c is None:
+            c = self._codecs[name] = self.registries.codecs.load(name)()
+        return c
+
+    def _build_tier(self, i: int, tcfg: TierConfig) -> Tier:
+        src = self.config.source
+        prefix = f"tiers[{i}]"
+        options = dict(tcfg.options)
+        codec_options = options.pop("codec_options", None)
+        try:
+            backend_cls = self.registries.backends.load(tcfg.backend)
+        except Exception as exc:
+            raise ConfigError(f"{prefix}.backend", str(exc), src) from exc
+        try:
+            codec = self._codec(tcfg.codec, codec_options)
+        except TypeError as exc:
+            raise ConfigError(f"{prefix}.codec_options", str(exc), src) from None
+        except ValueError as exc:
+            raise ConfigError(f"{prefix}.codec_options", str(exc), src) from None
+        except Exception as exc:
+            raise ConfigError(f"{prefix}.codec", str(exc), src) from exc
+        try:
+            policy = self.registries.policies.load(tcfg.policy)()
+        except Exception as exc:
+            raise ConfigError(f"{prefix}.policy", str(exc), src) from exc
+        ctx = BackendContext(
+            tier=tcfg.name,
+            capacity=tcfg.capacity,
+            options=options,
+            codec=codec,
+            codec_lookup=self._codec,
+            allocate=self.allocate_transient,
+            clock=self.clock,
+            pool=self.pool,
+        )
+        try:
+            backend = backend_cls(ctx)
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix}.{exc.key}", exc.problem, src) from None
+        return Tier(tcfg, backend, policy, self.clock)
+
+    # ------------------------------------------------------------ memory
+    def _pool_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers if t.backend.holds_memory_objects]
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """A pool object, evicting from the CPU tiers if the pool is full; ``None`` if
+        nothing more can be evicted."""
+        obj = self.pool.allocate(shape, dtype)
+        if obj is not None:
+            return obj
+        nbytes = 1
+        for d in shape:
+            nbytes *= int(d)
+        nbytes *= torch.empty((), dtype=dtype).element_size()
+        for tier in reversed(self._pool_tiers()):
+            budget = 4 * nbytes  # bytes evicted before giving up (demotions free memory late)
+            while budget > 0:
+                freed = tier.evict_bytes(nbytes)
+                if freed == 0:
+                    break
+                budget -= freed
+                obj = self.pool.allocate(shape, dtype)
+                if obj is not None:
+                    return obj
+        self.stats.skipped_no_memory += 1
+        return None
+
+    def allocate_transient(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
+        """For reads: a pool object if there is room, else a heap object."""
+        obj = self.pool.allocate(shape, dtype)
+        return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
+
+    # ------------------------------------------------------------ data path
+    def contains_prefix(self, keys: Sequence[str]) -> list[str]:
+        """Tier names of the longest prefix of ``keys`` that some tier holds."""
+        found: list[str | None] = [None] * len(keys)
+        remaining = list(range(len(keys)))
+        for tier in self.tiers:
+            if not remaining:
+                break
+            res = tier.contains([keys[i] for i in remaining])
+            nxt = []
+            for i, hit in zip(remaining, res):
+                if hit:
+                    found[i] = tier.name
+                else:
+                    nxt.append(i)
+            remaining = nxt
+            # keys after the first miss of this round may still be found lower down
+        for i in remaining:
+            entry = self._inflight.get(keys[i])
+            if entry is not None:
+                found[i] = self.tiers[entry[2]].name
+        out = []
+        for name in found:
+            if name is None:
+                break
+            out.append(name)
+        return out
+
+    def contains_any(self, keys: Sequence[str]) -> list[bool]:
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            idx = [i for i, p in enumerate(present) if not p]
+            if not idx:
+                break
+            for i, hit in zip(idx, tier.contains([keys[i] for i in idx])):
+                present[i] = hit
+        return [p or k in self._inflight for p, k in zip(present, keys)]
+
+    def get(self, key: str) -> tuple[MemoryObj, Tier] | None:
+        """The object for ``key`` (caller owns one reference) and the tier it came from."""
+        for i, tier in enumerate(self.tiers):
+            obj = tier.get(key)
+            if obj is None:
+                continue
+            if i > 0:
+                obj = self._promote(key, obj, i)
+            return obj, tier
+        pending = self._inflight_get(key)
+        if pending is not None:
+            obj, target = pending
+            if target > 0:
+                obj = self._promote(key, obj, target)
+            return obj, self.tiers[target]
+        return None
+
+    def _promote(self, key: str, obj: MemoryObj, found_at: int) -> MemoryObj:
+        for j in range(found_at):
+            upper = self.tiers[j]
+            if upper.backend.holds_memory_objects:
+                if not obj.pooled:
+                    pooled = self.allocate(obj.shape, obj.dtype)
+                    if pooled is None:
+                        continue
+                    pooled.tensor.copy_(obj.tensor)
+                    obj.unref()
+                    obj = pooled
+                if upper.put(key, obj):
+                    self.stats.promotions += 1
+            else:
+                self._enqueue(_Write(j, key, obj.ref()), block=False)
+        return obj
+
+    def put(self, key: str, obj: MemoryObj) -> bool:
+        """Store into the top tier now and into lower tiers per the write policy.
+        The caller keeps its reference."""
+        top = self.tiers[0]
+        if not obj.pooled and top.backend.holds_memory_objects:
+            ok = False
+        else:
+            ok = top.put(key, obj)
+        if not self.write_back or not ok:
+            for j in range(1, len(self.tiers)):
+                self._enqueue(_Write(j, key, obj.ref()), block=False)
+                if self.write_back:
+                    break  # not stored on top: goes one level down instead
+        return ok
+
+    def _demoter(self, target: int) -> Callable[[str, MemoryObj], None]:
+        def demote(key: str, obj: MemoryObj) -> None:
+            if threading.current_thread() is self._worker:
+                # already off the engine's path: write down the chain directly
+                try:
+                    self.tiers[target].put(key, obj)
+                finally:
+                    obj.unref()
+            else:
+                self._enqueue(_Write(target, key, obj), block=True)
+
+        return demote
+
+    def _enqueue(self, w: _Write, block: bool) -> None:
+        """Queue a lower-tier write; ``w.obj`` carries a reference the writer drops."""
+        if self._closed:
+            w.obj.unref()
+            return
+        with _writer_lock:
+            w.obj.writer_refs += 1
+            entry = self._inflight.get(w.key)
+            if entry is None:
+                self._inflight[w.key] = [w.obj, 1, w.tier]
+            else:
+                entry[1] += 1
+        try:
+            self._queue.put(w, block=block, timeout=1.0 if block else None)
+        except queue.Full:
+            self.stats.dropped_writes += 1
+            self._release(w)
+
+    def _release(self, w: _Write) -> None:
+        with _writer_lock:
+            w.obj.writer_refs -= 1
+            entry = self._inflight.get(w.key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._inflight[w.key]
+        w.obj.unref()
+
+    def _inflight_get(self, key: str) -> tuple[MemoryObj, int] | None:
+        """A queued (not yet written) entry: it is served from memory, never lost."""
+        with _writer_lock:
+            entry = self._inflight.get(key)
+            if entry is None:
+                return None
+            return entry[0].ref(), entry[2]
+
+    def _run_writes(self) -> None:
+        while True:
+            w = self._queue.get()
+            try:
+                if w is None:
+                    return
+                try:
+                    self.tiers[w.tier].put(w.key, w.obj)
+                finally:
+                    self._release(w)
+            except Exception:  # never let the writer die
+                log.exception("lmcache tier writer: unexpected error")
+            finally:
+                self._queue.task_done()
+
+    def release_leases(self, keys: Sequence[str]) -> None:
+        """Drop one lookup lease of each key, in whichever tier holds it."""
+        for tier in self.tiers:
+            for key in keys:
+                tier.release_lease(key)
+
+    def flush(self) -> None:
+        """Wait until every queued lower-tier write has been done."""
+        self._queue.join()
+
+    def pending_writes(self) -> int:
+        return self._queue.qsize()
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+        for t in self.tiers:
+            try:
+                t.backend.close()
+            except Exception:
+                log.exception("closing tier %s", t.name)

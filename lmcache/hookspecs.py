@@ -1,0 +1,66 @@
+"""Hook specifications of lmcache: the whole plugin contract in one place.
+
+Every hook is prefixed ``lmcache_``, typed and empty; its docstring is the contract.
+Plugins implement hooks with ``@lmcache.hookimpl`` and are found through the entry-point
+group ``lmcache``. Built-in plugins use these very hooks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .plugin_manager import Registry
+
+PROJECT = "lmcache"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def lmcache_register_backends(registry: "Registry") -> None:
+    """Register storage backends.
+
+    Called once per plugin manager, when the backend registry is first needed. Call
+    ``registry.add(name, "package.module:Class", extra=None, description="")`` once per
+    backend. The class is imported only when a tier uses it; ``extra`` names the
+    ``pip install 'lmcache[extra]'`` extra (or a package) to suggest if that import fails.
+    A backend class is built as ``Class(context)`` with a
+    :class:`lmcache.storage.BackendContext` and implements the contract of
+    :class:`lmcache.storage.StorageBackend`. Names are unique across all plugins: a second
+    plugin adding the same name is an error naming both plugins. Returns nothing.
+    """
+
+
+@hookspec
+def lmcache_register_codecs(registry: "Registry") -> None:
+    """Register payload codecs.
+
+    Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is
+    built as ``Class(**options)`` and implements :class:`lmcache.codecs.Codec`
+    (``encode(data) -> bytes``, ``decode(data, nbytes) -> bytes``). The name is what a
+    tier's ``codec:`` key and the payload header name. Returns nothing.
+    """
+
+
+@hookspec
+def lmcache_register_connectors(registry: "Registry") -> None:
+    """Register engine connectors (vLLM, SGLang, transformers, ...).
+
+    Called once per plugin manager. ``registry.add(name, "module:Class", extra=...)``;
+    the class adapts one inference engine to :class:`lmcache.CacheEngine`. Returns
+    nothing.
+    """
+
+
+@hookspec
+def lmcache_register_policies(registry: "Registry") -> None:
+    """Register eviction policies.
+
+    Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is
+    built with no arguments and implements :class:`lmcache.policies.EvictionPolicy`:
+    it records accesses and proposes victims, while the core accounts bytes and skips
+    pinned entries. Returns nothing.
+    """

@@ -1,0 +1,154 @@
+"""The self-describing payload format of every backend that stores bytes.
+
+Layout::
+
+    b"LMCK" | u16 version | u32 header length | u64 xxh3-64 of header | header | body
+
+The header is UTF-8 JSON with the key, codec, dtype, shape, raw byte count, body length
+and the xxh3-64 of the body. Nothing is pickled. :func:`decode` checks every field and
+both checksums; any mismatch raises :class:`CorruptPayloadError`, so corrupt bytes are
+never handed to an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from .codecs import Codec
+from .dtypes import dtype_from_name, dtype_name
+from .errors import CorruptPayloadError
+from .memory import MemoryObj
+
+MAGIC = b"LMCK"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHIQ")
+PREFIX_SIZE = _PREFIX.size  # 18
+MAX_HEADER = 64 << 10
+# enough to read the whole header of any payload in one small read
+HEADER_READ_HINT = 4096
+
+
+@dataclass(frozen=True)
+class Header:
+    key: str
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    body_len: int
+    body_xxh3: int
+    header_len: int  # bytes before the body
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.body_len
+
+
+def header_overhead(key: str, ndim: int) -> int:
+    """Upper bound of the header size for a key and tensor rank."""
+    return PREFIX_SIZE + 200 + len(key.encode()) * 2 + 24 * ndim
+
+
+def encode(key: str, obj: MemoryObj, codec: Codec) -> list:
+    """Header and body buffers (zero-copy for the ``raw`` codec) of one payload."""
+    raw = memoryview(obj.byte_view().numpy()).cast("B")
+    body = codec.encode(raw)
+    body_mv = memoryview(body).cast("B") if not isinstance(body, memoryview) else body
+    hdr = json.dumps(
+        {
+            "key": key,
+            "codec": codec.name,
+            "dtype": dtype_name(obj.dtype),
+            "shape": list(obj.shape),
+            "nbytes": obj.nbytes,
+            "body_len": len(body_mv),
+            "body_xxh3": xxhash.xxh3_64_intdigest(body_mv),
+        },
+        separators=(",", ":"),
+    ).encode()
+    prefix = _PREFIX.pack(MAGIC, VERSION, len(hdr), xxhash.xxh3_64_intdigest(hdr))
+    return [prefix + hdr, body_mv]
+
+
+def parse_header(data: bytes | memoryview) -> Header:
+    """Parse and check the header at the start of ``data`` (the body may be absent)."""
+    mv = memoryview(data)
+    if len(mv) < PREFIX_SIZE:
+        raise CorruptPayloadError(f"payload too short ({len(mv)} bytes) for a header")
+    magic, version, hlen, hsum = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        raise CorruptPayloadError(f"bad magic {bytes(magic)!r}; not an lmcache payload")
+    if version != VERSION:
+        raise CorruptPayloadError(f"unsupported payload format version {version} (this lmcache reads {VERSION})")
+    if hlen > MAX_HEADER or PREFIX_SIZE + hlen > len(mv):
+        raise CorruptPayloadError(f"header length {hlen} does not fit the payload")
+    raw = mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    if xxhash.xxh3_64_intdigest(raw) != hsum:
+        raise CorruptPayloadError("header checksum mismatch")
+    try:
+        h = json.loads(bytes(raw))
+        header = Header(
+            key=str(h["key"]),
+            codec=str(h["codec"]),
+            dtype=str(h["dtype"]),
+            shape=tuple(int(x) for x in h["shape"]),
+            nbytes=int(h["nbytes"]),
+            body_len=int(h["body_len"]),
+            body_xxh3=int(h["body_xxh3"]),
+            header_len=PREFIX_SIZE + hlen,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptPayloadError(f"malformed header: {exc}") from None
+    try:
+        itemsize = torch.empty((), dtype=dtype_from_name(header.dtype)).element_size()
+    except ValueError as exc:
+        raise CorruptPayloadError(str(exc)) from None
+    numel = 1
+    for d in header.shape:
+        if d < 0:
+            raise CorruptPayloadError(f"negative dimension in shape {header.shape}")
+        numel *= d
+    if numel * itemsize != header.nbytes:
+        raise CorruptPayloadError(f"shape {header.shape} of {header.dtype} is not {header.nbytes} bytes")
+    return header
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    expected_key: str | None,
+    codec_lookup: Callable[[str], Codec],
+    allocate: Callable[[tuple[int, ...], torch.dtype], MemoryObj],
+) -> MemoryObj:
+    """Check ``data`` and decode it into a memory object from ``allocate``."""
+    header = parse_header(data)
+    if expected_key is not None and header.key != expected_key:
+        raise CorruptPayloadError(f"payload holds key {header.key!r}, expected {expected_key!r}")
+    mv = memoryview(data)
+    if len(mv) != header.total_len:
+        raise CorruptPayloadError(f"payload is {len(mv)} bytes, header says {header.total_len}")
+    body = mv[header.header_len :]
+    if xxhash.xxh3_64_intdigest(body) != header.body_xxh3:
+        raise CorruptPayloadError("body checksum mismatch")
+    try:
+        codec = codec_lookup(header.codec)
+    except Exception as exc:
+        raise CorruptPayloadError(f"payload codec {header.codec!r} is not available: {exc}") from None
+    try:
+        raw = codec.decode(body, header.nbytes)
+    except ValueError as exc:
+        raise CorruptPayloadError(f"codec {header.codec!r} failed: {exc}") from None
+    obj = allocate(header.shape, dtype_from_name(header.dtype))
+    try:
+        if header.nbytes:
+            obj.byte_view().numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+    except Exception:
+        obj.unref()
+        raise
+    return obj

@@ -1,0 +1,235 @@
+"""The storage backend contract.
+
+A backend is small and batch-first. Subclasses implement the single-key methods
+(``contains_one``, ``get_one``, ``put_one``, ``remove_one``, ``keys``); the batch forms
+(``contains``, ``get``, ``put``, ``remove``) default to loops and may be overridden for
+speed. Keys are canonical key strings (:meth:`lmcache.keys.CacheKey.to_string`). A missing
+key is ``None``, never an exception.
+
+Backends that store bytes outside the process derive from :class:`BytesBackend`: they
+move opaque payload bytes (``read``/``write``/``delete``/``exists``/``list``), and the
+base class encodes and checks payloads with the tier's codec and the self-describing
+header of :mod:`lmcache.payload`; a payload that fails its checks is removed and reported
+as a miss.
+
+A backend is built as ``Backend(context)``; see :class:`BackendContext`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+
+import torch
+
+from . import payload
+from .codecs import Codec
+from .errors import ConfigError, CorruptPayloadError
+from .memory import MemoryObj, MemoryPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Usage:
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+@dataclass
+class BackendContext:
+    """What a backend is built with.
+
+    - ``tier``: the tier's name (for messages); ``capacity``: its byte capacity;
+    - ``options``: the backend-specific keys of the tier's config, already checked
+      against the backend's ``OPTIONS``;
+    - ``codec``: the tier's codec (bytes backends encode with it);
+    - ``codec_lookup``: name -> codec, for reading payloads written with another codec;
+    - ``allocate``: ``(shape, dtype) -> MemoryObj``; always returns an object (from the
+      pool if it has room, else a transient heap object);
+    - ``clock``: seconds, monotonic; injected so tests control time.
+    """
+
+    tier: str
+    capacity: int
+    options: Mapping[str, Any]
+    codec: Codec
+    codec_lookup: Callable[[str], Codec]
+    allocate: Callable[[Sequence[int], torch.dtype], MemoryObj]
+    clock: Callable[[], float] = time.monotonic
+    pool: MemoryPool | None = None
+
+    @classmethod
+    def standalone(
+        cls,
+        options: Mapping[str, Any] | None = None,
+        *,
+        capacity: int = 1 << 30,
+        codec: Codec | None = None,
+        pool: MemoryPool | None = None,
+        tier: str = "test",
+    ) -> "BackendContext":
+        """A context for using a backend on its own (tests, tools)."""
+        from .plugin_manager import get_registries
+
+        regs = get_registries()
+        if codec is None:
+            codec = regs.codecs.load("raw")()
+
+        def lookup(name: str) -> Codec:
+            return codec if name == codec.name else regs.codecs.load(name)()
+
+        def allocate(shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
+            obj = pool.allocate(shape, dtype) if pool is not None else None
+            return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
+
+        return cls(tier, capacity, dict(options or {}), codec, lookup, allocate, time.monotonic, pool)
+
+
+class StorageBackend:
+    """Base class of storage backends. See the module docstring for the contract."""
+
+    #: backend-specific config keys and their defaults; unknown keys are config errors
+    OPTIONS: ClassVar[Mapping[str, Any]] = {}
+    #: True if the backend keeps :class:`MemoryObj` references (the CPU tier): a hit is a
+    #: reference into the memory pool, not a copy.
+    holds_memory_objects: ClassVar[bool] = False
+
+    def __init__(self, context: BackendContext):
+        self.context = context
+        unknown = set(context.options) - set(self.OPTIONS)
+        if unknown:
+            known = ", ".join(sorted(self.OPTIONS)) or "none"
+            raise ConfigError(
+                sorted(unknown)[0], f"unknown key for backend {type(self).__name__}; its keys: {known}"
+            )
+        self.options = {**self.OPTIONS, **context.options}
+
+    # -- single-key methods: implement these
+    def contains_one(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def get_one(self, key: str) -> MemoryObj | None:
+        """A memory object the caller owns (one reference), or ``None``."""
+        raise NotImplementedError
+
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        """Store ``obj`` (the caller keeps its reference); return the bytes it takes."""
+        raise NotImplementedError
+
+    def remove_one(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        """Every stored ``(key, stored bytes)``, for the CLI and for rebuilding indexes."""
+        raise NotImplementedError
+
+    # -- batch forms: loops by default
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains_one(k) for k in keys]
+
+    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        return [self.get_one(k) for k in keys]
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        return [self.put_one(k, o) for k, o in items]
+
+    def remove(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self.remove_one(k)
+
+    # -- the rest
+    def reserve_size(self, key: str, obj: MemoryObj) -> int:
+        """An upper bound of what ``put_one(key, obj)`` will return."""
+        return obj.nbytes
+
+    def in_use(self, key: str) -> bool:
+        """True while something outside the backend still reads this entry."""
+        return False
+
+    def usage(self) -> Usage:
+        n = used = 0
+        for _, size in self.keys():
+            n += 1
+            used += size
+        return Usage(used, self.context.capacity, n)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class IntegrityStats:
+    corrupt: int = 0
+    last_error: str = field(default="")
+
+
+class BytesBackend(StorageBackend):
+    """A backend that stores self-describing payload bytes.
+
+    Implement ``read``, ``write``, ``delete``, ``exists`` and ``list``; ``read`` may
+    return any bytes-like object.
+    """
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.integrity = IntegrityStats()
+
+    def read(self, key: str) -> "bytes | bytearray | memoryview | None":
+        raise NotImplementedError
+
+    def write(self, key: str, buffers: Sequence["bytes | memoryview"]) -> None:
+        """Store the concatenation of ``buffers`` under ``key``, atomically."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        raise NotImplementedError
+
+    # -- the object contract, in terms of bytes
+    def contains_one(self, key: str) -> bool:
+        return self.exists(key)
+
+    def get_one(self, key: str) -> MemoryObj | None:
+        data = self.read(key)
+        if data is None:
+            return None
+        try:
+            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
+        except CorruptPayloadError as exc:
+            self.integrity.corrupt += 1
+            self.integrity.last_error = str(exc)
+            log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
+            try:
+                self.delete(key)
+            except Exception:  # pragma: no cover - best effort
+                log.exception("tier %s: could not delete corrupt entry %s", self.context.tier, key)
+            return None
+
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        bufs = payload.encode(key, obj, self.context.codec)
+        self.write(key, bufs)
+        return sum(len(b) for b in bufs)
+
+    def remove_one(self, key: str) -> bool:
+        return self.delete(key)
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        return self.list()
+
+    def reserve_size(self, key: str, obj: MemoryObj) -> int:
+        return payload.header_overhead(key, len(obj.shape)) + self.context.codec.max_encoded_size(obj.nbytes)

@@ -1,0 +1,210 @@
+"""Conformance suites that every storage backend, codec and eviction policy runs.
+
+Plain pytest classes: a plugin's test module subclasses one and provides a fixture.
+
+.. code-block:: python
+
+    from lmcache.testing import BackendTests
+
+    class TestMyBackend(BackendTests):
+        @pytest.fixture
+        def backend(self, tmp_path):
+            ctx = BackendContext.standalone({"path": str(tmp_path)})
+            b = MyBackend(ctx)
+            yield b
+            b.close()
+
+``BackendTests`` needs a ``backend`` fixture (a fresh, empty backend); ``CodecTests`` a
+``codec`` fixture; ``PolicyTests`` a ``policy`` fixture (a fresh policy).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from .keys import CacheKey
+from .memory import MemoryPool
+
+
+def make_key(i: int, namespace: str = "test", model: str = "org/model") -> str:
+    """A valid canonical key string, distinct for each ``i``."""
+    return CacheKey(namespace, model, "float16-L2-H2-D8-lt2hd-tp0of1", f"{i:032x}").to_string()
+
+
+def make_obj(seed: int, num_tokens: int = 16, dtype: torch.dtype = torch.float16):
+    """A heap memory object with chunk layout and deterministic random content."""
+    g = torch.Generator().manual_seed(seed)
+    obj = MemoryPool.allocate_unpooled((2, 2, num_tokens, 2, 8), dtype)
+    obj.tensor.copy_(torch.randn(obj.shape, generator=g).to(dtype))
+    return obj
+
+
+class BackendTests:
+    """The storage backend contract (see :mod:`lmcache.storage`)."""
+
+    def test_missing_key_is_none(self, backend):
+        k = make_key(1)
+        assert backend.get([k]) == [None]
+        assert backend.contains([k]) == [False]
+
+    def test_put_get_roundtrip_exact(self, backend):
+        items = [(make_key(i), make_obj(i, num_tokens=5 + i)) for i in range(4)]
+        sizes = backend.put(items)
+        assert len(sizes) == 4 and all(s >= o.nbytes or s > 0 for s, (_, o) in zip(sizes, items))
+        got = backend.get([k for k, _ in items])
+        for (k, o), g in zip(items, got):
+            assert g is not None, k
+            assert g.shape == o.shape and g.dtype == o.dtype
+            assert torch.equal(g.tensor, o.tensor)
+            g.unref()
+
+    def test_contains_batch(self, backend):
+        backend.put([(make_key(1), make_obj(1)), (make_key(3), make_obj(3))])
+        assert backend.contains([make_key(i) for i in range(5)]) == [False, True, False, True, False]
+
+    def test_dtypes_roundtrip(self, backend):
+        for i, dt in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+            o = make_obj(i, dtype=dt)
+            backend.put([(make_key(100 + i), o)])
+            (g,) = backend.get([make_key(100 + i)])
+            assert g is not None and g.dtype == dt and torch.equal(g.tensor, o.tensor)
+            g.unref()
+
+    def test_put_keeps_callers_object_intact(self, backend):
+        o = make_obj(7)
+        before = o.tensor.clone()
+        backend.put([(make_key(7), o)])
+        assert o.refcount >= 1 and torch.equal(o.tensor, before)
+
+    def test_overwrite_same_key(self, backend):
+        k = make_key(9)
+        backend.put([(k, make_obj(1))])
+        new = make_obj(2)
+        backend.put([(k, new)])
+        (g,) = backend.get([k])
+        assert g is not None and torch.equal(g.tensor, new.tensor)
+        g.unref()
+
+    def test_remove(self, backend):
+        backend.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
+        backend.remove([make_key(1), make_key(5)])
+        assert backend.contains([make_key(1), make_key(2)]) == [False, True]
+        assert backend.get([make_key(1)]) == [None]
+
+    def test_keys_and_usage(self, backend):
+        items = [(make_key(i), make_obj(i)) for i in range(3)]
+        sizes = backend.put(items)
+        listed = dict(backend.keys())
+        assert set(listed) == {k for k, _ in items}
+        assert all(listed[k] == s for (k, _), s in zip(items, sizes))
+        u = backend.usage()
+        assert u.entries == 3 and u.used_bytes == sum(sizes)
+
+    def test_reserve_size_is_an_upper_bound(self, backend):
+        for i in range(3):
+            k, o = make_key(i), make_obj(i, num_tokens=3 + 7 * i)
+            assert backend.put([(k, o)])[0] <= backend.reserve_size(k, o)
+
+    def test_many_keys_random_order(self, backend):
+        rng = random.Random(0)
+        objs = {make_key(i): make_obj(i, num_tokens=1 + i % 5) for i in range(40)}
+        order = list(objs)
+        rng.shuffle(order)
+        backend.put([(k, objs[k]) for k in order])
+        rng.shuffle(order)
+        for k, g in zip(order, backend.get(order)):
+            assert g is not None and torch.equal(g.tensor, objs[k].tensor)
+            g.unref()
+
+
+class CodecTests:
+    """The codec contract (see :mod:`lmcache.codecs`)."""
+
+    @staticmethod
+    def _samples():
+        g = torch.Generator().manual_seed(0)
+        yield b""
+        yield bytes(range(256)) * 17
+        yield torch.randn(4096, generator=g).to(torch.float16).numpy().tobytes()
+        yield torch.zeros(10000, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        yield torch.randn(2, 2, 33, 3, 8, generator=g).numpy().tobytes()
+
+    def test_has_name(self, codec):
+        assert isinstance(codec.name, str) and codec.name
+
+    def test_roundtrip(self, codec):
+        for raw in self._samples():
+            enc = codec.encode(memoryview(raw))
+            dec = codec.decode(memoryview(enc), len(raw))
+            assert len(dec) == len(raw)
+            if codec.lossless:
+                assert bytes(dec) == raw
+
+    def test_max_encoded_size_bounds(self, codec):
+        for raw in self._samples():
+            assert len(codec.encode(memoryview(raw))) <= codec.max_encoded_size(len(raw))
+
+    def test_garbage_is_valueerror(self, codec):
+        raw = bytes(range(256)) * 8
+        enc = bytearray(codec.encode(memoryview(raw)))
+        if not enc:
+            return
+        bad = bytes(b ^ 0xFF for b in enc[: len(enc) // 2])
+        try:
+            out = codec.decode(memoryview(bad), len(raw))
+        except ValueError:
+            return
+        # a codec that cannot detect damage must still return the promised length
+        assert len(out) == len(raw)
+
+    def test_wrong_length_is_valueerror(self, codec):
+        raw = bytes(range(200))
+        enc = codec.encode(memoryview(raw))
+        with pytest.raises(ValueError):
+            codec.decode(memoryview(enc), len(raw) + 1)
+
+
+class PolicyTests:
+    """The eviction policy contract (see :mod:`lmcache.policies`)."""
+
+    def test_empty(self, policy):
+        assert len(policy) == 0
+        assert policy.victim(lambda k: False) is None
+
+    def test_victim_is_a_member_and_not_skipped(self, policy):
+        for k in "abcde":
+            policy.on_insert(k)
+        assert len(policy) == 5
+        v = policy.victim(lambda k: False)
+        assert v in set("abcde")
+        v2 = policy.victim(lambda k: k == v)
+        assert v2 in set("abcde") and v2 != v
+        assert policy.victim(lambda k: True) is None
+
+    def test_victim_does_not_change_state(self, policy):
+        for k in "abc":
+            policy.on_insert(k)
+        first = policy.victim(lambda k: False)
+        assert policy.victim(lambda k: False) == first
+        assert len(policy) == 3
+
+    def test_remove_and_drain(self, policy):
+        keys = [f"k{i}" for i in range(50)]
+        for k in keys:
+            policy.on_insert(k)
+        for k in keys[::3]:
+            policy.on_access(k)
+        policy.on_remove("unknown")  # ignored
+        seen = []
+        while (v := policy.victim(lambda k: False)) is not None:
+            seen.append(v)
+            policy.on_remove(v)
+        assert sorted(seen) == sorted(keys)
+        assert len(policy) == 0
+
+    def test_access_unknown_is_ignored(self, policy):
+        policy.on_access("nope")
+        assert len(policy) == 0

@@ -1,0 +1,61 @@
+"""Parsing and printing byte sizes ("4GiB", "500MB", 1048576)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Return a byte count from an int, a float or a string such as ``"4GiB"``.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary units (KiB, MiB, GiB,
+    TiB) powers of 1024. Raises ``ValueError`` naming the value otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '4GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value:
+            raise ValueError(f"a size cannot be negative or NaN, got {value}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = m.group(2).lower()
+            if unit in _UNITS:
+                return int(float(m.group(1)) * _UNITS[unit])
+        raise ValueError(
+            f"cannot read {value!r} as a size: use a number of bytes or a number with "
+            "a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    raise ValueError(f"expected a size such as '4GiB' or a number of bytes, got {value!r}")
+
+
+def format_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

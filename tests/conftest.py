@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _clean_lmcache_env(monkeypatch):
+    """Tests never inherit LMCACHE_* settings from the shell."""
+    for name in list(os.environ):
+        if name.startswith("LMCACHE_"):
+            monkeypatch.delenv(name, raising=False)

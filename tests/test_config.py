@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import pytest
+
+import lmcache
+from lmcache.config import KVSpec, load_config
+from lmcache.errors import ConfigError
+from lmcache.units import format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4GiB", 4 << 30),
+        ("500MB", 500_000_000),
+        ("1.5 KiB", 1536),
+        ("12", 12),
+        (1048576, 1 << 20),
+        ("2gb", 2_000_000_000),
+        ("7 B", 7),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["4 GiBs", "-1", "", "x", -5, True, None, [1]])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_format_size():
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(10) == "10 B"
+
+
+def test_defaults():
+    cfg = load_config({})
+    assert cfg.chunk_size == 256
+    assert cfg.save_unfull_chunk is True
+    assert cfg.write_policy == "write-through"
+    assert cfg.namespace == "default"
+    assert [t.backend for t in cfg.tiers] == ["cpu"]
+
+
+def test_yaml_file_env_and_overrides_in_order(tmp_path):
+    f = tmp_path / "lmcache.yaml"
+    f.write_text(
+        "chunk_size: 128\n"
+        "namespace: team-a\n"
+        "tiers:\n"
+        "  - {backend: cpu, capacity: 4GiB}\n"
+        "  - {backend: disk, path: /tmp/x, capacity: 200GiB, codec: zstd, policy: lfu}\n"
+        "write_policy: write-back\n"
+    )
+    cfg = load_config(f, environ={})
+    assert cfg.chunk_size == 128 and cfg.write_policy == "write-back"
+    assert cfg.tiers[0].capacity == 4 << 30
+    disk = cfg.tiers[1]
+    assert (disk.backend, disk.capacity, disk.codec, disk.policy) == ("disk", 200 << 30, "zstd", "lfu")
+    assert disk.options == {"path": "/tmp/x"}
+    assert cfg.source == str(f)
+
+    env = {"LMCACHE_CHUNK_SIZE": "512", "LMCACHE_SAVE_UNFULL_CHUNK": "false"}
+    cfg = load_config(f, environ=env)
+    assert cfg.chunk_size == 512 and cfg.save_unfull_chunk is False
+    cfg = load_config(f, environ=env, chunk_size=64)
+    assert cfg.chunk_size == 64
+
+
+def test_config_file_from_environment(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("namespace: fromfile\n")
+    cfg = load_config(None, environ={"LMCACHE_CONFIG_FILE": str(f)})
+    assert cfg.namespace == "fromfile"
+
+
+def test_tiers_from_environment():
+    cfg = load_config({}, environ={"LMCACHE_TIERS": "[{backend: cpu, capacity: 2MiB}]"})
+    assert cfg.tiers[0].capacity == 2 << 20
+
+
+def test_unknown_env_variable_is_only_warned(caplog):
+    cfg = load_config({}, environ={"LMCACHE_CHUNKSIZE": "5", "LMCACHE_DEBUG": "1"})
+    assert cfg.chunk_size == 256
+    assert "LMCACHE_CHUNKSIZE" in caplog.text
+    assert "LMCACHE_DEBUG" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "yaml_text,key,fragment",
+    [
+        ("chunk_sise: 128\n", "chunk_sise", "did you mean 'chunk_size'"),
+        ("chunk_size: big\n", "chunk_size", "expected an integer"),
+        ("chunk_size: 0\n", "chunk_size", "must be >= 1"),
+        ("save_unfull_chunk: 3\n", "save_unfull_chunk", "true or false"),
+        ("write_policy: sometimes\n", "write_policy", "write-through, write-back"),
+        ("namespace: 'a/b'\n", "namespace", "may only contain"),
+        ("tiers: []\n", "tiers", "non-empty list"),
+        ("tiers: [{capacity: 1GiB}]\n", "tiers[0].backend", "required"),
+        ("tiers: [{backend: cpu}]\n", "tiers[0].capacity", "required"),
+        ("tiers: [{backend: cpu, capacity: lots}]\n", "tiers[0].capacity", "cannot read 'lots'"),
+        ("tiers: [{backend: cpu, capacity: 0}]\n", "tiers[0].capacity", "larger than 0"),
+        (
+            "tiers: [{backend: cpu, capacity: 1GiB}, {backend: cpu, capacity: 1GiB}]\n",
+            "tiers",
+            "two tiers are named 'cpu'",
+        ),
+        ("kv_spec: {num_layers: 0, num_kv_heads: 1, head_size: 8}\n", "kv_spec.num_layers", "positive"),
+        ("kv_spec: {num_layers: 2, num_kv_heads: 1, head_size: 8, dtype: float17}\n", "kv_spec.dtype", "unknown dtype"),
+        ("kv_spec: {layers: 2}\n", "kv_spec.layers", "unknown key"),
+        ("lookup_pin_timeout: -1\n", "lookup_pin_timeout", "positive"),
+        ("- 1\n- 2\n", "<file>", "mapping"),
+        ("chunk_size: [\n", "<file>", "not valid YAML"),
+    ],
+)
+def test_errors_name_the_key_and_the_file(tmp_path, yaml_text, key, fragment):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, environ={})
+    err = ei.value
+    assert err.key == key
+    assert str(f) in str(err)
+    assert fragment in str(err)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml", environ={})
+
+
+def test_env_error_names_the_variable():
+    with pytest.raises(ConfigError) as ei:
+        load_config({}, environ={"LMCACHE_CHUNK_SIZE": "-3"})
+    assert "chunk_size" in str(ei.value) and "$LMCACHE_CHUNK_SIZE" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "tier,key,fragment",
+    [
+        ({"backend": "disk", "capacity": "1MiB"}, "tiers[0].path", "needs a directory"),
+        ({"backend": "disk", "capacity": "1MiB", "path": "/tmp/x", "colour": "red"}, "tiers[0].colour", "unknown key"),
+        ({"backend": "floppy", "capacity": "1MiB"}, "tiers[0].backend", "unknown backend 'floppy'"),
+        ({"backend": "cpu", "capacity": "1MiB", "codec": "rot13"}, "tiers[0].codec", "unknown codec 'rot13'"),
+        ({"backend": "cpu", "capacity": "1MiB", "policy": "random"}, "tiers[0].policy", "unknown policy 'random'"),
+        (
+            {"backend": "cpu", "capacity": "1MiB", "codec": "zstd", "codec_options": {"level": 99}},
+            "tiers[0].codec_options",
+            "zstd level",
+        ),
+    ],
+)
+def test_backend_specific_errors_name_the_tier_key_and_file(tmp_path, tier, key, fragment):
+    import yaml
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"tiers": [tier]}))
+    with pytest.raises(ConfigError) as ei:
+        lmcache.CacheEngine.from_config(f)
+    assert ei.value.key == key, str(ei.value)
+    assert str(f) in str(ei.value)
+    assert fragment in str(ei.value)
+
+
+def test_kv_spec_signature_names_every_shape_field():
+    s = KVSpec(num_layers=30, num_kv_heads=3, head_size=64, dtype="float32", tp_rank=1, tp_size=2)
+    assert s.signature == "float32-L30-H3-D64-lt2hd-tp1of2"
+    assert s.bytes_per_token() == 30 * 2 * 3 * 64 * 4
+
+
+def test_config_object_is_copied_not_shared():
+    a = load_config({"chunk_size": 16})
+    b = load_config(a, chunk_size=32)
+    assert a.chunk_size == 16 and b.chunk_size == 32

@@ -1,0 +1,45 @@
+"""Every built-in backend, codec and policy runs the shipped conformance suites."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache.memory import MemoryPool
+from lmcache.plugin_manager import get_registries
+from lmcache.storage import BackendContext
+from lmcache.testing import BackendTests, CodecTests, PolicyTests
+
+REGS = get_registries()
+
+
+class TestCPUBackend(BackendTests):
+    @pytest.fixture
+    def backend(self):
+        pool = MemoryPool(64 << 20)
+        b = REGS.backends.load("cpu")(BackendContext.standalone(pool=pool))
+        yield b
+        b.close()
+        assert pool.used == 0, "the cpu backend leaked pool memory"
+
+
+class TestDiskBackend(BackendTests):
+    @pytest.fixture(params=["raw", "zstd"])
+    def backend(self, request, tmp_path):
+        codec = REGS.codecs.load(request.param)()
+        b = REGS.backends.load("disk")(BackendContext.standalone({"path": str(tmp_path)}, codec=codec))
+        yield b
+        b.close()
+
+
+@pytest.mark.parametrize("name", ["raw", "zstd"])
+class TestBuiltinCodecs(CodecTests):
+    @pytest.fixture
+    def codec(self, name):
+        return REGS.codecs.load(name)()
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "fifo"])
+class TestBuiltinPolicies(PolicyTests):
+    @pytest.fixture
+    def policy(self, name):
+        return REGS.policies.load(name)()

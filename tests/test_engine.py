@@ -1,0 +1,230 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lmcache
+from lmcache.config import KVSpec, load_config
+from lmcache.errors import KVShapeError
+
+L, H, D = 3, 2, 16
+
+
+def kv_for(tokens, dtype=torch.float32):
+    """Deterministic KV per token value: a prefix always has the same KV."""
+    t = torch.as_tensor(list(tokens), dtype=torch.float64)
+    base = torch.arange(L * 2 * H * D, dtype=torch.float64).reshape(L, 2, 1, H, D)
+    return (torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37)).to(dtype)
+
+
+def engine(tmp_path=None, cpu="4MiB", disk=None, **kw):
+    tiers = [{"backend": "cpu", "capacity": cpu}]
+    if disk:
+        tiers.append({"backend": "disk", "path": str(tmp_path / "disk"), "capacity": disk})
+    return lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": tiers, **kw})
+
+
+def test_store_lookup_retrieve_exact():
+    toks = list(range(100))
+    kv = kv_for(toks)
+    with engine() as e:
+        assert e.lookup(toks) == 0
+        assert e.retrieve(toks).num_tokens == 0
+        r = e.store(toks, kv)
+        assert (r.stored_tokens, r.skipped_tokens) == (100, 0)
+        assert e.lookup(toks) == 100
+        res = e.retrieve(toks)
+        assert res.num_tokens == 100 and torch.equal(res.kv, kv)
+        assert res.tiers == ["cpu"] * 7
+
+
+def test_token_types_are_interchangeable():
+    toks = list(range(40))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(np.array(toks), kv)
+        assert e.lookup(torch.tensor(toks)) == 40
+        assert torch.equal(e.retrieve(toks).kv, kv)
+
+
+def test_only_new_chunks_are_stored_and_prefix_hits():
+    a = list(range(64))
+    b = a[:40] + [999] * 30
+    with engine() as e:
+        e.store(a, kv_for(a))
+        r = e.store(b, kv_for(b))
+        assert r.skipped_tokens == 32 and r.stored_tokens == 38  # chunks 0,1 shared
+        # a prompt extending a cached one hits its cached prefix
+        longer = a + [5, 6, 7]
+        assert e.lookup(longer) == 64
+        res = e.retrieve(longer)
+        assert res.num_tokens == 64 and torch.equal(res.kv, kv_for(a))
+        # diverging inside the third chunk: only two chunks hit
+        c = a[:40] + [1] * 24
+        assert e.lookup(c) == 32
+
+
+def test_unfull_chunk_saving():
+    toks = list(range(20))
+    with engine() as e:
+        e.store(toks, kv_for(toks))
+        assert e.lookup(toks) == 20
+        assert e.lookup(toks[:18]) == 16  # a different partial tail
+    with engine(save_unfull_chunk=False) as e:
+        r = e.store(toks, kv_for(toks))
+        assert r.stored_tokens == 16 and e.lookup(toks) == 16
+
+
+def test_retrieve_into_out():
+    toks = list(range(50))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(toks, kv)
+        out = torch.zeros(L, 2, 60, H, D)
+        res = e.retrieve(toks, out=out)
+        assert res.kv is out and torch.equal(out[:, :, :50], kv) and bool((out[:, :, 50:] == 0).all())
+        with pytest.raises(KVShapeError):
+            e.retrieve(toks, out=torch.zeros(L, 2, 10, H, D))
+
+
+def test_shape_errors():
+    toks = list(range(20))
+    with engine() as e:
+        with pytest.raises(KVShapeError, match="shape"):
+            e.store(toks, torch.zeros(3, 20, 2, 16))
+        with pytest.raises(KVShapeError, match="tokens"):
+            e.store(toks, kv_for(range(19)))
+        e.store(toks, kv_for(toks))
+        with pytest.raises(KVShapeError, match="kv_spec"):
+            e.store(toks, kv_for(toks, dtype=torch.float16))
+
+
+def test_kv_spec_from_config_allows_lookup_before_any_store(tmp_path):
+    toks = list(range(48))
+    spec = {"num_layers": L, "num_kv_heads": H, "head_size": D, "dtype": "float32"}
+    with engine(tmp_path, disk="8MiB", kv_spec=spec) as e:
+        e.store(toks, kv_for(toks))
+    with lmcache.CacheEngine.from_config(
+        {"chunk_size": 16, "tiers": [{"backend": "disk", "path": str(tmp_path / "disk"), "capacity": "8MiB"}]},
+        kv_spec=KVSpec(**spec),
+    ) as e2:
+        assert e2.locate(toks) == (48, ["disk"] * 3)
+        assert torch.equal(e2.retrieve(toks).kv, kv_for(toks))
+
+
+def test_namespaces_models_and_shapes_are_isolated(tmp_path):
+    toks = list(range(32))
+    disk = {"backend": "disk", "path": str(tmp_path / "shared"), "capacity": "8MiB"}
+    spec = KVSpec(L, H, D, "float32")
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "namespace": "alice", "tiers": [disk]}, kv_spec=spec) as e:
+        e.store(toks, kv_for(toks))
+    for cfg, s in [
+        ({"namespace": "bob"}, spec),
+        ({"namespace": "alice", "model": "other-model"}, spec),
+        ({"namespace": "alice"}, KVSpec(L, H, D, "float16")),
+        ({"namespace": "alice"}, KVSpec(L, H, D, "float32", tp_rank=1, tp_size=2)),
+    ]:
+        with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk], **cfg}, kv_spec=s) as other:
+            assert other.lookup(toks) == 0, cfg
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "namespace": "alice", "tiers": [disk]}, kv_spec=spec) as same:
+        assert same.lookup(toks) == 32
+
+
+def test_lookup_pin_protects_until_retrieve():
+    a, b = list(range(32)), list(range(100, 132))
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(cpu=2 * chunk_bytes) as e:
+        e.store(a, kv_for(a))
+        assert e.lookup(a, pin=True) == 32
+        e.store(b, kv_for(b))  # no room: a is leased
+        assert e.lookup(a) == 32 and e.lookup(b) == 0
+        assert torch.equal(e.retrieve(a).kv, kv_for(a))  # releases the lease
+        e.store(b, kv_for(b))
+        assert e.lookup(b) == 32 and e.lookup(a) == 0
+
+
+def test_lookup_pin_without_retrieve_expires():
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    cfg = load_config({"chunk_size": 16, "lookup_pin_timeout": 10, "tiers": [{"backend": "cpu", "capacity": 2 * chunk_bytes}]})
+    a, b = list(range(32)), list(range(100, 132))
+    with lmcache.CacheEngine(cfg, clock=clock) as e:
+        e.store(a, kv_for(a))
+        e.lookup(a, pin=True)
+        clock.t = 11.0
+        e.store(b, kv_for(b))
+        assert e.lookup(b) == 32
+
+
+def test_write_through_disk_then_new_engine_and_promotion(tmp_path):
+    toks = list(range(160))
+    kv = kv_for(toks)
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(tmp_path, cpu=3 * chunk_bytes, disk="16MiB") as e:
+        e.store(toks, kv)
+        e.flush()
+        n, tiers = e.locate(toks)
+        assert n == 160 and tiers.count("disk") == 7 and tiers.count("cpu") == 3
+        res = e.retrieve(toks)
+        assert torch.equal(res.kv, kv)
+        st = e.stats()
+        # promoting disk hits into the 3-chunk CPU tier pushes chunks 7-9 out before they
+        # are read; promoted chunks this retrieve still holds cannot be evicted, so only
+        # the first three promotions fit
+        assert st["tiers"]["disk"]["hits"] == 10 and st["hierarchy"]["promotions"] == 3
+        assert st["tiers"]["cpu"]["used_bytes"] <= 3 * chunk_bytes
+
+
+def test_write_back(tmp_path):
+    toks = list(range(160))
+    kv = kv_for(toks)
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(tmp_path, cpu=3 * chunk_bytes, disk="16MiB", write_policy="write-back") as e:
+        e.store(toks, kv)
+        e.flush()
+        st = e.stats()["tiers"]
+        assert st["cpu"]["entries"] == 3 and st["disk"]["entries"] == 7
+        assert torch.equal(e.retrieve(toks).kv, kv)
+
+
+def test_close_flushes_and_rejects_use(tmp_path):
+    toks = list(range(64))
+    e = engine(tmp_path, disk="8MiB")
+    e.store(toks, kv_for(toks))
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        e.lookup(toks)
+    assert len(list((tmp_path / "disk").rglob("*.lmc"))) == 4
+    assert e.pool.used == 0
+
+
+def test_bfloat16_roundtrip_is_bit_exact(tmp_path):
+    toks = list(range(70))
+    kv = torch.randn(L, 2, 70, H, D).to(torch.bfloat16)
+    with engine(tmp_path, disk="8MiB") as e:
+        e.store(toks, kv)
+        e.flush()
+    with lmcache.CacheEngine.from_config(
+        {"chunk_size": 16, "tiers": [{"backend": "disk", "path": str(tmp_path / "disk"), "capacity": "8MiB", "codec": "zstd"}]},
+        kv_spec=KVSpec(L, H, D, "bfloat16"),
+    ) as e2:
+        assert torch.equal(e2.retrieve(toks).kv, kv)
+
+
+def test_pool_exhaustion_skips_store_instead_of_growing():
+    toks = list(range(64))
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(cpu=chunk_bytes, staging_size=0, memory_pool_size=2 * chunk_bytes) as e:
+        cpu = e.hierarchy.tiers[0]
+        e.store(toks, kv_for(toks))
+        assert e.pool.used <= e.pool.capacity
+        assert cpu.used <= cpu.capacity
+        assert e.lookup(toks) in (0, 16)

@@ -1,0 +1,289 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.config import load_config
+from lmcache.hierarchy import StorageHierarchy
+from lmcache.hookspecs import hookimpl
+from lmcache.memory import MemoryPool
+from lmcache.plugin_manager import Registries, create_plugin_manager
+from lmcache.testing import make_key
+
+from lmcache.backends.disk import DiskBackend
+
+CHUNK = (2, 2, 16, 2, 8)  # 2 KiB of float16
+CHUNK_BYTES = 2 * 2 * 16 * 2 * 8 * 2
+
+
+class FlakyDisk(DiskBackend):
+    """A disk backend whose device can be 'unplugged': every call then raises OSError."""
+
+    OPTIONS = {**DiskBackend.OPTIONS}
+    unplugged = False
+
+    def _check(self):
+        if FlakyDisk.unplugged:
+            raise OSError(5, "Input/output error (device unplugged)")
+
+    def contains(self, keys):
+        self._check()
+        return super().contains(keys)
+
+    def get_one(self, key):
+        self._check()
+        return super().get_one(key)
+
+    def put_one(self, key, obj):
+        self._check()
+        return super().put_one(key, obj)
+
+
+class _TestPlugin:
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("flaky-disk", FlakyDisk)
+
+
+@pytest.fixture(scope="module")
+def regs():
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_TestPlugin(), name="tests")
+    return Registries(pm)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _obj(pool, seed):
+    o = pool.allocate(CHUNK, torch.float16)
+    assert o is not None
+    o.tensor.copy_(torch.randn(CHUNK, generator=torch.Generator().manual_seed(seed)).half())
+    return o
+
+
+def _h(tmp_path, regs, cpu_chunks=4, disk_chunks=100, policy="write-through", disk_backend="disk", clock=None, **kw):
+    cfg = load_config(
+        {
+            "write_policy": policy,
+            "tiers": [
+                {"backend": "cpu", "capacity": cpu_chunks * CHUNK_BYTES},
+                {"backend": disk_backend, "path": str(tmp_path / "d"), "capacity": disk_chunks * (CHUNK_BYTES + 400)},
+            ],
+            **kw,
+        },
+        environ={},
+    )
+    pool = MemoryPool(cfg.pool_size)
+    return StorageHierarchy(cfg, pool, regs, clock=clock or Clock()), pool
+
+
+def _put(h, pool, i):
+    o = _obj(pool, i)
+    h.put(make_key(i), o)
+    o.unref()
+
+
+def test_write_through_reaches_every_tier(tmp_path, regs):
+    h, pool = _h(tmp_path, regs)
+    for i in range(3):
+        _put(h, pool, i)
+    h.flush()
+    cpu, disk = h.tiers
+    assert len(cpu) == 3 and len(disk) == 3
+    h.close()
+    assert pool.used == 0
+
+
+def test_write_back_demotes_only_what_the_top_evicts(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=3, policy="write-back")
+    cpu, disk = h.tiers
+    for i in range(3):
+        _put(h, pool, i)
+    h.flush()
+    assert len(cpu) == 3 and len(disk) == 0  # nothing written below yet
+    for i in range(3, 5):
+        _put(h, pool, i)
+    h.flush()
+    assert len(cpu) == 3 and disk.backend.contains([make_key(0), make_key(1)]) == [True, True]
+    assert len(disk) == 2 and cpu.stats.evictions == 2
+    # the demoted bytes are exact
+    obj, tier = h.get(make_key(0))
+    assert tier is disk
+    assert torch.equal(obj.tensor, torch.randn(CHUNK, generator=torch.Generator().manual_seed(0)).half())
+    obj.unref()
+    h.close()
+
+
+def test_hit_in_lower_tier_is_promoted(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=2)
+    for i in range(4):
+        _put(h, pool, i)
+    h.flush()
+    cpu, disk = h.tiers
+    assert cpu.backend.contains([make_key(0)]) == [False]
+    obj, tier = h.get(make_key(0))
+    assert tier is disk and obj.pooled
+    obj.unref()
+    assert cpu.backend.contains([make_key(0)]) == [True]
+    obj, tier = h.get(make_key(0))
+    assert tier is cpu
+    obj.unref()
+    assert h.stats.promotions == 1
+    h.close()
+
+
+def test_pinned_and_held_entries_are_never_evicted(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=2)
+    cpu = h.tiers[0]
+    _put(h, pool, 0)
+    _put(h, pool, 1)
+    cpu.pin(make_key(0))
+    held, _ = h.get(make_key(1))  # a reader holds chunk 1
+    _put(h, pool, 2)  # no room, nothing evictable: skipped in cpu
+    assert cpu.backend.contains([make_key(0), make_key(1), make_key(2)]) == [True, True, False]
+    assert cpu.stats.skipped_puts == 1
+    held.unref()
+    _put(h, pool, 3)  # now chunk 1 may go
+    assert cpu.backend.contains([make_key(0), make_key(1), make_key(3)]) == [True, False, True]
+    cpu.unpin(make_key(0))
+    _put(h, pool, 4)
+    assert cpu.backend.contains([make_key(0)]) == [False]
+    h.close()
+
+
+def test_leases_expire(tmp_path, regs):
+    clock = Clock()
+    h, pool = _h(tmp_path, regs, cpu_chunks=1, clock=clock)
+    cpu = h.tiers[0]
+    _put(h, pool, 0)
+    cpu.lease(make_key(0), 5.0)
+    _put(h, pool, 1)
+    assert cpu.backend.contains([make_key(0), make_key(1)]) == [True, False]
+    clock.t += 6
+    _put(h, pool, 2)
+    assert cpu.backend.contains([make_key(0), make_key(2)]) == [False, True]
+    h.close()
+
+
+def test_failing_tier_degrades_to_misses_and_recovers(tmp_path, regs):
+    clock = Clock()
+    h, pool = _h(tmp_path, regs, cpu_chunks=1, disk_backend="flaky-disk", clock=clock)
+    cpu, disk = h.tiers
+    try:
+        _put(h, pool, 0)
+        _put(h, pool, 1)  # evicts 0 from cpu; 0 stays on disk
+        h.flush()
+        FlakyDisk.unplugged = True
+        assert h.contains_prefix([make_key(1), make_key(0)]) == ["cpu"]  # disk: a miss
+        assert h.get(make_key(0)) is None
+        _put(h, pool, 2)  # the disk write fails quietly
+        h.flush()
+        assert disk.stats.errors >= 1 and not disk.available
+        FlakyDisk.unplugged = False
+        assert h.get(make_key(0)) is None  # still backing off
+        clock.t += 60
+        obj, tier = h.get(make_key(0))
+        assert tier is disk
+        obj.unref()
+    finally:
+        FlakyDisk.unplugged = False
+        h.close()
+
+
+def test_object_too_large_for_a_tier_is_skipped(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=1)
+    big = pool.allocate((4, *CHUNK[1:]), torch.float16)  # 2x the cpu tier
+    assert h.put(make_key(9), big) is False
+    big.unref()
+    h.flush()
+    assert h.tiers[1].backend.contains([make_key(9)]) == [True]
+    h.close()
+
+
+def test_disk_tier_index_rebuilt_and_capacity_enforced_on_reopen(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, disk_chunks=10)
+    for i in range(8):
+        _put(h, pool, i)
+    h.close()
+    h2, _ = _h(tmp_path, regs, disk_chunks=5)  # a smaller disk tier now
+    disk = h2.tiers[1]
+    assert len(disk) <= 5 and disk.used <= disk.capacity
+    assert sum(s for _, s in disk.backend.keys()) == disk.used
+    h2.close()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["put", "get", "pin", "unpin"]), st.integers(0, 30), st.integers(1, 40)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, policy=st.sampled_from(["write-through", "write-back"]), evict=st.sampled_from(["lru", "lfu", "fifo"]))
+def test_capacity_never_exceeded_and_data_exact(tmp_path_factory, regs, ops, policy, evict):
+    """Random workloads: no tier ever holds more bytes than its capacity, accounting
+    matches the backends, the pool stays bounded and every hit is bit-exact."""
+    tmp = tmp_path_factory.mktemp("h")
+    cfg = load_config(
+        {
+            "write_policy": policy,
+            "write_queue_size": 4,
+            "staging_size": 64 << 10,
+            "tiers": [
+                {"backend": "cpu", "capacity": 12 * 1024, "policy": evict},
+                {"backend": "disk", "path": str(tmp), "capacity": 40 * 1024, "policy": evict},
+            ],
+        },
+        environ={},
+    )
+    pool = MemoryPool(cfg.pool_size)
+    h = StorageHierarchy(cfg, pool, regs)
+    truth: dict[str, torch.Tensor] = {}
+    pinned: list[str] = []
+    try:
+        for op, i, ntok in ops:
+            key = make_key(i)
+            if op == "put":
+                t = torch.randn((2, 2, ntok, 2, 8), generator=torch.Generator().manual_seed(i * 100 + ntok)).half()
+                o = h.allocate(t.shape, t.dtype)
+                if o is None:
+                    continue
+                o.tensor.copy_(t)
+                if not any(h.contains_any([key])):
+                    h.put(key, o)
+                    truth.setdefault(key, t)
+                o.unref()
+            elif op == "get":
+                r = h.get(key)
+                if r is not None:
+                    obj, _ = r
+                    assert torch.equal(obj.tensor, truth[key])
+                    obj.unref()
+            elif op == "pin":
+                h.tiers[0].pin(key)
+                pinned.append(key)
+            elif op == "unpin" and pinned:
+                h.tiers[0].unpin(pinned.pop())
+            for tier in h.tiers:
+                assert tier.used <= tier.capacity, tier
+            assert pool.used <= pool.capacity
+        h.flush()
+        for tier in h.tiers:
+            assert tier.used <= tier.capacity
+            assert tier.used == sum(s for _, s in tier.backend.keys())
+        disk_bytes = sum(f.stat().st_size for f in tmp.rglob("*.lmc"))
+        assert disk_bytes == h.tiers[1].used <= h.tiers[1].capacity
+    finally:
+        h.close()
+    assert pool.used == 0, "memory leaked after close"

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from lmcache.errors import MemoryPoolError
+from lmcache.memory import ALIGN, MemoryPool
+
+
+def test_allocate_view_and_free():
+    pool = MemoryPool(1 << 20)
+    obj = pool.allocate((2, 3, 4), torch.float32)
+    assert obj is not None and obj.tensor.shape == (2, 3, 4) and obj.nbytes == 96
+    obj.tensor.fill_(1.5)
+    assert pool.used == ALIGN and pool.live == 1
+    obj.unref()
+    assert pool.used == 0 and pool.live == 0
+
+
+def test_bounded():
+    pool = MemoryPool(4096)
+    objs = [pool.allocate((1024,), torch.uint8) for _ in range(4)]
+    assert all(o is not None for o in objs)
+    assert pool.allocate((1,), torch.uint8) is None
+    objs[1].unref()
+    again = pool.allocate((1024,), torch.uint8)
+    assert again is not None and again.offset == 1024
+
+
+def test_double_free_and_use_after_free_raise():
+    pool = MemoryPool(1 << 16)
+    obj = pool.allocate((10,), torch.float16)
+    obj.unref()
+    with pytest.raises(MemoryPoolError, match="double free"):
+        obj.unref()
+    with pytest.raises(MemoryPoolError, match="use after free"):
+        obj.tensor
+    with pytest.raises(MemoryPoolError, match="use after free"):
+        obj.ref()
+    assert pool.used == 0
+
+
+def test_refcount_keeps_bytes_alive():
+    pool = MemoryPool(1 << 16)
+    obj = pool.allocate((10,), torch.float32)
+    obj.ref()
+    obj.unref()
+    assert pool.used > 0 and obj.tensor.numel() == 10
+    obj.unref()
+    assert pool.used == 0
+
+
+def test_free_coalesces_into_one_extent():
+    pool = MemoryPool(64 * ALIGN)
+    objs = [pool.allocate((ALIGN,), torch.uint8) for _ in range(64)]
+    random.Random(1).shuffle(objs)
+    for o in objs:
+        o.unref()
+    big = pool.allocate((64 * ALIGN,), torch.uint8)
+    assert big is not None
+
+
+def test_objects_do_not_overlap():
+    pool = MemoryPool(1 << 20)
+    rng = random.Random(3)
+    live = []
+    for i in range(400):
+        if live and rng.random() < 0.4:
+            live.pop(rng.randrange(len(live)))[0].unref()
+        o = pool.allocate((rng.randint(1, 5000),), torch.uint8)
+        if o is not None:
+            o.tensor.fill_(i % 251)
+            live.append((o, i % 251))
+    for o, v in live:
+        assert bool((o.tensor == v).all())
+    for o, _ in live:
+        o.unref()
+    assert pool.used == 0 and pool.live == 0
+
+
+def test_threads_share_the_pool_safely():
+    pool = MemoryPool(1 << 20)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                o = pool.allocate((rng.randint(1, 3000),), torch.uint8)
+                if o is not None:
+                    o.unref()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and pool.used == 0
+
+
+def test_unpooled_objects():
+    obj = MemoryPool.allocate_unpooled((4, 4), torch.bfloat16)
+    assert not obj.pooled and obj.nbytes == 32
+    obj.unref()
+    with pytest.raises(MemoryPoolError):
+        obj.unref()

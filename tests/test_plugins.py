@@ -1,0 +1,197 @@
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pluggy
+import pytest
+
+from lmcache import hookimpl, hookspecs
+from lmcache.errors import MissingDependencyError, PluginError, UnknownPluginError
+from lmcache.plugin_manager import DEFAULT_PLUGINS, Registries, Registry, create_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("lmcache_"))
+
+
+def test_builtins_register_through_the_hooks():
+    regs = Registries(create_plugin_manager(autoload=False))
+    assert {"cpu", "disk"} <= set(regs.backends.names())
+    assert {"raw", "zstd"} <= set(regs.codecs.names())
+    assert {"lru", "lfu", "fifo"} <= set(regs.policies.names())
+    assert regs.backends.entry("cpu").plugin == "lmcache.backends.builtin"
+    for mod in DEFAULT_PLUGINS:
+        assert regs.pm.get_plugin(mod) is not None
+
+
+def test_builtins_are_also_declared_as_entry_points():
+    import importlib.metadata as md
+
+    values = {ep.value for ep in md.entry_points(group="lmcache")}
+    assert set(DEFAULT_PLUGINS) <= values
+
+
+class _DupA:
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("cpu", "somewhere.else:Backend")
+
+
+def test_duplicate_names_fail_naming_both_plugins():
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_DupA(), name="third-party-a")
+    with pytest.raises(PluginError) as ei:
+        Registries(pm)
+    msg = str(ei.value)
+    assert "'cpu'" in msg and "lmcache.backends.builtin" in msg and "third-party-a" in msg
+
+
+def test_blocked_builtin_and_env_controls():
+    pm = create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "lmcache.policies"})
+    regs = Registries(pm)
+    assert regs.policies.names() == []
+    pm = create_plugin_manager(environ={"LMCACHE_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert {name for name, _ in pm.list_name_plugin()} == set(DEFAULT_PLUGINS)
+
+
+def test_lazy_import_with_install_hint():
+    reg = Registry("backend")
+    reg.add("redis-x", "no_such_module_for_lmcache_tests:RedisBackend", extra="redis")
+    with pytest.raises(MissingDependencyError) as ei:
+        reg.load("redis-x")
+    assert "pip install 'lmcache[redis]'" in str(ei.value)
+    assert "no_such_module_for_lmcache_tests" in str(ei.value)
+    reg.add("bad-attr", "lmcache.policies:NoSuchPolicy")
+    with pytest.raises(PluginError, match="no attribute 'NoSuchPolicy'"):
+        reg.load("bad-attr")
+    with pytest.raises(PluginError, match="module:Class"):
+        reg.add("noclass", "lmcache.policies")
+    with pytest.raises(UnknownPluginError, match="registered backends: bad-attr, redis-x"):
+        reg.entry("nope")
+
+
+def test_target_imported_only_on_first_use():
+    import sys
+
+    reg = Registry("codec")
+    reg.add("json-ish", "json.decoder:JSONDecoder")
+    sys.modules.pop("json.decoder", None) if "json.decoder" not in sys.modules else None
+    cls = reg.load("json-ish")
+    assert cls.__name__ == "JSONDecoder" and reg.load("json-ish") is cls
+
+
+class _Misspelled:
+    @hookimpl
+    def lmcache_register_backend(self, registry):  # no such hook
+        pass
+
+
+def test_check_pending_catches_unknown_hooks():
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_Misspelled())
+    with pytest.raises(pluggy.PluginValidationError):
+        pm.check_pending()
+
+
+def test_importing_lmcache_loads_no_plugins():
+    import subprocess
+    import sys
+
+    code = "import lmcache, sys; print(any(m.startswith('lmcache.backends.') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+class MRUPolicy:
+    """Most recently used first: a third-party policy that suits one-pass scans."""
+
+    def __init__(self):
+        self._order = []
+
+    def on_insert(self, key):
+        self._order.append(key)
+
+    def on_access(self, key):
+        if key in self._order:
+            self._order.remove(key)
+            self._order.append(key)
+
+    def on_remove(self, key):
+        if key in self._order:
+            self._order.remove(key)
+
+    def victim(self, skip):
+        for k in reversed(self._order):
+            if not skip(k):
+                return k
+        return None
+
+    def __len__(self):
+        return len(self._order)
+
+
+class EchoConnector:
+    """A stand-in engine connector class; the connector contract arrives with engines."""
+
+
+class _ThirdParty:
+    """Implements every hook, as a package's plugin module would."""
+
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("cpu2", "lmcache.backends.cpu:CPUBackend", description="the cpu backend again")
+
+    @hookimpl
+    def lmcache_register_codecs(self, registry):
+        registry.add("raw2", "lmcache.plugins.codecs.raw:RawCodec")
+
+    @hookimpl
+    def lmcache_register_connectors(self, registry):
+        registry.add("echo", EchoConnector, extra="lmcache-echo")
+
+    @hookimpl
+    def lmcache_register_policies(self, registry):
+        registry.add("mru", MRUPolicy)
+
+
+def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
+    import torch
+
+    import lmcache
+
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_ThirdParty(), name="thirdparty")
+    regs = Registries(pm)
+    assert regs.hooks_of("thirdparty") == HOOKS
+    assert regs.connectors.load("echo") is EchoConnector
+    assert regs.connectors.entry("echo").plugin == "thirdparty"
+    cfg = lmcache.load_config(
+        {"chunk_size": 4, "tiers": [{"backend": "cpu2", "capacity": 3 * 4 * 2 * 4 * 4, "codec": "raw2", "policy": "mru"}]}
+    )
+    with lmcache.CacheEngine(cfg, registries=regs) as e:
+        for start in (0, 100, 200, 300):
+            toks = list(range(start, start + 4))
+            e.store(toks, torch.full((4, 2, 4, 1, 1), float(start)))
+        # MRU evicted the most recent entry before each new one once full
+        assert [e.lookup(list(range(s, s + 4))) for s in (0, 100, 200, 300)] == [4, 4, 0, 4]
+        assert e.hierarchy.tiers[0].policy.__class__ is MRUPolicy
+
+
+# ------------------------------------------------------------------ meta-tests
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_specified_typed_and_documented(hook):
+    fn = getattr(hookspecs, hook)
+    assert fn.__doc__ and len(fn.__doc__.strip()) > 80, f"{hook} needs a contract docstring"
+    sig = inspect.signature(fn)
+    assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
+    docs = (ROOT / "docs" / "plugins.md").read_text()
+    assert hook in docs, f"docs/plugins.md does not document {hook}"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_has_a_test(hook):
+    text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    text += "\n".join(p.read_text() for p in (ROOT / "examples").rglob("test_*.py"))
+    assert re.search(rf"def {hook}\b", text), f"no test implements {hook}"
