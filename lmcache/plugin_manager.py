@@ -125,7 +125,10 @@ def _import_target(e: Entry) -> Any:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or "?"
-        if e.extra:
+        # the target module itself missing inside a package that exists: a wrong path in
+        # the plugin, not a missing optional dependency
+        own = missing == mod_name and "." in mod_name
+        if e.extra and not own:
             hint = f"pip install 'lmcache[{e.extra}]'" if "." not in e.extra and "/" not in e.extra else f"pip install {e.extra}"
             raise MissingDependencyError(
                 f"{e.kind} {e.name!r} needs the Python package {missing!r}, which is not installed; "
@@ -169,14 +172,17 @@ def create_plugin_manager(
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+    # a built-in may be named by its module or by its entry-point name
+    aliases = {ep.name: ep.value.split(":")[0] for ep in eps if ep.value.split(":")[0] in DEFAULT_PLUGINS}
     for name in disabled:
-        pm.set_blocked(name)
+        pm.set_blocked(aliases.get(name, name))
     for mod_name in DEFAULT_PLUGINS:
         if pm.is_blocked(mod_name):
             continue
         pm.register(importlib.import_module(mod_name), name=mod_name)
     if autoload:
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        for ep in eps:
             if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
                 continue
             if ep.value.split(":")[0] in DEFAULT_PLUGINS:

@@ -51,6 +51,9 @@ def test_blocked_builtin_and_env_controls():
     pm = create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "lmcache.policies"})
     regs = Registries(pm)
     assert regs.policies.names() == []
+    # a built-in can also be named by its entry-point name
+    pm = create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "builtin-policies"})
+    assert Registries(pm).policies.names() == []
     pm = create_plugin_manager(environ={"LMCACHE_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert {name for name, _ in pm.list_name_plugin()} == set(DEFAULT_PLUGINS)
 
@@ -62,12 +65,17 @@ def test_lazy_import_with_install_hint():
         reg.load("redis-x")
     assert "pip install 'lmcache[redis]'" in str(ei.value)
     assert "no_such_module_for_lmcache_tests" in str(ei.value)
+    # a typo in the plugin's own module path is not blamed on a missing extra
+    reg.add("typo", "lmcache.backends.no_such_backend:Backend", extra="redis")
+    with pytest.raises(MissingDependencyError) as ei:
+        reg.load("typo")
+    assert "pip install" not in str(ei.value) and "lmcache.backends.no_such_backend" in str(ei.value)
     reg.add("bad-attr", "lmcache.policies:NoSuchPolicy")
     with pytest.raises(PluginError, match="no attribute 'NoSuchPolicy'"):
         reg.load("bad-attr")
     with pytest.raises(PluginError, match="module:Class"):
         reg.add("noclass", "lmcache.policies")
-    with pytest.raises(UnknownPluginError, match="registered backends: bad-attr, redis-x"):
+    with pytest.raises(UnknownPluginError, match="registered backends: bad-attr, redis-x, typo"):
         reg.entry("nope")
 
 

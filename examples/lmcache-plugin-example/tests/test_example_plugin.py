@@ -1,0 +1,282 @@
+"""Tests of the example plugin, in the order a plugin author would write them:
+
+1. the shipped conformance suites (``lmcache.testing``) for the backend and the codec;
+2. discovery through the entry point, and the environment switches that hide it;
+3. a real cache engine using the plugin as a tier.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import lmcache
+from lmcache import hookimpl, payload
+from lmcache.errors import ConfigError, PluginError
+from lmcache.plugin_manager import Registries, create_plugin_manager, plugin_source
+from lmcache.storage import BackendContext
+from lmcache.testing import BackendTests, CodecTests, make_key, make_obj
+from lmcache_plugin_example.sqlite_backend import SQLiteBackend
+from lmcache_plugin_example.zlib_codec import ZlibCodec
+
+
+def _backend(path, codec=None, **options) -> SQLiteBackend:
+    return SQLiteBackend(BackendContext.standalone({"path": str(path), **options}, codec=codec))
+
+
+# ----------------------------------------------------------------- 1. conformance
+
+
+class TestSQLiteBackend(BackendTests):
+    @pytest.fixture(params=["raw", "zlib"])
+    def backend(self, request, tmp_path):
+        b = _backend(tmp_path / "kv.db", codec=ZlibCodec() if request.param == "zlib" else None)
+        yield b
+        b.close()
+
+
+@pytest.mark.parametrize("level", [-1, 0, 1, 6, 9])
+class TestZlibCodec(CodecTests):
+    @pytest.fixture
+    def codec(self, level):
+        return ZlibCodec(level)
+
+
+# ------------------------------------------------------- backend-specific behaviour
+
+
+def test_entries_survive_reopening(tmp_path):
+    obj = make_obj(1)
+    with _backend(tmp_path / "kv.db") as b:
+        size = b.put([(make_key(1), obj)])[0]
+    with _backend(tmp_path / "kv.db") as b:
+        assert list(b.keys()) == [(make_key(1), size)]
+        (got,) = b.get([make_key(1)])
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        got.unref()
+
+
+def test_corrupt_row_is_a_miss_and_is_deleted(tmp_path):
+    db = tmp_path / "kv.db"
+    with _backend(db) as b:
+        b.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
+        raw = sqlite3.connect(db)  # flip the last byte of one payload behind the backend's back
+        with raw:
+            (data,) = raw.execute("SELECT data FROM lmcache_payloads WHERE key = ?", (make_key(1),)).fetchone()
+            data = bytearray(data)
+            data[-1] ^= 0xFF
+            raw.execute("UPDATE lmcache_payloads SET data = ? WHERE key = ?", (bytes(data), make_key(1)))
+        raw.close()
+        assert b.get([make_key(1)]) == [None]
+        assert b.contains([make_key(1), make_key(2)]) == [False, True]
+        assert b.integrity.corrupt == 1
+
+
+def test_stored_payload_names_its_codec(tmp_path):
+    with _backend(tmp_path / "kv.db", codec=ZlibCodec(9)) as b:
+        b.put([(make_key(1), make_obj(1))])
+        header = payload.parse_header(b.read(make_key(1)))
+    assert header.codec == "zlib" and header.key == make_key(1)
+
+
+def test_threads_share_one_backend(tmp_path):
+    errors: list[BaseException] = []
+
+    with _backend(tmp_path / "kv.db") as b:
+
+        def work(t: int) -> None:
+            try:
+                for i in range(20):
+                    k, o = make_key(t * 100 + i), make_obj(t * 100 + i)
+                    b.put([(k, o)])
+                    (g,) = b.get([k])
+                    assert g is not None and torch.equal(g.tensor, o.tensor)
+                    g.unref()
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert b.usage().entries == 80
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({}, "path"),
+        ({"path": ""}, "path"),
+        ({"path": 3}, "path"),
+        ({"path": "PLACEHOLDER", "timeout": "soon"}, "timeout"),
+        ({"path": "PLACEHOLDER", "timeout": -1}, "timeout"),
+        ({"path": "PLACEHOLDER", "journal": "wal"}, "journal"),
+    ],
+)
+def test_bad_options_name_the_key(tmp_path, options, key):
+    options = {k: str(tmp_path / "kv.db") if v == "PLACEHOLDER" else v for k, v in options.items()}
+    with pytest.raises(ConfigError) as info:
+        SQLiteBackend(BackendContext.standalone(options))
+    assert info.value.key == key
+
+
+def test_a_file_that_is_not_a_database_is_a_config_error(tmp_path):
+    (tmp_path / "kv.db").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ConfigError, match="not a usable SQLite database") as info:
+        _backend(tmp_path / "kv.db")
+    assert info.value.key == "path"
+
+
+def test_zlib_level_is_checked():
+    for bad in (10, -2, "6", True, 1.5):
+        with pytest.raises(ValueError):
+            ZlibCodec(bad)
+
+
+def test_zlib_rejects_trailing_bytes_and_truncation():
+    raw = bytes(range(256)) * 4
+    enc = ZlibCodec().encode(memoryview(raw))
+    with pytest.raises(ValueError):
+        ZlibCodec().decode(memoryview(enc + b"\0"), len(raw))
+    with pytest.raises(ValueError):
+        ZlibCodec().decode(memoryview(enc[:-2]), len(raw))
+    with pytest.raises(ValueError):
+        ZlibCodec().decode(memoryview(enc), len(raw) - 1)
+
+
+# ------------------------------------------------------------------ 2. discovery
+
+
+def _registries(environ: dict[str, str]) -> Registries:
+    return Registries(create_plugin_manager(environ=environ))
+
+
+def test_discovered_through_the_entry_point_with_no_configuration():
+    regs = _registries({})
+    assert "sqlite" in regs.backends.names() and "zlib" in regs.codecs.names()
+    backend, codec = regs.backends.entry("sqlite"), regs.codecs.entry("zlib")
+    assert backend.plugin == codec.plugin == "example"
+    assert backend.target == "lmcache_plugin_example.sqlite_backend:SQLiteBackend"
+    assert regs.backends.load("sqlite") is SQLiteBackend
+    assert regs.codecs.load("zlib") is ZlibCodec
+    assert regs.hooks_of("example") == ["lmcache_register_backends", "lmcache_register_codecs"]
+    dist, version = plugin_source("example")
+    assert md.version(dist) == version == md.version("lmcache-plugin-example")
+
+
+def test_discovery_imports_no_implementation_module():
+    code = (
+        "import sys\n"
+        "from lmcache.plugin_manager import Registries, create_plugin_manager\n"
+        "regs = Registries(create_plugin_manager(environ={}))\n"
+        "assert 'sqlite' in regs.backends.names()\n"
+        "loaded = [m for m in sys.modules if m.startswith('lmcache_plugin_example.')]\n"
+        "assert loaded == ['lmcache_plugin_example.plugin'], loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"LMCACHE_DISABLED_PLUGINS": "example"},
+        {"LMCACHE_DISABLED_PLUGINS": "other, example"},
+        {"LMCACHE_PLUGINS": ""},
+        {"LMCACHE_PLUGINS": "some-other-plugin"},
+        {"LMCACHE_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    ],
+)
+def test_environment_controls_hide_the_plugin(environ):
+    regs = _registries(environ)
+    assert "sqlite" not in regs.backends and "zlib" not in regs.codecs
+    assert regs.pm.get_plugin("example") is None
+    assert "cpu" in regs.backends and "raw" in regs.codecs  # built-ins still load
+
+
+def test_allow_list_naming_the_plugin_loads_it():
+    regs = _registries({"LMCACHE_PLUGINS": "example"})
+    assert "sqlite" in regs.backends and "zlib" in regs.codecs
+
+
+class _Squatter:
+    """Another plugin that claims the example's names."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        if self.kind == "backend":
+            registry.add("sqlite", "squatter.backend:Other")
+
+    @hookimpl
+    def lmcache_register_codecs(self, registry):
+        if self.kind == "codec":
+            registry.add("zlib", "squatter.codec:Other")
+
+
+@pytest.mark.parametrize("kind, name", [("backend", "sqlite"), ("codec", "zlib")])
+def test_a_duplicate_name_fails_naming_both_plugins(kind, name):
+    pm = create_plugin_manager(environ={})
+    pm.register(_Squatter(kind), name="squatter")
+    with pytest.raises(PluginError) as info:
+        Registries(pm)
+    msg = str(info.value)
+    assert f"{name!r}" in msg and "'example'" in msg and "'squatter'" in msg
+
+
+def test_blocked_argument_hides_the_plugin():
+    regs = Registries(create_plugin_manager(blocked=["example"], environ={}))
+    assert "sqlite" not in regs.backends
+
+
+# ------------------------------------------------------------------- 3. in a tier
+
+
+def test_sqlite_tier_with_zlib_codec_round_trips_kv(tmp_path):
+    db = str(tmp_path / "kv.db")
+    layers, heads, head_size, n = 2, 4, 64, 600
+    tokens = torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(1))
+    kv = torch.randn(layers, 2, n, heads, head_size, generator=torch.Generator().manual_seed(2))
+    kv = kv.to(torch.float16)
+
+    first = lmcache.CacheEngine.from_config(
+        {
+            "tiers": [
+                {"backend": "cpu", "capacity": "8MiB"},
+                {"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"},
+            ]
+        }
+    )
+    try:
+        assert first.store(tokens, kv).stored_tokens == n
+        first.flush()
+        assert first.stats()["tiers"]["sqlite"]["entries"] == 3  # 256 + 256 + 88 tokens
+        spec = first.kv_spec
+    finally:
+        first.close()
+    raw = sqlite3.connect(db)
+    rows = raw.execute("SELECT data FROM lmcache_payloads").fetchall()
+    raw.close()
+    assert [payload.parse_header(r[0]).codec for r in rows] == ["zlib"] * 3
+
+    second = lmcache.CacheEngine.from_config(
+        {"tiers": [{"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"}]},
+        kv_spec=spec,
+    )
+    try:
+        assert second.lookup(tokens) == n
+        res = second.retrieve(tokens)
+        assert res.num_tokens == n
+        assert torch.equal(res.kv, kv)
+        assert res.tiers == ["sqlite"] * 3
+    finally:
+        second.close()
