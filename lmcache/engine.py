@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -95,23 +95,20 @@ class CacheEngine:
         chunks = self.tokens.chunks(tokens)
         return chunks, [self._key(c.chunk_hash) for c in chunks]
 
-    def _adopt_spec(self, kv: torch.Tensor) -> KVSpec:
-        if kv.dim() != 5 or kv.shape[1] != 2:
-            raise KVShapeError(
-                f"kv must have shape (num_layers, 2, num_tokens, num_kv_heads, head_size), got {tuple(kv.shape)}"
-            )
+    def _adopt_spec(self, kv: "_KV") -> KVSpec:
         with self._lock:
             if self.kv_spec is None:
                 self.kv_spec = KVSpec(
-                    num_layers=kv.shape[0], num_kv_heads=kv.shape[3], head_size=kv.shape[4], dtype=dtype_name(kv.dtype)
+                    num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_size=kv.head_size,
+                    dtype=dtype_name(kv.dtype),
                 )
             spec = self.kv_spec
-        want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_size)
-        got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4])
-        if got != want or dtype_name(kv.dtype) != spec.dtype:
+        got = (kv.num_layers, kv.num_kv_heads, kv.head_size, dtype_name(kv.dtype))
+        if got != (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype):
             raise KVShapeError(
-                f"kv of shape {tuple(kv.shape)} and dtype {kv.dtype} does not match this engine's kv_spec "
-                f"({spec.num_layers}, 2, T, {spec.num_kv_heads}, {spec.head_size}) {spec.dtype}"
+                f"kv of {kv.num_layers} layers x (T, {kv.num_kv_heads}, {kv.head_size}) {dtype_name(kv.dtype)} "
+                f"does not match this engine's kv_spec ({spec.num_layers}, 2, T, {spec.num_kv_heads}, "
+                f"{spec.head_size}) {spec.dtype}"
             )
         return spec
 
@@ -137,13 +134,19 @@ class CacheEngine:
         n = chunks[len(tiers) - 1].end if tiers else 0
         return n, tiers
 
-    def store(self, tokens: Any, kv: torch.Tensor) -> StoreResult:
-        """Store the KV of ``tokens``; ``kv`` is ``(layers, 2, len(tokens), heads, head_size)``."""
+    def store(self, tokens: Any, kv: "torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]") -> StoreResult:
+        """Store the KV of ``tokens``.
+
+        ``kv`` is a tensor ``(layers, 2, len(tokens), heads, head_size)``, or one
+        ``(key, value)`` pair per layer, each ``(len(tokens), heads, head_size)``; views
+        with any strides are fine (only the chunks not yet cached are copied).
+        """
         self._check_open()
-        spec = self._adopt_spec(kv)
+        src = _KV.wrap(kv)
+        spec = self._adopt_spec(src)
         chunks, keys = self.chunk_keys(tokens)
-        if kv.shape[2] != _length(tokens):
-            raise KVShapeError(f"kv holds {kv.shape[2]} tokens but {_length(tokens)} tokens were given")
+        if src.num_tokens != _length(tokens):
+            raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
         present = self.hierarchy.contains_any(keys)
         stored = skipped = dropped = 0
         dtype = dtype_from_name(spec.dtype)
@@ -157,7 +160,7 @@ class CacheEngine:
                 log.debug("memory pool exhausted: not storing chunk %s", key)
                 continue
             try:
-                obj.tensor.copy_(kv[:, :, chunk.start : chunk.end])
+                src.copy_chunk(chunk.start, chunk.end, obj.tensor)
                 self.hierarchy.put(key, obj)
             finally:
                 obj.unref()
@@ -236,6 +239,55 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _KV:
+    """A KV source: a 5-D tensor or per-layer (key, value) pairs of (T, H, D)."""
+
+    def __init__(self, tensor: torch.Tensor | None, layers: list[tuple[torch.Tensor, torch.Tensor]] | None):
+        self.tensor = tensor
+        self.layers = layers
+        if tensor is not None:
+            self.num_layers, _, self.num_tokens, self.num_kv_heads, self.head_size = tensor.shape
+            self.dtype = tensor.dtype
+        else:
+            assert layers
+            k0 = layers[0][0]
+            self.num_layers = len(layers)
+            self.num_tokens, self.num_kv_heads, self.head_size = k0.shape
+            self.dtype = k0.dtype
+
+    @classmethod
+    def wrap(cls, kv: Any) -> "_KV":
+        if isinstance(kv, torch.Tensor):
+            if kv.dim() != 5 or kv.shape[1] != 2:
+                raise KVShapeError(
+                    f"kv must have shape (num_layers, 2, num_tokens, num_kv_heads, head_size), got {tuple(kv.shape)}"
+                )
+            return cls(kv, None)
+        layers = list(kv)
+        if not layers:
+            raise KVShapeError("kv has no layers")
+        shape = dtype = None
+        for i, pair in enumerate(layers):
+            if len(pair) != 2:
+                raise KVShapeError(f"layer {i}: expected a (key, value) pair")
+            for t in pair:
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    raise KVShapeError(f"layer {i}: key and value must be (num_tokens, heads, head_size) tensors")
+                shape = shape or tuple(t.shape)
+                dtype = dtype or t.dtype
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise KVShapeError(f"layer {i}: {tuple(t.shape)} {t.dtype} differs from layer 0's {shape} {dtype}")
+        return cls(None, [tuple(p) for p in layers])  # type: ignore[misc]
+
+    def copy_chunk(self, start: int, end: int, out: torch.Tensor) -> None:
+        if self.tensor is not None:
+            out.copy_(self.tensor[:, :, start:end])
+            return
+        for i, (k, v) in enumerate(self.layers):  # type: ignore[union-attr]
+            out[i, 0].copy_(k[start:end])
+            out[i, 1].copy_(v[start:end])
 
 
 def _length(tokens: Any) -> int:

@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "lmcache"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "lmcache.backends.builtin",
     "lmcache.plugins.codecs.builtin",
+    "lmcache.plugins.connectors.builtin",
     "lmcache.policies",
 )
 

@@ -13,3 +13,11 @@ def _clean_lmcache_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith("LMCACHE_"):
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer): SmolLM2-135M-Instruct in float32 on the CPU, loaded once."""
+    from model_fixtures import require_model
+
+    return require_model()

@@ -228,3 +228,16 @@ def test_pool_exhaustion_skips_store_instead_of_growing():
         assert e.pool.used <= e.pool.capacity
         assert cpu.used <= cpu.capacity
         assert e.lookup(toks) in (0, 16)
+
+
+def test_store_from_per_layer_views_matches_tensor_store():
+    toks = list(range(40))
+    kv = kv_for(toks)
+    # per-layer (T, H, D) views of an (L, 2, H, T, D) buffer: strided, as engines hold them
+    buf = kv.permute(0, 1, 3, 2, 4).contiguous()
+    layers = [(buf[i, 0].transpose(0, 1), buf[i, 1].transpose(0, 1)) for i in range(L)]
+    with engine() as e:
+        e.store(toks, layers)
+        assert torch.equal(e.retrieve(toks).kv, kv)
+        with pytest.raises(KVShapeError, match="layer 1"):
+            e.store(list(range(500, 540)), [layers[0], (layers[1][0][:5], layers[1][1])])

@@ -1,0 +1,13 @@
+"""Built-in engine connectors, registered through the same hook as third-party ones."""
+
+from lmcache.hookspecs import hookimpl
+
+
+@hookimpl
+def lmcache_register_connectors(registry):
+    registry.add(
+        "transformers",
+        "lmcache.plugins.connectors.hf:TransformersConnector",
+        extra="hf",
+        description="a Hugging Face causal LM (CPU or GPU)",
+    )

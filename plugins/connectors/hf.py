@@ -1,0 +1,279 @@
+"""The transformers connector: lmcache around a Hugging Face causal LM on any device.
+
+For each prompt it asks the cache engine how many leading tokens are cached, loads that KV
+into the model's ``DynamicCache``, runs the forward pass over the uncached suffix only,
+and stores the chunks that were new. At least the last prompt token is always computed,
+since its logits give the first generated token.
+
+.. code-block:: python
+
+    conn = TransformersConnector(model, tokenizer, engine)
+    out = conn.generate("What is a KV cache?", max_new_tokens=32)
+    out.text, out.cached_tokens, out.ttft
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from lmcache.config import KVSpec
+from lmcache.dtypes import dtype_name
+from lmcache.engine import CacheEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefill:
+    """The state after the prompt: the model cache, the last logits and what hit."""
+
+    cache: Any
+    logits: torch.Tensor  # (vocab,) logits of the last prompt token, float32
+    prompt_tokens: int
+    cached_tokens: int  # tokens whose KV came from lmcache
+    tiers: list[str]  # tier of each retrieved chunk
+    ttft: float  # seconds from the call to the first token's logits
+    load_seconds: float  # of which: fetching KV from lmcache
+    kv_bytes_loaded: int
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated token ids
+    text: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    tiers: list[str]
+    ttft: float
+    total_seconds: float
+    first_logits: torch.Tensor
+    kv_bytes_loaded: int = 0
+    stored_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def kv_spec_of(model: Any, dtype: torch.dtype | None = None) -> KVSpec:
+    """The KV shape of a Hugging Face decoder model."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dt = dtype or next(model.parameters()).dtype
+    return KVSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=heads, head_size=head_dim, dtype=dtype_name(dt))
+
+
+class TransformersConnector:
+    """Runs a Hugging Face causal LM with lmcache underneath (batch size 1 per prompt)."""
+
+    def __init__(self, model: Any, tokenizer: Any = None, engine: CacheEngine | None = None, *, layerwise: bool = False):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = kv_spec_of(model)
+        if engine is None:
+            engine = CacheEngine.from_config(None, kv_spec=self.spec)
+        if engine.kv_spec is None:
+            engine.kv_spec = self.spec
+        elif engine.kv_spec != self.spec:
+            raise ValueError(f"the engine is set up for KV {engine.kv_spec.signature}, the model has {self.spec.signature}")
+        self.engine = engine
+        self.layerwise = layerwise
+        self.device = next(model.parameters()).device
+
+    # ---------------------------------------------------------------- helpers
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
+        """Token ids of a prompt (text, a chat message list, or ids)."""
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.reshape(-1)]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            if chat:
+                return list(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+                ))
+            return list(self.tokenizer(prompt)["input_ids"])
+        if prompt and isinstance(prompt[0], dict):  # chat messages
+            return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False))
+        return [int(t) for t in prompt]
+
+    def _empty_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _cache_from_kv(self, buf: torch.Tensor, n: int):
+        """A DynamicCache whose layers are the first ``n`` tokens of ``buf`` (L, 2, H, T, D)."""
+        from transformers import DynamicCache
+
+        pairs = [(buf[i, 0, :, :n].unsqueeze(0), buf[i, 1, :, :n].unsqueeze(0)) for i in range(buf.shape[0])]
+        return DynamicCache(pairs, config=self.model.config)
+
+    def kv_of(self, cache: Any, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (key, value) views ``(T, H, D)`` of a model cache (no copy)."""
+        out = []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values  # (1, H, T, D)
+            out.append((k[0, :, :num_tokens].transpose(0, 1), v[0, :, :num_tokens].transpose(0, 1)))
+        return out
+
+    # ---------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int], *, use_cache: bool = True, store: bool = True) -> Prefill:
+        """Run the prompt, reusing cached KV for its longest cached prefix."""
+        t0 = time.perf_counter()
+        ids = list(ids)
+        if not ids:
+            raise ValueError("empty prompt")
+        n = 0
+        tiers: list[str] = []
+        cache = None
+        nbytes = 0
+        t_load = 0.0
+        if use_cache:
+            hit = self.engine.lookup(ids, pin=True)
+            want = min(hit, len(ids) - 1)  # the last token is always computed
+            if want > 0:
+                tl = time.perf_counter()
+                spec = self.spec
+                # (L, 2, H, T, D) so each layer's K and V are contiguous (1, H, T, D) views
+                buf = torch.empty(
+                    (spec.num_layers, 2, spec.num_kv_heads, hit, spec.head_size),
+                    dtype=next(self.model.parameters()).dtype,
+                    device="cpu",
+                )
+                res = self.engine.retrieve(ids[:hit], out=buf.permute(0, 1, 3, 2, 4))
+                n = min(res.num_tokens, len(ids) - 1)
+                tiers = res.tiers
+                if n > 0:
+                    if buf.device != self.device:
+                        buf = buf.to(self.device, non_blocking=True)
+                    cache = self._cache_from_kv(buf, n)
+                    nbytes = n * spec.bytes_per_token()
+                t_load = time.perf_counter() - tl
+            elif hit:
+                self.engine.retrieve([])  # nothing usable; nothing to release either
+        if cache is None:
+            cache = self._empty_cache()
+            n = 0
+            tiers = []
+        x = torch.tensor([ids[n:]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        ttft = time.perf_counter() - t0
+        cache = _cache_of(out, cache)
+        if store:
+            self.engine.store(ids, self.kv_of(cache, len(ids)))
+        return Prefill(cache, logits, len(ids), n, tiers, ttft, t_load, nbytes)
+
+    # ---------------------------------------------------------------- generate
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor | list[dict],
+        *,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: bool = False,
+        use_cache: bool = True,
+        store: bool = True,
+        store_output: bool = False,
+        stop_on_eos: bool = True,
+    ) -> Generation:
+        """Generate like ``model.generate`` (greedy by default, or sampling).
+
+        ``store_output`` also stores the KV of the generated tokens, so a follow-up turn
+        that repeats this answer hits it.
+        """
+        t0 = time.perf_counter()
+        ids = self.encode(prompt, chat=chat)
+        pre = self.prefill(ids, use_cache=use_cache, store=store)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        eos = self._eos_ids() if stop_on_eos else set()
+        cache = pre.cache
+        logits = pre.logits
+        new: list[int] = []
+        for step in range(max_new_tokens):
+            tok = _pick(logits, do_sample, temperature, top_k, top_p, gen)
+            new.append(tok)
+            if tok in eos or step == max_new_tokens - 1:
+                break
+            x = torch.tensor([[tok]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=x, cache=cache, use_cache=True)
+            cache = _cache_of(out, cache)
+            logits = out.logits[0, -1].float()
+        stored = 0
+        if store and store_output and len(new) > 1:
+            full = ids + new[:-1]  # the last token has no KV yet
+            stored = self.engine.store(full, self.kv_of(cache, len(full))).stored_tokens
+        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Generation(
+            tokens=new,
+            text=text,
+            prompt_tokens=pre.prompt_tokens,
+            cached_tokens=pre.cached_tokens,
+            tiers=pre.tiers,
+            ttft=pre.ttft,
+            total_seconds=time.perf_counter() - t0,
+            first_logits=pre.logits,
+            kv_bytes_loaded=pre.kv_bytes_loaded,
+            stored_tokens=stored,
+            timings={"load": pre.load_seconds},
+        )
+
+    def generate_batch(self, prompts: Sequence[Any], **kwargs: Any) -> list[Generation]:
+        """Run several prompts one after another; later prompts reuse what earlier ones
+        stored (shared prefixes are computed once)."""
+        return [self.generate(p, **kwargs) for p in prompts]
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        return ids
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _cache_of(out: Any, fallback: Any) -> Any:
+    """The model output's cache (``cache`` in transformers 5, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        c = out.get(name) if hasattr(out, "get") else getattr(out, name, None)
+        if c is not None:
+            return c
+    return fallback
+
+
+def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None) -> int:
+    if not do_sample:
+        return int(torch.argmax(logits))
+    if temperature <= 0:
+        raise ValueError("temperature must be positive when sampling")
+    scores = logits / temperature
+    if top_k and top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = cum - probs > top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
