@@ -1,0 +1,112 @@
+"""Shared pieces of the ``lmcache`` command: consoles, error handling, option parsing.
+
+Data goes to stdout (``out``), diagnostics and progress to stderr (``err``). Errors that
+lmcache raises on purpose (:class:`lmcache.errors.LMCacheError`), usage errors and
+operating-system errors print one line and exit non-zero; ``LMCACHE_DEBUG=1`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from lmcache.errors import LMCacheError
+from lmcache.units import parse_size
+
+PROG = "lmcache"
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    # Rich falls back to 80 columns when not writing to a terminal; the tables are wider.
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(file=stream, stderr=stderr, width=width, highlight=False)
+
+
+def out() -> Console:
+    """A console on the current stdout (built per call so test runners can swap it)."""
+    return _console(stderr=False)
+
+
+def err() -> Console:
+    return _console(stderr=True)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("LMCACHE_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def print_json(data: Any) -> None:
+    """Machine-readable output: plain JSON on stdout, nothing else."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def error_line(message: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+
+
+def size_option(value: str, option: str, auto: bool = True) -> int | None:
+    """Parse a ``--*-capacity`` value: ``"auto"`` (``None``) or a size like ``"512MiB"``."""
+    if auto and value.strip().lower() == "auto":
+        return None
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
+    if n <= 0:
+        raise typer.BadParameter("must be larger than 0", param_hint=f"'{option}'")
+    return n
+
+
+class LMCacheGroup(TyperGroup):
+    """The root command group: turns known errors into one line on stderr."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as exc:  # click's usage errors and friends
+            if type(exc).__name__ == "NoArgsIsHelpError":
+                msg = exc.format_message()
+                if msg.strip():
+                    sys.stderr.write(msg.rstrip() + "\n")
+                sys.exit(exc.exit_code)
+            if debug_enabled():
+                raise
+            msg = exc.format_message()
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None:
+                msg = f"{msg} (see '{ctx.command_path} --help')"
+            error_line(msg)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            error_line("aborted")
+            sys.exit(1)
+        except LMCacheError as exc:
+            if debug_enabled():
+                raise
+            error_line(str(exc))
+            sys.exit(1)
+        except OSError as exc:
+            if debug_enabled():
+                raise
+            error_line(str(exc))
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)

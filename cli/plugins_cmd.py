@@ -1,0 +1,72 @@
+"""``lmcache plugins``: every registered backend, codec, connector and policy."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ._util import out, print_json
+
+app = typer.Typer(add_completion=False)
+
+KINDS = ("backend", "codec", "connector", "policy")
+
+
+def plugin_rows() -> list[dict[str, Any]]:
+    """One row per registered target, from a freshly built plugin manager (so the
+    ``LMCACHE_*PLUGIN*`` environment variables of this process apply)."""
+    from lmcache.plugin_manager import Registries, create_plugin_manager, plugin_source
+
+    regs = Registries(create_plugin_manager())
+    rows = []
+    for registry in (regs.backends, regs.codecs, regs.connectors, regs.policies):
+        for e in registry.entries():
+            dist, version = plugin_source(e.plugin)
+            target = e.target if isinstance(e.target, str) else f"{e.target.__module__}:{e.target.__qualname__}"
+            rows.append(
+                {
+                    "kind": e.kind,
+                    "name": e.name,
+                    "target": target,
+                    "plugin": e.plugin,
+                    "distribution": dist,
+                    "version": version,
+                    "hooks": regs.hooks_of(e.plugin),
+                    "extra": e.extra,
+                    "description": e.description,
+                }
+            )
+    return rows
+
+
+@app.command("plugins")
+def plugins(
+    kind: Annotated[
+        str | None, typer.Option("--kind", help=f"Only this kind: {', '.join(KINDS)}.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+) -> None:
+    """List every registered backend, codec, connector and eviction policy."""
+    if kind is not None and kind not in KINDS:
+        raise typer.BadParameter(f"must be one of {', '.join(KINDS)}; got {kind!r}", param_hint="'--kind'")
+    rows = plugin_rows()
+    if kind is not None:
+        rows = [r for r in rows if r["kind"] == kind]
+    if as_json:
+        print_json(rows)
+        return
+    o = out()
+    if not rows:
+        o.print("No plugins registered.")
+        return
+    t = Table(caption="hooks are shown without their 'lmcache_' prefix", caption_justify="left")
+    for col in ("kind", "name", "target", "plugin", "package", "hooks"):
+        t.add_column(col, overflow="fold", no_wrap=col in ("kind", "name", "target"))
+    for r in rows:
+        t.add_row(
+            r["kind"], r["name"], r["target"], r["plugin"], f"{r['distribution']} {r['version']}".strip(),
+            ", ".join(h.removeprefix("lmcache_") for h in r["hooks"]),
+        )
+    o.print(t)

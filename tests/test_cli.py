@@ -1,0 +1,185 @@
+"""The ``lmcache`` command: plugins, version, demo, bench, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from lmcache.cli.main import app
+from lmcache.errors import ConfigError
+
+runner = CliRunner()
+
+# A small workload: 4 MiB chunks, 52 MiB of distinct KV, a CPU tier of half of it.
+SMALL = ["--layers", "4", "--prompts", "4", "--tokens", "1024", "--memcpy-size", "16MiB"]
+
+
+def one_line_error(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lmcache: error: ")
+    return lines[0]
+
+
+# ------------------------------------------------------------------ plugins / version
+
+
+def test_plugins_json_lists_builtins():
+    result = runner.invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    names = {(r["kind"], r["name"]) for r in rows}
+    for want in [("backend", "cpu"), ("backend", "disk"), ("codec", "raw"), ("codec", "zstd"), ("policy", "lru")]:
+        assert want in names
+    cpu = next(r for r in rows if r["name"] == "cpu")
+    assert cpu["target"] == "lmcache.backends.cpu:CPUBackend"
+    assert cpu["plugin"] == "lmcache.backends.builtin"
+    assert cpu["distribution"] == "lmcache" and cpu["version"]
+    assert cpu["hooks"] == ["lmcache_register_backends"]
+
+
+def test_plugins_kind_filter_and_table():
+    result = runner.invoke(app, ["plugins", "--json", "--kind", "codec"])
+    assert result.exit_code == 0
+    assert {r["kind"] for r in json.loads(result.stdout)} == {"codec"}
+    table = runner.invoke(app, ["plugins"])
+    assert table.exit_code == 0 and "disk" in table.stdout and "register_codecs" in table.stdout
+
+
+def test_plugins_empty_json_is_empty_list(monkeypatch):
+    from lmcache.plugin_manager import DEFAULT_PLUGINS
+
+    monkeypatch.setenv("LMCACHE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("LMCACHE_DISABLED_PLUGINS", ",".join(DEFAULT_PLUGINS))
+    result = runner.invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "[]"
+
+
+def test_version():
+    from lmcache import __version__
+
+    result = runner.invoke(app, ["version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"lmcache {__version__}"
+    assert json.loads(runner.invoke(app, ["version", "--json"]).stdout)["lmcache"] == __version__
+
+
+def test_console_script_entry_point_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache.cli.main", "plugins", "--json", "--kind", "policy"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "lru" in {r["name"] for r in json.loads(proc.stdout)}
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_config_prints_one_line(monkeypatch):
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "abc")
+    result = runner.invoke(app, ["demo", *SMALL])
+    assert result.exit_code == 1
+    line = one_line_error(result)
+    assert "chunk_size" in line and "Traceback" not in result.output
+
+
+def test_bad_option_value_prints_one_line():
+    result = runner.invoke(app, ["demo", "--cpu-capacity", "lots"])
+    assert result.exit_code == 2
+    assert "--cpu-capacity" in one_line_error(result)
+
+
+def test_unknown_option_prints_one_line():
+    result = runner.invoke(app, ["bench", "tiers", "--no-such-option"])
+    assert result.exit_code == 2
+    assert "--no-such-option" in one_line_error(result)
+
+
+def test_prefix_longer_than_prompt_is_rejected():
+    result = runner.invoke(app, ["demo", "--tokens", "256", "--prefix", "512"])
+    assert result.exit_code == 2
+    assert "--prefix" in one_line_error(result)
+
+
+def test_non_empty_dir_is_rejected(tmp_path):
+    (tmp_path / "something").write_text("x")
+    result = runner.invoke(app, ["demo", *SMALL, "--dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "not empty" in one_line_error(result)
+
+
+def test_debug_shows_the_exception(monkeypatch):
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "abc")
+    monkeypatch.setenv("LMCACHE_DEBUG", "1")
+    result = runner.invoke(app, ["demo", *SMALL])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, ConfigError)
+
+
+# ------------------------------------------------------------------ demo and bench
+
+
+def test_demo_small_is_exact_and_survives_a_restart(tmp_path):
+    kv_dir = tmp_path / "cache"
+    result = runner.invoke(app, ["demo", *SMALL, "--dir", str(kv_dir)])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "PASS" in text and "FAIL" not in text and " NO " not in text
+    # every retrieve was exact, the shared prefix was stored once, the disk tier served some
+    assert "5/5 retrieves bit-exact" in text or "4/4 retrieves bit-exact" in text
+    assert "stored once" in text
+    assert "partly served from disk" in text and "0 of 4 prompts partly served" not in text
+    assert "after restart 4/4 bit-exact with 16 disk hits" in text
+    # the directory given with --dir is kept, with the chunk files in it
+    assert list((kv_dir / "kv").rglob("*.lmc"))
+
+
+def test_demo_removes_its_temporary_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    result = runner.invoke(app, ["demo", *SMALL, "--prompts", "2", "--no-restart"])
+    assert result.exit_code == 0, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_tiers_json(tmp_path):
+    result = runner.invoke(
+        app,
+        ["bench", "tiers", "--json", "--layers", "2", "--prompts", "3", "--tokens", "512", "--memcpy-size", "8MiB",
+         "--restart", "--dir", str(tmp_path / "b")],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    ph = data["physical"]
+    assert ph["memcpy_gbps"] > 0 and ph["file_write_gbps"] > 0 and ph["file_read_gbps"] > 0
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["torch"]
+    for name in ("cpu", "disk"):
+        tier = data["tiers"][name]
+        assert tier["store_gbps"] > 0 and tier["retrieve_gbps"] > 0, (name, tier)
+        assert tier["store_ratio"] > 0 and tier["retrieve_ratio"] > 0
+        assert tier["hits"] > 0
+    assert data["exact"] and data["complete"]
+    assert data["store"]["skipped_tokens"] == 2 * data["workload"]["prefix"]
+    assert data["restart"]["exact"] and data["restart"]["disk_hits"] == 3 * 2  # 3 prompts x 2 chunks
+
+
+def test_bench_tiers_table(tmp_path):
+    result = runner.invoke(
+        app, ["bench", "tiers", "--layers", "2", "--prompts", "2", "--tokens", "512", "--memcpy-size", "8MiB"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "memcpy" in result.stdout and "exact=True" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["bench", "tiers", "--help"]])
+def test_help(args):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0
+    assert "Usage" in result.stdout
