@@ -148,6 +148,7 @@ class CacheEngine:
         if src.num_tokens != _length(tokens):
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
         present = self.hierarchy.contains_any(keys)
+        self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         stored = skipped = dropped = 0
         dtype = dtype_from_name(spec.dtype)
         for chunk, key, here in zip(chunks, keys, present):
@@ -181,17 +182,8 @@ class CacheEngine:
         chunks, keys = self.chunk_keys(tokens)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
         try:
-            for chunk, key in zip(chunks, keys):
-                r = self.hierarchy.get(key)
-                if r is None:
-                    break
-                obj, tier = r
-                if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
-                    log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
-                    obj.unref()
-                    tier.remove([key])
-                    break
-                got.append((chunk, obj, tier))
+            with self.hierarchy.pinned(keys):
+                got = self._fetch(chunks, keys, spec)
             n = got[-1][0].end if got else 0
             if out is None and n:
                 out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
@@ -206,6 +198,27 @@ class CacheEngine:
                 obj.unref()
             self.hierarchy.release_leases(keys)
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
+
+    def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec) -> list[tuple[Chunk, MemoryObj, Tier]]:
+        """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
+        got: list[tuple[Chunk, MemoryObj, Tier]] = []
+        try:
+            for chunk, key in zip(chunks, keys):
+                r = self.hierarchy.get(key)
+                if r is None:
+                    break
+                obj, tier = r
+                if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
+                    log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
+                    obj.unref()
+                    tier.remove([key])
+                    break
+                got.append((chunk, obj, tier))
+        except BaseException:
+            for _, obj, _ in got:
+                obj.unref()
+            raise
+        return got
 
     # --------------------------------------------------------------- admin
     def flush(self) -> None:

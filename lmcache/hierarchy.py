@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -224,6 +225,13 @@ class Tier:
         self.stats.evictions += 1
         if demote is not None:
             self.on_evict(key, demote)  # takes over the reference
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Count a use of entries without reading them (a store that found them cached)."""
+        with self._lock:
+            for k in keys:
+                if k in self._index:
+                    self.policy.on_access(k)
 
     def evict_bytes(self, nbytes: int) -> int:
         """Evict unpinned entries until ``nbytes`` were freed (or nothing is left)."""
@@ -575,6 +583,24 @@ class StorageHierarchy:
                 log.exception("lmcache tier writer: unexpected error")
             finally:
                 self._queue.task_done()
+
+    def touch(self, keys: Sequence[str]) -> None:
+        for tier in self.tiers:
+            tier.touch(keys)
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
+        """Keep ``keys`` from eviction in every tier for the duration (e.g. so that a
+        retrieve's own promotions cannot evict the chunks it is about to read)."""
+        for tier in self.tiers:
+            for k in keys:
+                tier.pin(k)
+        try:
+            yield
+        finally:
+            for tier in self.tiers:
+                for k in keys:
+                    tier.unpin(k)
 
     def release_leases(self, keys: Sequence[str]) -> None:
         """Drop one lookup lease of each key, in whichever tier holds it."""
