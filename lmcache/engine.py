@@ -187,10 +187,8 @@ class CacheEngine:
             n = got[-1][0].end if got else 0
             if out is None and n:
                 out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
-            elif out is not None and n and (
-                out.shape[2] < n or tuple(out.shape[:2]) + tuple(out.shape[3:]) != (spec.num_layers, 2, spec.num_kv_heads, spec.head_size)
-            ):
-                raise KVShapeError(f"out of shape {tuple(out.shape)} cannot hold {n} tokens of {spec.signature}")
+            elif out is not None and n:
+                _check_out(out, n, spec)
             for chunk, obj, _ in got:
                 out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
         finally:
@@ -198,6 +196,34 @@ class CacheEngine:
                 obj.unref()
             self.hierarchy.release_leases(keys)
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
+
+    def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0) -> "LayerwiseRetrieval":
+        """Start a retrieve that fills ``out`` one layer at a time.
+
+        The cached chunks are fetched from their tiers before this returns (so
+        ``num_tokens`` is known); a background thread then copies layer 0, 1, ... into
+        ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``, any strides), so an
+        engine can compute layer i while layer i+1 is still being copied.
+        ``handle.wait(i)`` blocks until layer ``i`` is in place (at most ``timeout``
+        seconds, then ``TimeoutError``).
+        """
+        self._check_open()
+        if self.kv_spec is None:
+            return LayerwiseRetrieval([], 0, out, 0, None, timeout)
+        spec = self.kv_spec
+        chunks, keys = self.chunk_keys(tokens)
+        with self.hierarchy.pinned(keys):
+            got = self._fetch(chunks, keys, spec)
+        n = got[-1][0].end if got else 0
+        try:
+            if n:
+                _check_out(out, n, spec)
+        except BaseException:
+            for _, obj, _ in got:
+                obj.unref()
+            self.hierarchy.release_leases(keys)
+            raise
+        return LayerwiseRetrieval(got, n, out, spec.num_layers, lambda: self.hierarchy.release_leases(keys), timeout)
 
     def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec) -> list[tuple[Chunk, MemoryObj, Tier]]:
         """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
@@ -252,6 +278,72 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_out(out: torch.Tensor, n: int, spec: KVSpec) -> None:
+    if out.dim() != 5 or out.shape[2] < n or tuple(out.shape[:2]) + tuple(out.shape[3:]) != (
+        spec.num_layers, 2, spec.num_kv_heads, spec.head_size
+    ):
+        raise KVShapeError(f"out of shape {tuple(out.shape)} cannot hold {n} tokens of {spec.signature}")
+
+
+class LayerwiseRetrieval:
+    """A retrieve in progress: layers land in ``out`` in order (see
+    :meth:`CacheEngine.retrieve_layerwise`)."""
+
+    def __init__(self, got: list, num_tokens: int, out: torch.Tensor, num_layers: int,
+                 on_done: Callable[[], None] | None, timeout: float):
+        self.num_tokens = num_tokens
+        self.kv = out
+        self.tiers = [t.name for _, _, t in got]
+        self.chunks = [c for c, _, _ in got]
+        self.timeout = timeout
+        self._got = got
+        self._on_done = on_done
+        self._error: BaseException | None = None
+        self._events = [threading.Event() for _ in range(num_layers)]
+        if got:
+            self._thread = threading.Thread(target=self._run, name="lmcache-layerwise", daemon=True)
+            self._thread.start()
+        else:
+            for e in self._events:
+                e.set()
+            if on_done:
+                on_done()
+
+    def _run(self) -> None:
+        try:
+            # a buffer made under inference_mode may only be written under it
+            with torch.inference_mode(self.kv.is_inference()):
+                self._copy_layers()
+        except BaseException as exc:  # reported to whoever waits
+            self._error = exc
+        finally:
+            for _, obj, _ in self._got:
+                obj.unref()
+            self._got = []
+            if self._on_done:
+                self._on_done()
+            for e in self._events:
+                e.set()
+
+    def _copy_layers(self) -> None:
+        for layer, ev in enumerate(self._events):
+            dst = self.kv[layer]
+            for chunk, obj, _ in self._got:
+                dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
+            ev.set()
+
+    def wait(self, layer: int) -> None:
+        """Block until layer ``layer`` is in ``kv``."""
+        if not self._events[layer].wait(self.timeout):
+            raise TimeoutError(f"layer {layer} of a layer-wise retrieve not ready after {self.timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def wait_all(self) -> None:
+        for i in range(len(self._events)):
+            self.wait(i)
 
 
 class _KV:

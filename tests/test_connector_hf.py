@@ -128,3 +128,16 @@ def test_mismatched_engine_shape_is_refused(smollm2):
     with pytest.raises(ValueError, match="set up for KV"):
         TransformersConnector(model, tok, eng)
     eng.close()
+
+
+def test_layerwise_loading_is_exact(smollm2, tmp_path):
+    model, tok = smollm2
+    conn = make(smollm2, tmp_path)
+    prompt = DOC + "\nQuestion: which boxes are blue?"
+    base = reference(conn, prompt, max_new_tokens=8)
+    conn.generate(prompt, max_new_tokens=1)
+    lw = TransformersConnector(model, tok, conn.engine, layerwise=True)
+    hit = lw.generate(prompt, max_new_tokens=8)
+    assert hit.cached_tokens == len(conn.encode(prompt)) - 1
+    assert_same(base, hit)
+    conn.close()

@@ -253,3 +253,24 @@ def test_a_store_that_finds_chunks_cached_counts_as_a_use():
             toks = system + list(range(1000 * i, 1000 * i + 16))
             e.store(toks, kv_for(toks))
         assert e.lookup(system) == 16
+
+
+def test_retrieve_layerwise_fills_layers_in_order_and_releases():
+    toks = list(range(70))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(toks, kv)
+        out = torch.zeros(L, 2, 70, H, D)
+        h = e.retrieve_layerwise(toks, out)
+        assert h.num_tokens == 70 and h.tiers == ["cpu"] * 5
+        for layer in range(L):
+            h.wait(layer)
+            assert torch.equal(out[layer], kv[layer])
+        h.wait_all()
+        assert all(t._pins == {} for t in e.hierarchy.tiers)  # nothing stays pinned
+        miss = e.retrieve_layerwise(list(range(900, 930)), torch.zeros(L, 2, 30, H, D))
+        assert miss.num_tokens == 0
+        miss.wait_all()
+        with pytest.raises(KVShapeError):
+            e.retrieve_layerwise(toks, torch.zeros(L, 2, 10, H, D))
+        assert e.lookup(toks) == 70

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,12 +106,27 @@ class TransformersConnector:
 
         return DynamicCache(config=self.model.config)
 
-    def _cache_from_kv(self, buf: torch.Tensor, n: int):
-        """A DynamicCache whose layers are the first ``n`` tokens of ``buf`` (L, 2, H, T, D)."""
+    def _cache_from_kv(self, buf: torch.Tensor, n: int, wait: Callable[[int], None] | None = None):
+        """A DynamicCache whose layers are the first ``n`` tokens of ``buf`` (L, 2, H, T, D).
+
+        The layers are views of ``buf``, not copies. With ``wait``, a layer's first
+        update first calls ``wait(layer)`` (layer-wise loading).
+        """
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         pairs = [(buf[i, 0, :, :n].unsqueeze(0), buf[i, 1, :, :n].unsqueeze(0)) for i in range(buf.shape[0])]
-        return DynamicCache(pairs, config=self.model.config)
+        cache = DynamicCache(config=self.model.config) if wait is None else _LayerwiseCache(wait, config=self.model.config)
+        if len(cache.layers) != len(pairs) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            # sliding-window or hybrid layers keep extra state: let them ingest a copy
+            if wait is not None:
+                for i in range(len(pairs)):
+                    wait(i)
+            return DynamicCache(pairs, config=self.model.config)
+        for layer, (k, v) in zip(cache.layers, pairs):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return cache
 
     def kv_of(self, cache: Any, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (key, value) views ``(T, H, D)`` of a model cache (no copy)."""
@@ -146,13 +161,18 @@ class TransformersConnector:
                     dtype=next(self.model.parameters()).dtype,
                     device="cpu",
                 )
-                res = self.engine.retrieve(ids[:hit], out=buf.permute(0, 1, 3, 2, 4))
+                view = buf.permute(0, 1, 3, 2, 4)
+                on_cpu = self.device.type == "cpu"
+                if self.layerwise and on_cpu:
+                    res = self.engine.retrieve_layerwise(ids[:hit], out=view)
+                else:
+                    res = self.engine.retrieve(ids[:hit], out=view)
                 n = min(res.num_tokens, len(ids) - 1)
                 tiers = res.tiers
                 if n > 0:
-                    if buf.device != self.device:
+                    if not on_cpu:
                         buf = buf.to(self.device, non_blocking=True)
-                    cache = self._cache_from_kv(buf, n)
+                    cache = self._cache_from_kv(buf, n, res.wait if self.layerwise and on_cpu else None)
                     nbytes = n * spec.bytes_per_token()
                 t_load = time.perf_counter() - tl
             elif hit:
@@ -246,6 +266,38 @@ class TransformersConnector:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _layerwise_cache_class():
+    from transformers import DynamicCache
+
+    class LayerwiseCache(DynamicCache):
+        """A DynamicCache whose prefilled layers arrive while the model runs."""
+
+        def __init__(self, wait: Callable[[int], None], **kwargs: Any):
+            super().__init__(**kwargs)
+            self._wait: Callable[[int], None] | None = wait
+            self._waited = 0
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if self._wait is not None and layer_idx >= self._waited:
+                self._wait(layer_idx)
+                self._waited = layer_idx + 1
+                if self._waited >= len(self.layers):
+                    self._wait = None
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return LayerwiseCache
+
+
+def _LayerwiseCache(wait: Callable[[int], None], **kwargs: Any):
+    global _LAYERWISE_CLS
+    if _LAYERWISE_CLS is None:
+        _LAYERWISE_CLS = _layerwise_cache_class()
+    return _LAYERWISE_CLS(wait, **kwargs)
+
+
+_LAYERWISE_CLS: Any = None
 
 
 def _cache_of(out: Any, fallback: Any) -> Any:
