@@ -23,7 +23,11 @@ How each tier's numbers are taken (GB/s are 10^9 bytes per second):
   and verifying its checksum.
 
 The same module holds the workload (:class:`Workload`) and the measurements that
-``lmcache demo`` presents.
+``lmcache demo synthetic`` presents.
+
+``lmcache bench e2e`` (:mod:`lmcache.cli.bench_e2e`) measures time to first token with a
+real model: a full prefill against cpu-tier and disk-tier hits, next to memcpy and raw
+file reads measured in the same run.
 """
 
 from __future__ import annotations
@@ -820,3 +824,27 @@ def restart_check_cmd(
     assert cap is not None
     set_threads(threads)
     print_json(restart_check(wl, directory, cap))
+
+
+@app.command("e2e")
+def e2e_cmd(
+    lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens, comma-separated.")] = "1024,2048,4096",
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=1, help="Samples of each hit and of the suffix compute (the best is reported).")
+    ] = 5,
+    prefill_repeats: Annotated[
+        int | None,
+        typer.Option("--prefill-repeats", min=1, help="Samples of each full prefill (default: up to 2 for prompts of at most 2048 tokens, 1 above)."),
+    ] = None,
+    chunk_size: ChunkSize = 256,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts' text.")] = 0,
+    directory: Dir = None,
+    memcpy_size: MemcpySize = "256MiB",
+    threads: Threads = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw TTFT per length into this PNG (needs matplotlib).")] = None,
+) -> None:
+    """Time to first token with a real model: full prefill vs cpu-tier hit vs disk-tier hit."""
+    from . import bench_e2e  # the model, transformers and matplotlib load only for this command
+
+    bench_e2e.main(lengths, repeats, prefill_repeats, chunk_size, seed, directory, memcpy_size, threads, as_json, plot)

@@ -1,4 +1,6 @@
-"""The ``lmcache`` command: plugins, version, demo, bench, and one-line errors."""
+"""The ``lmcache`` command: plugins, version, demo synthetic, bench tiers, and one-line errors.
+
+The real-model demo and ``bench e2e`` are tested in test_demo_e2e.py."""
 
 from __future__ import annotations
 
@@ -82,14 +84,14 @@ def test_console_script_entry_point_runs():
 
 def test_bad_config_prints_one_line(monkeypatch):
     monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "abc")
-    result = runner.invoke(app, ["demo", *SMALL])
+    result = runner.invoke(app, ["demo", "synthetic", *SMALL])
     assert result.exit_code == 1
     line = one_line_error(result)
     assert "chunk_size" in line and "Traceback" not in result.output
 
 
 def test_bad_option_value_prints_one_line():
-    result = runner.invoke(app, ["demo", "--cpu-capacity", "lots"])
+    result = runner.invoke(app, ["demo", "synthetic", "--cpu-capacity", "lots"])
     assert result.exit_code == 2
     assert "--cpu-capacity" in one_line_error(result)
 
@@ -101,14 +103,14 @@ def test_unknown_option_prints_one_line():
 
 
 def test_prefix_longer_than_prompt_is_rejected():
-    result = runner.invoke(app, ["demo", "--tokens", "256", "--prefix", "512"])
+    result = runner.invoke(app, ["demo", "synthetic", "--tokens", "256", "--prefix", "512"])
     assert result.exit_code == 2
     assert "--prefix" in one_line_error(result)
 
 
 def test_non_empty_dir_is_rejected(tmp_path):
     (tmp_path / "something").write_text("x")
-    result = runner.invoke(app, ["demo", *SMALL, "--dir", str(tmp_path)])
+    result = runner.invoke(app, ["demo", "synthetic", *SMALL, "--dir", str(tmp_path)])
     assert result.exit_code == 2
     assert "not empty" in one_line_error(result)
 
@@ -116,7 +118,7 @@ def test_non_empty_dir_is_rejected(tmp_path):
 def test_debug_shows_the_exception(monkeypatch):
     monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "abc")
     monkeypatch.setenv("LMCACHE_DEBUG", "1")
-    result = runner.invoke(app, ["demo", *SMALL])
+    result = runner.invoke(app, ["demo", "synthetic", *SMALL])
     assert result.exit_code != 0
     assert isinstance(result.exception, ConfigError)
 
@@ -124,9 +126,9 @@ def test_debug_shows_the_exception(monkeypatch):
 # ------------------------------------------------------------------ demo and bench
 
 
-def test_demo_small_is_exact_and_survives_a_restart(tmp_path):
+def test_demo_synthetic_small_is_exact_and_survives_a_restart(tmp_path):
     kv_dir = tmp_path / "cache"
-    result = runner.invoke(app, ["demo", *SMALL, "--dir", str(kv_dir)])
+    result = runner.invoke(app, ["demo", "synthetic", *SMALL, "--dir", str(kv_dir)])
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert "PASS" in text and "FAIL" not in text and " NO " not in text
@@ -139,12 +141,12 @@ def test_demo_small_is_exact_and_survives_a_restart(tmp_path):
     assert list((kv_dir / "kv").rglob("*.lmc"))
 
 
-def test_demo_removes_its_temporary_directory(tmp_path, monkeypatch):
+def test_demo_synthetic_removes_its_temporary_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    result = runner.invoke(app, ["demo", *SMALL, "--prompts", "2", "--no-restart"])
+    result = runner.invoke(app, ["demo", "synthetic", *SMALL, "--prompts", "2", "--no-restart"])
     assert result.exit_code == 0, result.output
     assert list(tmp_path.iterdir()) == []
 
@@ -178,8 +180,17 @@ def test_bench_tiers_table(tmp_path):
     assert "memcpy" in result.stdout and "exact=True" in result.stdout
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["bench", "tiers", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["demo", "--help"], ["demo", "synthetic", "--help"], ["bench", "tiers", "--help"], ["bench", "e2e", "--help"]],
+)
 def test_help(args):
     result = runner.invoke(app, args)
     assert result.exit_code == 0
     assert "Usage" in result.stdout
+
+
+def test_demo_is_a_group_with_the_synthetic_demo_and_a_hidden_restart_check():
+    text = runner.invoke(app, ["demo", "--help"]).stdout
+    assert "synthetic" in text and "--questions" in text and "--doc-tokens" in text
+    assert "restart-check" not in text
