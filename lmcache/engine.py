@@ -197,6 +197,14 @@ class CacheEngine:
             self.hierarchy.release_leases(keys)
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
 
+    def release(self, tokens: Any) -> None:
+        """Drop the leases that ``lookup(tokens, pin=True)`` took, when no
+        :meth:`retrieve` will follow (otherwise they expire after
+        ``lookup_pin_timeout``)."""
+        self._check_open()
+        if self.kv_spec is not None:
+            self.hierarchy.release_leases(self.chunk_keys(tokens)[1])
+
     def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0) -> "LayerwiseRetrieval":
         """Start a retrieve that fills ``out`` one layer at a time.
 

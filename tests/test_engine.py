@@ -274,3 +274,14 @@ def test_retrieve_layerwise_fills_layers_in_order_and_releases():
         with pytest.raises(KVShapeError):
             e.retrieve_layerwise(toks, torch.zeros(L, 2, 10, H, D))
         assert e.lookup(toks) == 70
+
+
+def test_release_drops_lookup_leases():
+    a, b = list(range(32)), list(range(100, 132))
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(cpu=2 * chunk_bytes) as e:
+        e.store(a, kv_for(a))
+        assert e.lookup(a, pin=True) == 32
+        e.release(a)
+        e.store(b, kv_for(b))  # a is no longer leased: it makes room
+        assert e.lookup(b) == 32 and e.lookup(a) == 0

@@ -83,6 +83,8 @@ class TransformersConnector:
         self.engine = engine
         self.layerwise = layerwise
         self.device = next(model.parameters()).device
+        self._buf: torch.Tensor | None = None
+        self._inflight: Any = None
 
     # ---------------------------------------------------------------- helpers
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
@@ -100,6 +102,29 @@ class TransformersConnector:
         if prompt and isinstance(prompt[0], dict):  # chat messages
             return list(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False))
         return [int(t) for t in prompt]
+
+    def _staging(self, num_tokens: int) -> torch.Tensor:
+        """A ``(L, 2, H, num_tokens, D)`` host buffer for retrieved KV, reused across
+        requests (a fresh allocation per hit pays first-touch page faults).
+
+        Layout (L, 2, H, T, D): each layer's K and V are (1, H, T, D) views. Reuse is safe
+        because the forward pass replaces the cache's views with its own tensors; a
+        layer-wise copy still in flight from an aborted request is waited for first.
+        """
+        if self._inflight is not None:
+            try:
+                self._inflight.wait_all()
+            except Exception:
+                pass
+            self._inflight = None
+        spec = self.spec
+        if self._buf is None or self._buf.shape[3] < num_tokens:
+            self._buf = torch.empty(
+                (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_size),
+                dtype=next(self.model.parameters()).dtype,
+                device="cpu",
+            )
+        return self._buf[:, :, :, :num_tokens]
 
     def _empty_cache(self):
         from transformers import DynamicCache
@@ -155,16 +180,11 @@ class TransformersConnector:
             if want > 0:
                 tl = time.perf_counter()
                 spec = self.spec
-                # (L, 2, H, T, D) so each layer's K and V are contiguous (1, H, T, D) views
-                buf = torch.empty(
-                    (spec.num_layers, 2, spec.num_kv_heads, hit, spec.head_size),
-                    dtype=next(self.model.parameters()).dtype,
-                    device="cpu",
-                )
+                buf = self._staging(hit)
                 view = buf.permute(0, 1, 3, 2, 4)
                 on_cpu = self.device.type == "cpu"
                 if self.layerwise and on_cpu:
-                    res = self.engine.retrieve_layerwise(ids[:hit], out=view)
+                    res = self._inflight = self.engine.retrieve_layerwise(ids[:hit], out=view)
                 else:
                     res = self.engine.retrieve(ids[:hit], out=view)
                 n = min(res.num_tokens, len(ids) - 1)
@@ -176,7 +196,7 @@ class TransformersConnector:
                     nbytes = n * spec.bytes_per_token()
                 t_load = time.perf_counter() - tl
             elif hit:
-                self.engine.retrieve([])  # nothing usable; nothing to release either
+                self.engine.release(ids)  # nothing usable: drop the lookup's leases
         if cache is None:
             cache = self._empty_cache()
             n = 0
