@@ -8,10 +8,11 @@ is reported ``in_use`` and is never chosen for eviction.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator
 
 from lmcache.memory import MemoryObj
-from lmcache.storage import BackendContext, StorageBackend, Usage
+from lmcache.storage import BackendContext, EntryInfo, StorageBackend, Usage
 
 
 class CPUBackend(StorageBackend):
@@ -20,6 +21,7 @@ class CPUBackend(StorageBackend):
     def __init__(self, context: BackendContext):
         super().__init__(context)
         self._objs: dict[str, MemoryObj] = {}
+        self._stored_at: dict[str, float] = {}  # wall-clock time of each put
         self._lock = threading.Lock()
         self._used = 0
 
@@ -40,6 +42,7 @@ class CPUBackend(StorageBackend):
         with self._lock:
             old = self._objs.pop(key, None)
             self._objs[key] = obj
+            self._stored_at[key] = time.time()
             self._used += obj.nbytes - (old.nbytes if old is not None else 0)
         if old is not None:
             old.unref()
@@ -48,6 +51,7 @@ class CPUBackend(StorageBackend):
     def remove_one(self, key: str) -> bool:
         with self._lock:
             obj = self._objs.pop(key, None)
+            self._stored_at.pop(key, None)
             if obj is not None:
                 self._used -= obj.nbytes
         if obj is None:
@@ -58,6 +62,11 @@ class CPUBackend(StorageBackend):
     def keys(self) -> Iterator[tuple[str, int]]:
         with self._lock:
             items = [(k, o.nbytes) for k, o in self._objs.items()]
+        return iter(items)
+
+    def entries(self) -> Iterator[EntryInfo]:
+        with self._lock:
+            items = [EntryInfo(k, o.nbytes, "raw", self._stored_at.get(k)) for k, o in self._objs.items()]
         return iter(items)
 
     def in_use(self, key: str) -> bool:
@@ -71,6 +80,7 @@ class CPUBackend(StorageBackend):
     def close(self) -> None:
         with self._lock:
             objs, self._objs = list(self._objs.values()), {}
+            self._stored_at = {}
             self._used = 0
         for o in objs:
             o.unref()

@@ -6,8 +6,10 @@ the space at once, and a torn write can only ever leave a temporary file behind.
 are created exclusively under a temporary name and renamed into place, so a reader never
 sees a half-written chunk. Each file is a self-describing payload (magic, version, codec,
 dtype, shape, checksums); when a process opens the directory it rebuilds its index from
-the file headers, so entries survive restarts, and a file that fails its checks is
-removed and reported as a miss.
+the file headers (oldest file first, so that an LRU or FIFO tier evicts the oldest
+entries first after a restart), so entries survive restarts, and a file that fails its
+checks is removed and reported as a miss. Opened ``read_only`` (``lmcache ls`` on a
+config), it creates, repairs and removes nothing.
 
 Options: ``path`` (required), ``o_direct`` (bypass the page cache), ``fsync`` (make each
 write durable before it is visible; off by default: a cache may lose entries on power
@@ -20,6 +22,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,7 +33,7 @@ from lmcache import payload
 from lmcache.dtypes import dtype_from_name
 from lmcache.errors import ConfigError, CorruptPayloadError
 from lmcache.memory import MemoryObj
-from lmcache.storage import BackendContext, BytesBackend, Usage
+from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
 log = logging.getLogger(__name__)
 SUFFIX = ".lmc"
@@ -45,27 +48,37 @@ def _file_name(key: str) -> str:
 class DiskBackend(BytesBackend):
     OPTIONS = {"path": None, "o_direct": False, "fsync": False}
 
-    def __init__(self, context: BackendContext):
-        super().__init__(context)
-        path = self.options["path"]
+    @classmethod
+    def check_options(cls, options):
+        opts = super().check_options(options)
+        path = opts["path"]
         if not path or not isinstance(path, (str, os.PathLike)):
             raise ConfigError("path", "the disk backend needs a directory, e.g. path: /var/cache/lmcache")
         for opt in ("o_direct", "fsync"):
-            if not isinstance(self.options[opt], bool):
-                raise ConfigError(opt, f"expected true or false, got {self.options[opt]!r}")
-        self.root = Path(path).expanduser()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("path", f"cannot create directory {self.root}: {exc.strerror}") from None
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise ConfigError("path", f"directory {self.root} is not writable")
+            if not isinstance(opts[opt], bool):
+                raise ConfigError(opt, f"expected true or false, got {opts[opt]!r}")
+        return opts
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.root = Path(self.options["path"]).expanduser()
+        self.read_only = context.read_only
+        if not self.read_only:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError("path", f"cannot create directory {self.root}: {exc.strerror}") from None
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise ConfigError("path", f"directory {self.root} is not writable")
+        elif self.root.exists() and not self.root.is_dir():
+            raise ConfigError("path", f"{self.root} is not a directory")
         self.o_direct = self.options["o_direct"]
         self.fsync = self.options["fsync"]
-        if self.o_direct:
+        if self.o_direct and not self.read_only:
             self._check_o_direct()
         self._lock = threading.Lock()
-        self._index: dict[str, int] = {}  # key -> file size
+        self._index: dict[str, int] = {}  # key -> file size, oldest first
+        self._meta: dict[str, tuple[str, float]] = {}  # key -> (codec, wall-clock time written)
         self._used = 0
         self._rebuild()
 
@@ -93,17 +106,24 @@ class DiskBackend(BytesBackend):
             probe.unlink(missing_ok=True)
 
     def _rebuild(self) -> None:
-        """Index every valid chunk file; remove temporaries and files that fail checks."""
+        """Index every valid chunk file, oldest first; remove temporaries and files that
+        fail checks (unless read-only)."""
         removed = 0
+        found: list[tuple[float, str, int, str]] = []
+        if self.read_only and not self.root.exists():
+            log.warning("disk tier %s: directory %s does not exist (yet): no entries", self.context.tier, self.root)
+            return
         for sub in self.root.iterdir():
             if sub.name.startswith(TMP_PREFIX):
-                sub.unlink(missing_ok=True)
+                if not self.read_only:
+                    sub.unlink(missing_ok=True)
                 continue
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
             for f in sub.iterdir():
                 if f.name.startswith(TMP_PREFIX):
-                    f.unlink(missing_ok=True)
+                    if not self.read_only:
+                        f.unlink(missing_ok=True)
                     continue
                 if not f.name.endswith(SUFFIX):
                     continue
@@ -114,19 +134,27 @@ class DiskBackend(BytesBackend):
                             hlen = int.from_bytes(head[6:10], "little")
                             if payload.PREFIX_SIZE + hlen > len(head) and hlen <= payload.MAX_HEADER:
                                 head += fh.read(payload.PREFIX_SIZE + hlen - len(head))
-                        size = os.fstat(fh.fileno()).st_size
+                        st = os.fstat(fh.fileno())
+                        size = st.st_size
                     h = payload.parse_header(head)
                     if _file_name(h.key) != f.name:
                         raise CorruptPayloadError("file name does not match the key in its header")
                     if size != h.total_len:
                         raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
                 except (CorruptPayloadError, OSError) as exc:
+                    removed += 1
+                    if self.read_only:
+                        log.warning("disk tier %s: skipping bad file %s: %s", self.context.tier, f, exc)
+                        continue
                     log.warning("disk tier %s: removing bad file %s: %s", self.context.tier, f, exc)
                     f.unlink(missing_ok=True)
-                    removed += 1
                     continue
-                self._index[h.key] = size
-                self._used += size
+                found.append((st.st_mtime, h.key, size, h.codec))
+        found.sort()
+        for mtime, key, size, codec in found:
+            self._index[key] = size
+            self._meta[key] = (codec, mtime)
+            self._used += size
         self.integrity.corrupt += removed
 
     # ------------------------------------------------------------- BytesBackend
@@ -144,9 +172,16 @@ class DiskBackend(BytesBackend):
     def usage(self) -> Usage:
         return Usage(self._used, self.context.capacity, len(self._index))
 
+    def entries(self) -> Iterator[EntryInfo]:
+        """From the index: codec from each file's header, time from its mtime."""
+        with self._lock:
+            items = [(k, size, self._meta.get(k)) for k, size in self._index.items()]
+        return iter(EntryInfo(k, size, *(m or (None, None))) for k, size, m in items)
+
     def delete(self, key: str) -> bool:
         with self._lock:
             size = self._index.pop(key, None)
+            self._meta.pop(key, None)
             if size is not None:
                 self._used -= size
         try:
@@ -157,6 +192,7 @@ class DiskBackend(BytesBackend):
 
     def _forget(self, key: str) -> None:
         with self._lock:
+            self._meta.pop(key, None)
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
@@ -191,8 +227,9 @@ class DiskBackend(BytesBackend):
         os.close(fd)
         os.replace(tmp, final)
         with self._lock:
-            old = self._index.get(key)
+            old = self._index.pop(key, None)  # re-inserted last: the newest entry
             self._index[key] = total
+            self._meta[key] = (self.context.codec.name, time.time())
             self._used += total - (old or 0)
 
     def read(self, key: str) -> bytes | None:

@@ -18,7 +18,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from lmcache.errors import LMCacheError
-from lmcache.units import parse_size
+from lmcache.units import parse_duration, parse_size
 
 PROG = "lmcache"
 
@@ -52,6 +52,58 @@ def print_json(data: Any) -> None:
 def error_line(message: str) -> None:
     sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
     sys.stderr.flush()
+
+
+class CLIError(LMCacheError):
+    """A known problem the command reports in one line (exit code 1)."""
+
+
+def note(message: str) -> None:
+    """A diagnostic line on stderr (``lmcache: message``)."""
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+def stdin_is_tty() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):  # closed or replaced stdin
+        return False
+
+
+def confirm(question: str, *, yes: bool, what: str) -> None:
+    """Ask before something destructive unless ``yes``; with no terminal to ask on,
+    refuse with a one-line error that names ``--yes``. ``what`` completes "refusing to
+    ..." (e.g. "evict 12 entries")."""
+    if yes:
+        return
+    if not stdin_is_tty():
+        raise CLIError(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
+    if not typer.confirm(question, default=False, err=True):
+        raise typer.Abort()
+
+
+def progress(*, transient: bool = True):
+    """A rich progress bar on stderr, drawn only when stderr is a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err(),
+        transient=transient,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+def duration_option(value: str, option: str) -> float:
+    """Parse a ``--older-than``-style value such as ``"1h"`` or ``"90s"``."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 def size_option(value: str, option: str, auto: bool = True) -> int | None:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from . import bench, demo, plugins_cmd
+from . import bench, config_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugins_cmd, stats_cmd, tiers_cmd
 from ._util import LMCacheGroup, print_json
 
 app = typer.Typer(
@@ -20,12 +20,36 @@ app = typer.Typer(
     name="lmcache",
     help="lmcache: a KV-cache layer for LLM inference.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 app.add_typer(demo.app)
 app.add_typer(bench.app, name="bench")
 app.add_typer(plugins_cmd.app)
+app.add_typer(tiers_cmd.app)
+app.add_typer(ls_cmd.app)
+app.add_typer(evict_cmd.app)
+app.add_typer(pin_cmd.app)
+app.add_typer(stats_cmd.app)
+app.add_typer(config_cmd.app, name="config")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from lmcache import __version__
+
+        typer.echo(f"lmcache {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """lmcache: a KV-cache layer for LLM inference."""
 
 
 @app.command("version")

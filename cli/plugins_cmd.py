@@ -48,7 +48,10 @@ def plugins(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ) -> None:
-    """List every registered backend, codec, connector and eviction policy."""
+    """List every registered backend, codec, connector and eviction policy.
+
+    Each with the package (and version) that provides it and the hooks it registered through. In --json, 'kind' is the type and 'distribution' the package.
+    """
     if kind is not None and kind not in KINDS:
         raise typer.BadParameter(f"must be one of {', '.join(KINDS)}; got {kind!r}", param_hint="'--kind'")
     rows = plugin_rows()
@@ -61,12 +64,13 @@ def plugins(
     if not rows:
         o.print("No plugins registered.")
         return
-    t = Table(caption="hooks are shown without their 'lmcache_' prefix", caption_justify="left")
-    for col in ("kind", "name", "target", "plugin", "package", "hooks"):
-        t.add_column(col, overflow="fold", no_wrap=col in ("kind", "name", "target"))
+    t = Table(caption="hooks are shown without their 'lmcache_' prefix; --json also names each plugin module",
+              caption_justify="left")
+    for col in ("type", "name", "package", "version", "hooks", "target"):
+        t.add_column(col, overflow="fold", no_wrap=col != "hooks")
     for r in rows:
         t.add_row(
-            r["kind"], r["name"], r["target"], r["plugin"], f"{r['distribution']} {r['version']}".strip(),
-            ", ".join(h.removeprefix("lmcache_") for h in r["hooks"]),
+            r["kind"], r["name"], r["distribution"], r["version"] or "-",
+            ", ".join(h.removeprefix("lmcache_") for h in r["hooks"]), r["target"],
         )
     o.print(t)

@@ -4,7 +4,7 @@ Sources, later ones winning: a YAML file (an explicit path, or ``LMCACHE_CONFIG_
 then ``LMCACHE_<KEY>`` environment variables (values read as YAML scalars, so
 ``LMCACHE_TIERS='[{backend: cpu, capacity: 1GiB}]'`` works), then explicit overrides.
 Every value is validated on load; an error names the key and, when the value came from a
-file, the file.
+file, the file. ``Config.sources`` records where each top-level value came from.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ _ENV_NOT_KEYS = {
     "DISABLE_PLUGIN_AUTOLOAD",
     "LOG_LEVEL",
     "MODEL_CACHE",
+    "API_TOKEN",  # read as api.token by load_config; also the CLI's --token
+    "API_URL",  # the CLI's --url
 }
 
 
@@ -108,8 +110,29 @@ class TierConfig:
 
 
 @dataclass
+class ApiConfig:
+    """The instance API (see :mod:`lmcache.api`): off unless ``enabled``.
+
+    ``port: 0`` picks a free port (``CacheEngine.api_url`` tells which); ``token``, when
+    set, must be sent as ``Authorization: Bearer <token>`` on every request; ``timeout``
+    bounds the time one request may take to arrive.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    timeout: float = 10.0
+
+
+@dataclass
 class Config:
-    """Validated lmcache configuration. Build it with :func:`load_config`."""
+    """Validated lmcache configuration. Build it with :func:`load_config`.
+
+    ``sources`` maps each top-level key to where its value came from: ``"default"``,
+    ``"file:<path>"``, ``"env:LMCACHE_<KEY>"``, ``"mapping"`` (a dict given to
+    :func:`load_config`) or ``"override"`` (a keyword argument).
+    """
 
     chunk_size: int = 256
     save_unfull_chunk: bool = True
@@ -125,7 +148,13 @@ class Config:
     write_queue_size: int = 256
     lookup_pin_timeout: float = 30.0
     kv_spec: KVSpec | None = None
+    api: ApiConfig = field(default_factory=ApiConfig)
     source: str | None = field(default=None, compare=False)
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def source_of(self, key: str) -> str:
+        """Where the value of top-level ``key`` came from (``"default"`` if not set)."""
+        return self.sources.get(key, "default")
 
     @property
     def pool_size(self) -> int:
@@ -135,11 +164,16 @@ class Config:
         cpu = sum(t.capacity for t in self.tiers if t.backend == "cpu")
         return cpu + self.staging_size
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, mask_secrets: bool = False) -> dict[str, Any]:
+        """The values as plain data (tiers with their backend keys inlined); with
+        ``mask_secrets`` the API token reads ``"***"``."""
         d = dataclasses.asdict(self)
         d.pop("source")
+        d.pop("sources")
         for t in d["tiers"]:
             t.update(t.pop("options"))
+        if mask_secrets and d["api"]["token"] is not None:
+            d["api"]["token"] = "***"
         return d
 
 
@@ -226,7 +260,7 @@ _SCALARS = {
     "write_queue_size": lambda k, v, s: _int(k, v, s, 1),
     "lookup_pin_timeout": lambda k, v, s: _positive_float(k, v, s),
 }
-KEYS = tuple(_SCALARS) + ("tiers", "kv_spec")
+KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api")
 
 
 def _positive_float(key: str, v: Any, src: str | None) -> float:
@@ -252,8 +286,54 @@ def _kv_spec(raw: Any, src: str | None) -> KVSpec | None:
         raise ConfigError(exc.key, exc.problem, src) from None
 
 
-def _apply(cfg: Config, data: Mapping[str, Any], src: str | None) -> None:
+_API_FIELDS = {f.name for f in dataclasses.fields(ApiConfig)}
+
+
+def _api(raw: Any, base: ApiConfig, src: str | None) -> ApiConfig:
+    """Validate an ``api`` mapping; keys it does not set keep their value in ``base``."""
+    if isinstance(raw, ApiConfig):
+        return dataclasses.replace(raw)
+    if raw is None:
+        raw = {}
+    if isinstance(raw, bool):  # `api: true` is short for `api: {enabled: true}`
+        raw = {"enabled": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError("api", f"expected a mapping such as {{enabled: true, port: 8000}}, got {raw!r}", src)
+    for k in raw:
+        if k not in _API_FIELDS:
+            raise ConfigError(f"api.{k}", f"unknown key; known keys: {', '.join(sorted(_API_FIELDS))}", src)
+    api = dataclasses.replace(base)
+    if "enabled" in raw:
+        api.enabled = _bool("api.enabled", raw["enabled"], src)
+    if "host" in raw:
+        api.host = _str("api.host", raw["host"], src)
+    if "port" in raw:
+        api.port = _int("api.port", raw["port"], src, 0)
+        if api.port > 65535:
+            raise ConfigError("api.port", f"must be <= 65535, got {api.port}", src)
+    if "token" in raw:
+        tok = raw["token"]
+        if tok is not None and (not isinstance(tok, str) or not tok or tok != tok.strip()):
+            raise ConfigError("api.token", "expected a non-empty string without surrounding spaces, or null", src)
+        api.token = tok
+    if "timeout" in raw:
+        api.timeout = _positive_float("api.timeout", raw["timeout"], src)
+    return api
+
+
+def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | None = None) -> None:
+    """Validate and set each key of ``data``; ``origin`` is what ``cfg.sources`` records."""
     for key, value in data.items():
+        if origin is not None and key in KEYS:
+            if key == "api":  # recorded per field: a file may enable it and $LMCACHE_API_TOKEN set the token
+                if isinstance(value, Mapping):
+                    fields_ = [k for k in value if k in _API_FIELDS]
+                else:
+                    fields_ = ["enabled"] if isinstance(value, bool) else sorted(_API_FIELDS)
+                for f in fields_:
+                    cfg.sources[f"api.{f}"] = origin
+            else:
+                cfg.sources[key] = origin
         if key in _SCALARS:
             setattr(cfg, key, _SCALARS[key](key, value, src))
         elif key == "tiers":
@@ -269,6 +349,8 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None) -> None:
             cfg.tiers = tiers
         elif key == "kv_spec":
             cfg.kv_spec = _kv_spec(value, src)
+        elif key == "api":
+            cfg.api = _api(value, cfg.api, src)
         else:
             import difflib
 
@@ -325,20 +407,25 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     if isinstance(source, Config):
-        cfg = dataclasses.replace(source, tiers=[dataclasses.replace(t, options=dict(t.options)) for t in source.tiers])
-        _apply(cfg, _env_values(environ), "environment")
-        _apply(cfg, overrides, None)
-        return cfg
-    cfg = Config()
-    if source is None and environ.get("LMCACHE_CONFIG_FILE"):
-        source = environ["LMCACHE_CONFIG_FILE"]
-    if isinstance(source, Mapping):
-        _apply(cfg, source, None)
-    elif source is not None:
-        path = Path(source)
-        cfg.source = str(path)
-        _apply(cfg, _read_yaml(path), str(path))
+        cfg = dataclasses.replace(
+            source,
+            tiers=[dataclasses.replace(t, options=dict(t.options)) for t in source.tiers],
+            api=dataclasses.replace(source.api),
+            sources=dict(source.sources),
+        )
+    else:
+        cfg = Config()
+        if source is None and environ.get("LMCACHE_CONFIG_FILE"):
+            source = environ["LMCACHE_CONFIG_FILE"]
+        if isinstance(source, Mapping):
+            _apply(cfg, source, None, "mapping")
+        elif source is not None:
+            path = Path(source)
+            cfg.source = str(path)
+            _apply(cfg, _read_yaml(path), str(path), f"file:{path}")
     for key, value in _env_values(environ).items():
-        _apply(cfg, {key: value}, f"$LMCACHE_{key.upper()}")
-    _apply(cfg, overrides, None)
+        _apply(cfg, {key: value}, f"$LMCACHE_{key.upper()}", f"env:LMCACHE_{key.upper()}")
+    if environ.get("LMCACHE_API_TOKEN"):  # a secret: taken verbatim, never parsed as YAML
+        _apply(cfg, {"api": {"token": environ["LMCACHE_API_TOKEN"]}}, "$LMCACHE_API_TOKEN", "env:LMCACHE_API_TOKEN")
+    _apply(cfg, overrides, None, "override")
     return cfg

@@ -70,6 +70,16 @@ class CacheEngine:
         self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
         self._lock = threading.Lock()
         self._closed = False
+        self._admin = None
+        self.api = None
+        if config.api.enabled:
+            from .api import ApiServer
+
+            try:
+                self.api = ApiServer(self.admin, config.api)
+            except BaseException:
+                self.hierarchy.close()
+                raise
 
     @classmethod
     def from_config(
@@ -259,14 +269,33 @@ class CacheEngine:
         """Wait for queued lower-tier writes."""
         self.hierarchy.flush()
 
+    @property
+    def admin(self):
+        """The admin operations on this engine's tiers (:class:`lmcache.admin.Admin`):
+        list keys, evict, pin; the instance API serves exactly these."""
+        if self._admin is None:
+            from .admin import Admin
+
+            self._admin = Admin.for_engine(self)
+        return self._admin
+
+    @property
+    def api_url(self) -> str | None:
+        """``http://host:port`` of the instance API, or ``None`` when it is not enabled."""
+        return self.api.url if self.api is not None else None
+
     def stats(self) -> dict[str, Any]:
+        """Counters and usage: per tier (:meth:`lmcache.hierarchy.Tier.info`: hits,
+        misses, hit_rate, bytes_in, bytes_out, evictions, used_bytes, capacity_bytes,
+        entries, ...), the memory pool and the hierarchy's write queue."""
         return {
-            "tiers": {t.name: {**t.stats.as_dict(), **t.usage().__dict__} for t in self.hierarchy.tiers},
+            "tiers": {t.name: t.info() for t in self.hierarchy.tiers},
             "pool": {"capacity": self.pool.capacity, "used": self.pool.used, "live": self.pool.live},
             "hierarchy": {
                 "dropped_writes": self.hierarchy.stats.dropped_writes,
                 "skipped_no_memory": self.hierarchy.stats.skipped_no_memory,
                 "promotions": self.hierarchy.stats.promotions,
+                "pending_writes": self.hierarchy.pending_writes(),
             },
         }
 
@@ -279,6 +308,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        if self.api is not None:
+            self.api.close()
         self.hierarchy.close()
 
     def __enter__(self) -> "CacheEngine":

@@ -56,3 +56,30 @@ class BackendError(LMCacheError):
 
 class KVShapeError(LMCacheError, ValueError):
     """A KV tensor does not match the shape the cache engine was set up for."""
+
+
+class AdminError(LMCacheError):
+    """A request to inspect or change a cache instance (the instance API, ``lmcache
+    evict``...) is wrong or cannot be served. ``status`` is the HTTP status the instance
+    API answers with: 400 for a malformed request, 404 for an unknown tier or key, 401
+    for a missing or wrong token, 503 when the instance cannot be reached."""
+
+    status = 400
+
+
+class NotFoundError(AdminError):
+    """An unknown tier, or a key that no tier holds."""
+
+    status = 404
+
+
+class AuthError(AdminError):
+    """The instance API wants a token that was missing or wrong."""
+
+    status = 401
+
+
+class UnreachableError(AdminError):
+    """The instance API did not answer (refused, timed out, not HTTP)."""
+
+    status = 503

@@ -26,8 +26,8 @@ from .config import Config, TierConfig
 from .errors import ConfigError
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
-from .policies import EvictionPolicy
-from .storage import BackendContext, StorageBackend, Usage
+from .policies import EvictionPolicy, eviction_order
+from .storage import BackendContext, EntryInfo, StorageBackend, Usage
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,11 @@ class Tier:
         backend: StorageBackend,
         policy: EvictionPolicy,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        trim: bool = True,
     ):
+        """``trim``: evict at once if the backend already holds more than the capacity
+        (off when a tier is only opened for inspection)."""
         self.cfg = cfg
         self.name = cfg.name
         self.capacity = cfg.capacity
@@ -90,7 +94,7 @@ class Tier:
             self._index[key] = size
             self.used += size
             policy.on_insert(key)
-        if self.used > self.capacity:
+        if trim and self.used > self.capacity:
             with self._lock:
                 self._make_room(0)
 
@@ -301,11 +305,183 @@ class Tier:
     def usage(self) -> Usage:
         return Usage(self.used, self.capacity, len(self._index))
 
+    # --------------------------------------------------------- inspection
+    def info(self) -> dict:
+        """Counters and usage as plain data (``CacheEngine.stats()["tiers"][name]``).
+
+        ``bytes_in`` are the bytes written into the tier, ``bytes_out`` those read from
+        it by hits; ``hit_rate`` is hits / (hits + misses), ``None`` before any get.
+        """
+        st = self.stats.as_dict()
+        looked = st["hits"] + st["misses"]
+        with self._lock:
+            pinned = sum(1 for k in self._pins if k in self._index)
+        return {
+            "name": self.name,
+            "backend": self.cfg.backend,
+            "codec": self.cfg.codec,
+            "policy": self.cfg.policy,
+            **st,
+            **self.usage().__dict__,
+            "hit_rate": st["hits"] / looked if looked else None,
+            "bytes_in": st["put_bytes"],
+            "bytes_out": st["hit_bytes"],
+            "pinned": pinned,
+            "available": self.available,
+        }
+
+    def entries(self) -> Iterator[tuple[EntryInfo, bool]]:
+        """``(entry, pinned)`` for every entry the tier accounts for."""
+        index = self._index
+        for e in self.backend.entries():
+            if e.key in index:
+                yield e, self.is_pinned(e.key)
+
+    def eviction_order(self) -> list[str]:
+        """The keys this tier's policy would evict next, first first (pinned ones and
+        those a reader holds left out)."""
+        with self._lock:
+            return [k for k in eviction_order(self.policy) if k in self._index and self._evictable(k)]
+
+    def size_of(self, key: str) -> int | None:
+        return self._index.get(key)
+
+    def evict_keys(self, keys: Sequence[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+        """Evict these entries now (an operator's request: nothing is demoted to the
+        tier below). Returns ``([(key, bytes)], [(key, why not)])``: a pinned entry, one a
+        reader holds and one the tier does not have are skipped."""
+        done: list[tuple[str, int]] = []
+        skipped: list[tuple[str, str]] = []
+        with self._lock:
+            for key in keys:
+                size = self._index.get(key)
+                if size is None:
+                    skipped.append((key, "not in this tier"))
+                    continue
+                if self.is_pinned(key):
+                    skipped.append((key, "pinned"))
+                    continue
+                if self.backend.in_use(key):
+                    skipped.append((key, "in use by a reader"))
+                    continue
+                try:
+                    self.backend.remove_one(key)
+                except Exception as exc:
+                    self._failed("remove", exc)
+                    skipped.append((key, f"remove failed: {exc}"))
+                    continue
+                del self._index[key]
+                self.used -= size
+                self.policy.on_remove(key)
+                self.stats.evictions += 1
+                done.append((key, size))
+        return done, skipped
+
     def __len__(self) -> int:
         return len(self._index)
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, backend={self.cfg.backend}, used={self.used}/{self.capacity})"
+
+
+@dataclass
+class TierParts:
+    """A tier's plugins, loaded and checked, before its backend is opened."""
+
+    backend_cls: type[StorageBackend]
+    codec: object
+    policy: EvictionPolicy
+    options: dict
+
+
+def check_tier(
+    i: int,
+    tcfg: TierConfig,
+    *,
+    source: str | None = None,
+    registries: Registries | None = None,
+    codec_for: Callable[..., object] | None = None,
+) -> TierParts:
+    """Load tier ``i``'s backend class, codec and policy and check its backend keys,
+    opening nothing. Errors are :class:`ConfigError` naming ``tiers[i].<key>``."""
+    regs = registries or get_registries()
+    prefix = f"tiers[{i}]"
+    options = dict(tcfg.options)
+    codec_options = options.pop("codec_options", None)
+    try:
+        backend_cls = regs.backends.load(tcfg.backend)
+    except Exception as exc:
+        raise ConfigError(f"{prefix}.backend", str(exc), source) from exc
+    try:
+        if codec_for is not None:
+            codec = codec_for(tcfg.codec, codec_options)
+        else:
+            codec = regs.codecs.load(tcfg.codec)(**(codec_options or {}))
+    except TypeError as exc:
+        raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
+    except ValueError as exc:
+        raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
+    except Exception as exc:
+        raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
+    try:
+        policy = regs.policies.load(tcfg.policy)()
+    except Exception as exc:
+        raise ConfigError(f"{prefix}.policy", str(exc), source) from exc
+    check = getattr(backend_cls, "check_options", None)
+    if check is not None:
+        try:
+            check(options)
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix}.{exc.key}", exc.problem, source) from None
+    return TierParts(backend_cls, codec, policy, options)
+
+
+def build_tier(
+    i: int,
+    tcfg: TierConfig,
+    *,
+    source: str | None = None,
+    registries: Registries | None = None,
+    codec_for: Callable[..., object] | None = None,
+    allocate: Callable[[Sequence[int], torch.dtype], MemoryObj] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    pool: MemoryPool | None = None,
+    read_only: bool = False,
+    trim: bool = True,
+    parts: TierParts | None = None,
+) -> Tier:
+    """Open tier ``i`` of a config: its backend, codec and policy. Used by the hierarchy,
+    and on its own by tools that inspect a config's persisted tiers (``lmcache ls``).
+    Without ``allocate``, reads go to heap memory; without ``codec_for``, payloads of any
+    registered codec are readable."""
+    regs = registries or get_registries()
+    if codec_for is None:
+        cache: dict[str, object] = {}
+
+        def codec_for(name: str, options: dict | None = None) -> object:
+            if options:
+                return regs.codecs.load(name)(**options)
+            if name not in cache:
+                cache[name] = regs.codecs.load(name)()
+            return cache[name]
+
+    parts = parts or check_tier(i, tcfg, source=source, registries=regs, codec_for=codec_for)
+    ctx = BackendContext(
+        tier=tcfg.name,
+        capacity=tcfg.capacity,
+        options=parts.options,
+        codec=parts.codec,  # type: ignore[arg-type]
+        codec_lookup=codec_for,  # type: ignore[arg-type]
+        allocate=allocate or MemoryPool.allocate_unpooled,
+        clock=clock,
+        pool=pool,
+        read_only=read_only,
+    )
+    try:
+        backend = parts.backend_cls(ctx)
+    except ConfigError as exc:
+        raise ConfigError(f"tiers[{i}].{exc.key}", exc.problem, source) from None
+    return Tier(tcfg, backend, parts.policy, clock, trim=trim)
 
 
 @dataclass
@@ -365,41 +541,10 @@ class StorageHierarchy:
         return c
 
     def _build_tier(self, i: int, tcfg: TierConfig) -> Tier:
-        src = self.config.source
-        prefix = f"tiers[{i}]"
-        options = dict(tcfg.options)
-        codec_options = options.pop("codec_options", None)
-        try:
-            backend_cls = self.registries.backends.load(tcfg.backend)
-        except Exception as exc:
-            raise ConfigError(f"{prefix}.backend", str(exc), src) from exc
-        try:
-            codec = self._codec(tcfg.codec, codec_options)
-        except TypeError as exc:
-            raise ConfigError(f"{prefix}.codec_options", str(exc), src) from None
-        except ValueError as exc:
-            raise ConfigError(f"{prefix}.codec_options", str(exc), src) from None
-        except Exception as exc:
-            raise ConfigError(f"{prefix}.codec", str(exc), src) from exc
-        try:
-            policy = self.registries.policies.load(tcfg.policy)()
-        except Exception as exc:
-            raise ConfigError(f"{prefix}.policy", str(exc), src) from exc
-        ctx = BackendContext(
-            tier=tcfg.name,
-            capacity=tcfg.capacity,
-            options=options,
-            codec=codec,
-            codec_lookup=self._codec,
-            allocate=self.allocate_transient,
-            clock=self.clock,
-            pool=self.pool,
+        return build_tier(
+            i, tcfg, source=self.config.source, registries=self.registries, codec_for=self._codec,
+            allocate=self.allocate_transient, clock=self.clock, pool=self.pool,
         )
-        try:
-            backend = backend_cls(ctx)
-        except ConfigError as exc:
-            raise ConfigError(f"{prefix}.{exc.key}", exc.problem, src) from None
-        return Tier(tcfg, backend, policy, self.clock)
 
     # ------------------------------------------------------------ memory
     def _pool_tiers(self) -> list[Tier]:

@@ -3,12 +3,16 @@
 A policy only records what happens to keys and proposes victims; the core accounts bytes
 and decides which proposed victims may go (it skips pinned entries and entries a reader
 still holds through ``skip``). ``contains`` checks are not accesses: reads never write.
+
+A policy may also offer ``eviction_order()``: every key, next victim first, without
+changing its state (``lmcache evict --bytes`` and ``--dry-run`` use it to plan). Without
+it, :func:`eviction_order` asks ``victim`` repeatedly.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Protocol, runtime_checkable
+from typing import Callable, Hashable, Iterator, Protocol, runtime_checkable
 
 from .hookspecs import hookimpl
 
@@ -35,6 +39,22 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
+def eviction_order(policy: EvictionPolicy) -> Iterator[Key]:
+    """The keys of ``policy`` in the order it would evict them (a snapshot: the policy
+    is not changed). Uses the policy's own ``eviction_order()`` if it has one."""
+    own = getattr(policy, "eviction_order", None)
+    if own is not None:
+        yield from own()
+        return
+    seen: set[Key] = set()
+    while True:
+        k = policy.victim(lambda k: k in seen)
+        if k is None:
+            return
+        seen.add(k)
+        yield k
+
+
 class LRUPolicy:
     """Least recently used first."""
 
@@ -57,6 +77,9 @@ class LRUPolicy:
             if not skip(k):
                 return k
         return None
+
+    def eviction_order(self) -> Iterator[Key]:
+        return iter(list(self._od))
 
     def __len__(self) -> int:
         return len(self._od)
@@ -110,6 +133,9 @@ class LFUPolicy:
                 if not skip(k):
                     return k
         return None
+
+    def eviction_order(self) -> Iterator[Key]:
+        return iter([k for f in sorted(self._buckets) for k in self._buckets[f]])
 
     def __len__(self) -> int:
         return len(self._freq)

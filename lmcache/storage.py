@@ -40,6 +40,21 @@ class Usage:
 
 
 @dataclass
+class EntryInfo:
+    """What a backend knows about one stored entry (for the CLI and the instance API).
+
+    ``codec`` is the codec the entry is stored with and ``stored_at`` the wall-clock
+    time (``time.time()``) it was written; either is ``None`` when the backend cannot
+    tell.
+    """
+
+    key: str
+    size: int
+    codec: str | None = None
+    stored_at: float | None = None
+
+
+@dataclass
 class BackendContext:
     """What a backend is built with.
 
@@ -50,7 +65,10 @@ class BackendContext:
     - ``codec_lookup``: name -> codec, for reading payloads written with another codec;
     - ``allocate``: ``(shape, dtype) -> MemoryObj``; always returns an object (from the
       pool if it has room, else a transient heap object);
-    - ``clock``: seconds, monotonic; injected so tests control time.
+    - ``clock``: seconds, monotonic; injected so tests control time;
+    - ``read_only``: the backend is opened only to inspect it (``lmcache ls``/``tiers``
+      on a config): it should not create, repair or delete anything while opening.
+      Advisory: writes may still be requested (``lmcache evict`` opens tiers writable).
     """
 
     tier: str
@@ -61,6 +79,7 @@ class BackendContext:
     allocate: Callable[[Sequence[int], torch.dtype], MemoryObj]
     clock: Callable[[], float] = time.monotonic
     pool: MemoryPool | None = None
+    read_only: bool = False
 
     @classmethod
     def standalone(
@@ -71,6 +90,7 @@ class BackendContext:
         codec: Codec | None = None,
         pool: MemoryPool | None = None,
         tier: str = "test",
+        read_only: bool = False,
     ) -> "BackendContext":
         """A context for using a backend on its own (tests, tools)."""
         from .plugin_manager import get_registries
@@ -86,7 +106,7 @@ class BackendContext:
             obj = pool.allocate(shape, dtype) if pool is not None else None
             return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 
-        return cls(tier, capacity, dict(options or {}), codec, lookup, allocate, time.monotonic, pool)
+        return cls(tier, capacity, dict(options or {}), codec, lookup, allocate, time.monotonic, pool, read_only)
 
 
 class StorageBackend:
@@ -100,13 +120,19 @@ class StorageBackend:
 
     def __init__(self, context: BackendContext):
         self.context = context
-        unknown = set(context.options) - set(self.OPTIONS)
+        self.options = self.check_options(context.options)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate a tier's backend keys without opening anything; return them merged
+        with the defaults. Raises :class:`ConfigError` naming the key. Subclasses that
+        check more call ``super().check_options(options)`` first
+        (``lmcache config validate`` calls this)."""
+        unknown = set(options) - set(cls.OPTIONS)
         if unknown:
-            known = ", ".join(sorted(self.OPTIONS)) or "none"
-            raise ConfigError(
-                sorted(unknown)[0], f"unknown key for backend {type(self).__name__}; its keys: {known}"
-            )
-        self.options = {**self.OPTIONS, **context.options}
+            known = ", ".join(sorted(cls.OPTIONS)) or "none"
+            raise ConfigError(sorted(unknown)[0], f"unknown key for backend {cls.__name__}; its keys: {known}")
+        return {**cls.OPTIONS, **options}
 
     # -- single-key methods: implement these
     def contains_one(self, key: str) -> bool:
@@ -126,6 +152,13 @@ class StorageBackend:
     def keys(self) -> Iterator[tuple[str, int]]:
         """Every stored ``(key, stored bytes)``, for the CLI and for rebuilding indexes."""
         raise NotImplementedError
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every stored entry with its metadata (codec, time stored) where the backend
+        knows it. Derived from :meth:`keys` by default; backends that keep or can cheaply
+        read per-entry metadata override it."""
+        for key, size in self.keys():
+            yield EntryInfo(key, size)
 
     # -- batch forms: loops by default
     def contains(self, keys: Sequence[str]) -> list[bool]:

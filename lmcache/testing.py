@@ -184,6 +184,17 @@ class PolicyTests:
         assert v2 in set("abcde") and v2 != v
         assert policy.victim(lambda k: True) is None
 
+    def test_eviction_order_starts_with_the_victim_and_lists_every_key_once(self, policy):
+        from .policies import eviction_order
+
+        for k in "abcdef":
+            policy.on_insert(k)
+        policy.on_access("a")
+        order = list(eviction_order(policy))
+        assert sorted(order) == list("abcdef")
+        assert order[0] == policy.victim(lambda k: False)
+        assert len(policy) == 6
+
     def test_victim_does_not_change_state(self, policy):
         for k in "abc":
             policy.on_insert(k)

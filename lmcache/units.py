@@ -59,3 +59,50 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string such as ``"90s"``, ``"15m"``, ``"1h30m"``,
+    ``"2d"`` (units s, m, h, d, w; a bare number is seconds). Raises ``ValueError``
+    naming the value otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '1h' or a number of seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or value != value:
+            raise ValueError(f"a duration cannot be negative or NaN, got {value}")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        total, pos = 0.0, 0
+        for m in _DURATION_RE.finditer(text):
+            unit = m.group(2).lower()
+            if m.start() != pos or unit not in _DURATION_UNITS:
+                break
+            total += float(m.group(1)) * _DURATION_UNITS[unit]
+            pos = m.end()
+        else:
+            if text and pos == len(text):
+                return total
+        raise ValueError(
+            f"cannot read {value!r} as a duration: use a number of seconds or numbers with units "
+            "(s, m, h, d, w), e.g. '90s', '15m', '1h30m', '2d'"
+        )
+    raise ValueError(f"expected a duration such as '1h' or a number of seconds, got {value!r}")
+
+
+def format_duration(seconds: float) -> str:
+    """``5400`` -> ``"1h30m"``; under a minute, whole seconds (``"42s"``)."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            major, rest = divmod(s, n)
+            minor = {"d": ("h", 3600), "h": ("m", 60), "m": ("s", 1)}[unit]
+            r = rest // minor[1]
+            return f"{major}{unit}{r}{minor[0]}" if r else f"{major}{unit}"
+    return f"{s}s"  # pragma: no cover

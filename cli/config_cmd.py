@@ -1,0 +1,134 @@
+"""``lmcache config show`` and ``lmcache config validate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from lmcache.units import format_size
+
+from ._target import DEFAULT_TIMEOUT, JsonOpt, TimeoutOpt, TokenOpt, UrlOpt, config_path, open_target
+from ._util import note, out, print_json
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show the effective config, or check a config file.")
+
+_SIZE_KEYS = {"capacity", "memory_pool_size", "staging_size"}
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "null" if key != "memory_pool_size" else "auto"
+    if key in _SIZE_KEYS and isinstance(value, int) and not isinstance(value, bool):
+        return format_size(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(k, v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _source(src: str) -> str:
+    kind, _, detail = src.partition(":")
+    if kind == "file":  # the file is named above the table
+        return "file"
+    return f"{kind} ({detail})" if detail else kind
+
+
+def report_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(key, value, source)`` rows: one per key, one per tier, one per api field."""
+    rows = []
+    values, sources = report["values"], report["sources"]
+    for key, value in values.items():
+        if key == "tiers":
+            for i, t in enumerate(value):
+                rows.append((f"tiers[{i}]", _fmt("tier", t), _source(sources.get("tiers", "default"))))
+        elif key == "api":
+            for sub, v in value.items():
+                rows.append((f"api.{sub}", _fmt(sub, v), _source(sources.get(f"api.{sub}", "default"))))
+        else:
+            rows.append((key, _fmt(key, value), _source(sources.get(key, "default"))))
+    return rows
+
+
+@app.command("show")
+def show(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", metavar="FILE", show_default=False,
+                     help="The config file (default: $LMCACHE_CONFIG_FILE; without one: defaults and environment)."),
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show the effective config and where each value came from (file, env, default, override).
+
+    Offline, the config is loaded as an engine would load it: the file (--config or $LMCACHE_CONFIG_FILE), then LMCACHE_<KEY> environment variables. With --url, the running instance's own config. The API token is shown as ***.
+    """
+    if url is None and config is None:
+        import os
+
+        url = os.environ.get("LMCACHE_API_URL") or None
+    if url is not None:
+        with open_target(url, token, config, timeout) as target:
+            report = target.config_report()
+    else:
+        from lmcache.admin import config_report
+        from lmcache.config import load_config
+
+        path = config_path(config)
+        if path is None:
+            note("no config file (--config or $LMCACHE_CONFIG_FILE): showing defaults and environment")
+        report = config_report(load_config(path))
+    if as_json:
+        print_json(report)
+        return
+    o = out()
+    if report.get("file"):
+        o.print(f"config file: {escape(report['file'])}")
+    t = Table()
+    t.add_column("key", no_wrap=True)
+    t.add_column("value", overflow="fold")
+    t.add_column("source", overflow="fold")
+    for row in report_rows(report):
+        t.add_row(*(escape(c) for c in row))
+    o.print(t)
+
+
+@app.command("validate")
+def validate(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="The YAML config file to check.", show_default=False)],
+    as_json: JsonOpt = False,
+) -> None:
+    """Check a config file: every key and value, and each tier's backend, codec, policy and backend keys (nothing is opened or written).
+
+    The file is checked on its own: LMCACHE_<KEY> environment variables are not applied. Exits 0 if it is valid; otherwise prints one line naming the key and the file and exits 1.
+    """
+    from lmcache.config import load_config
+    from lmcache.hierarchy import check_tier
+
+    cfg = load_config(file, environ={})
+    tiers = []
+    for i, tcfg in enumerate(cfg.tiers):
+        parts = check_tier(i, tcfg, source=cfg.source)
+        tiers.append(
+            {
+                "name": tcfg.name,
+                "backend": tcfg.backend,
+                "class": f"{parts.backend_cls.__module__}:{parts.backend_cls.__qualname__}",
+                "capacity": tcfg.capacity,
+                "codec": tcfg.codec,
+                "policy": tcfg.policy,
+                "persistent": not getattr(parts.backend_cls, "holds_memory_objects", False),
+            }
+        )
+    if as_json:
+        print_json({"file": str(file), "valid": True, "tiers": tiers})
+        return
+    desc = ", ".join(f"{t['name']} ({t['backend']}, {format_size(t['capacity'])})" for t in tiers)
+    out().print(escape(f"{file}: valid; tiers: {desc}"))

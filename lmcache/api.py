@@ -1,0 +1,426 @@
+"""The instance API: a small HTTP/JSON server inside a cache engine.
+
+Off unless the config says ``api: {enabled: true}``; the engine starts it (a
+``ThreadingHTTPServer`` on a daemon thread) and :meth:`CacheEngine.close` stops it.
+Bound to ``127.0.0.1`` by default; ``port: 0`` picks a free port
+(``CacheEngine.api_url``). With ``token`` set, every request must carry
+``Authorization: Bearer <token>`` (compared in constant time), ``/metrics`` included.
+
+=======  ================  ==================================================
+method   path              what
+=======  ================  ==================================================
+GET      /v1/health        ``{"status": "ok", "version": ...}``
+GET      /v1/tiers         per tier: backend, entries, bytes, counters, hit rate
+GET      /v1/stats         ``CacheEngine.stats()``
+GET      /v1/config        effective config and the source of each value
+GET      /v1/keys          entries, paged: ``?tier=&namespace=&model=&offset=&limit=``
+GET      /v1/pins          the pins made through the API
+POST     /v1/evict         ``{tier, keys | bytes | older_than | all, namespace, model, dry_run}``
+POST     /v1/clear         ``{tier}``: every entry (of the tier), pins dropped
+POST     /v1/pin           ``{key, tier}``
+POST     /v1/unpin         ``{key, tier}``
+GET      /metrics          Prometheus text format (needs ``prometheus_client``)
+=======  ================  ==================================================
+
+Errors are JSON ``{"error": "...", "status": n}``: 400 for a malformed request (the
+message names the field), 401 for a missing or wrong token, 404 for an unknown path,
+tier or key, 405 for a wrong method, 413 for a body over 1 MiB. A client that does not
+finish sending its request within ``api.timeout`` seconds is disconnected.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+from .config import ApiConfig
+from .errors import AdminError, ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .admin import Admin
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 1 << 20
+JSON_TYPE = "application/json"
+
+# field -> accepted JSON types, per POST endpoint
+_EVICT_FIELDS = {
+    "tier": (str,),
+    "keys": (list,),
+    "bytes": (int, str),
+    "older_than": (int, float, str),
+    "all": (bool,),
+    "namespace": (str,),
+    "model": (str,),
+    "dry_run": (bool,),
+}
+_BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
+    "/v1/evict": (_EVICT_FIELDS, ()),
+    "/v1/clear": ({"tier": (str,)}, ()),
+    "/v1/pin": ({"key": (str,), "tier": (str,)}, ("key",)),
+    "/v1/unpin": ({"key": (str,), "tier": (str,)}, ("key",)),
+}
+_QUERIES = {
+    "/v1/keys": ("tier", "namespace", "model", "offset", "limit"),
+    "/v1/tiers": (),
+    "/v1/stats": (),
+    "/v1/config": (),
+    "/v1/health": (),
+    "/v1/pins": (),
+    "/metrics": (),
+}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    return " or ".join(names[t] for t in types)
+
+
+def _check_field(name: str, value: Any, types: tuple[type, ...]) -> None:
+    if value is None:
+        return
+    ok = any(isinstance(value, t) and not (isinstance(value, bool) and t is not bool) for t in types)
+    if not ok:
+        raise HTTPError(400, f"field {name!r} must be {_type_names(types)}, got {json.dumps(value)}")
+
+
+class ApiServer:
+    """Serves an :class:`~lmcache.admin.Admin` over HTTP until :meth:`close`."""
+
+    def __init__(self, admin: "Admin", cfg: ApiConfig):
+        self.admin = admin
+        self.cfg = cfg
+        self._token = cfg.token.encode() if cfg.token else None
+        self._metrics: tuple[Any, Callable[[Any], bytes], str] | None = None
+        self._metrics_lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout})
+        try:
+            self.server = ThreadingHTTPServer((cfg.host, cfg.port), handler)
+        except OSError as exc:
+            raise ConfigError(
+                "api.port", f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
+            ) from None
+        self.server.daemon_threads = True
+        host, port = self.server.server_address[:2]
+        self.host = host if ":" not in str(host) else f"[{host}]"
+        self.port = int(port)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="lmcache-api", daemon=True
+        )
+        self._thread.start()
+        log.info("lmcache instance API listening on %s", self.url)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------ helpers
+    def authorized(self, header: str | None) -> bool:
+        if self._token is None:
+            return True
+        if not header:
+            return False
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(value.strip().encode(), self._token)
+
+    def metrics(self) -> tuple[bytes, str]:
+        with self._metrics_lock:
+            if self._metrics is None:
+                try:
+                    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+                except ImportError:
+                    raise HTTPError(
+                        501, "/metrics needs the Python package 'prometheus_client': pip install 'lmcache[api]'"
+                    ) from None
+                registry = CollectorRegistry(auto_describe=False)  # this engine's own, not the global one
+                registry.register(_Collector(self.admin))
+                self._metrics = (registry, generate_latest, CONTENT_TYPE_LATEST)
+            registry, generate, ctype = self._metrics
+        return generate(registry), ctype
+
+    # ------------------------------------------------------------ routes
+    def get(self, path: str, query: dict[str, str]) -> Any:
+        a = self.admin
+        if path == "/v1/health":
+            from . import __version__
+
+            return {"status": "ok", "version": __version__, "live": a.live}
+        if path == "/v1/tiers":
+            return a.tiers()
+        if path == "/v1/stats":
+            return a.stats()
+        if path == "/v1/config":
+            return a.config_report()
+        if path == "/v1/pins":
+            return a.pins()
+        if path == "/v1/keys":
+            return a.keys(
+                query.get("tier"),
+                namespace=query.get("namespace"),
+                model=query.get("model"),
+                offset=_int_param(query, "offset", 0),
+                limit=_int_param(query, "limit", 1000),
+            )
+        raise HTTPError(404, f"no such endpoint: GET {path}")  # pragma: no cover - routed before
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        a = self.admin
+        if path == "/v1/evict":
+            body = dict(body)
+            tier = body.pop("tier", None)
+            dry_run = bool(body.pop("dry_run", False))
+            body.setdefault("all", False)
+            if body["all"] is None:
+                body["all"] = False
+            return a.evict(tier, dry_run=dry_run, **body)
+        if path == "/v1/clear":
+            return a.clear(body.get("tier"))
+        if path == "/v1/pin":
+            return a.pin(body["key"], body.get("tier"))
+        if path == "/v1/unpin":
+            return a.unpin(body["key"], body.get("tier"))
+        raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
+
+
+def _int_param(query: dict[str, str], name: str, default: int) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise HTTPError(400, f"query parameter {name!r} must be an integer, got {raw!r}") from None
+    if v < 0:
+        raise HTTPError(400, f"query parameter {name!r} must be >= 0, got {v}")
+    return v
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api: ApiServer  # set on the per-server subclass
+    server_version = "lmcache"
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        log.debug("api %s - %s", self.address_string(), format % args)
+
+    # ------------------------------------------------------------ plumbing
+    def _send(self, status: int, payload: Any, ctype: str = JSON_TYPE, headers: dict[str, str] | None = None) -> None:
+        body = payload if isinstance(payload, bytes) else (json.dumps(payload) + "\n").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self._drain()
+        self._send(status, {"error": message, "status": status}, headers=headers)
+
+    def _drain(self) -> None:
+        """Read a small unread body before answering, so that closing the connection
+        does not reset it under the client's feet (a body over MAX_BODY is not read)."""
+        if getattr(self, "_body_read", False):
+            return
+        self._body_read = True
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return
+        if 0 < n <= MAX_BODY:
+            try:
+                self.rfile.read(n)
+            except OSError:  # a timeout or a reset: answer anyway
+                pass
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            parts = urlsplit(self.path)
+            path = parts.path.rstrip("/") or "/"
+            if not self.api.authorized(self.headers.get("Authorization")):
+                raise HTTPError(
+                    401,
+                    "missing or wrong token: send 'Authorization: Bearer <token>'",
+                    {"WWW-Authenticate": 'Bearer realm="lmcache"'},
+                )
+            if path in _QUERIES:
+                if method != "GET":
+                    raise HTTPError(405, f"{path} takes GET, not {method}", {"Allow": "GET"})
+                query = self._query(parts.query, _QUERIES[path])
+                if path == "/metrics":
+                    text, ctype = self.api.metrics()
+                    self._send(200, text, ctype)
+                    return
+                self._send(200, self.api.get(path, query))
+            elif path in _BODIES:
+                if method != "POST":
+                    raise HTTPError(405, f"{path} takes POST, not {method}", {"Allow": "POST"})
+                fields, required = _BODIES[path]
+                body = self._body(fields, required)
+                self._send(200, self.api.post(path, body))
+            else:
+                raise HTTPError(404, f"no such endpoint: {method} {path}")
+        except HTTPError as exc:
+            self._error(exc.status, exc.message, exc.headers)
+        except AdminError as exc:  # 400 or 404, from the admin layer
+            self._error(exc.status, str(exc))
+        except (BrokenPipeError, ConnectionResetError):  # the client went away
+            pass
+        except Exception as exc:
+            log.exception("instance API: %s %s failed", method, self.path)
+            self._error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _query(self, raw: str, allowed: tuple[str, ...]) -> dict[str, str]:
+        try:
+            q = parse_qs(raw, keep_blank_values=True, strict_parsing=False, max_num_fields=50)
+        except ValueError as exc:
+            raise HTTPError(400, f"malformed query string: {exc}") from None
+        out = {}
+        for k, v in q.items():
+            if k not in allowed:
+                known = ", ".join(allowed) or "none"
+                raise HTTPError(400, f"unknown query parameter {k!r}; known: {known}")
+            if len(v) != 1:
+                raise HTTPError(400, f"query parameter {k!r} given {len(v)} times")
+            if v[0] == "":
+                raise HTTPError(400, f"query parameter {k!r} is empty")
+            out[k] = v[0]
+        return out
+
+    def _body(self, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raw = b""
+        else:
+            try:
+                n = int(length)
+            except ValueError:
+                raise HTTPError(400, f"bad Content-Length {length!r}") from None
+            if n < 0:
+                raise HTTPError(400, f"bad Content-Length {length!r}")
+            if n > MAX_BODY:
+                self._body_read = True  # not read: the connection closes after the answer
+                raise HTTPError(413, f"body of {n} bytes is larger than {MAX_BODY} bytes")
+            self._body_read = True
+            raw = self.rfile.read(n)
+            if len(raw) != n:
+                raise HTTPError(400, f"body ended after {len(raw)} of {n} bytes")
+        if not raw.strip():
+            body: Any = {}
+        else:
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise HTTPError(400, f"body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "body must be a JSON object")
+        for k, v in body.items():
+            if k not in fields:
+                raise HTTPError(400, f"unknown field {k!r}; known fields: {', '.join(fields)}")
+            _check_field(k, v, fields[k])
+        for k in required:
+            if body.get(k) is None:
+                raise HTTPError(400, f"field {k!r} is required")
+        return body
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+
+class _Collector:
+    """Prometheus metrics read from the admin's stats at each scrape."""
+
+    def __init__(self, admin: "Admin"):
+        self.admin = admin
+
+    def collect(self):  # pragma: no branch - a generator
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.admin.stats()
+        tiers = stats["tiers"]
+        counters = [
+            ("hits", "hits", "Gets that this tier served"),
+            ("misses", "misses", "Gets that this tier could not serve"),
+            ("bytes_in", "bytes_in", "Bytes written into this tier"),
+            ("bytes_out", "bytes_out", "Bytes read from this tier by hits"),
+            ("evictions", "evictions", "Entries evicted from this tier"),
+            ("puts", "puts", "Entries written into this tier"),
+            ("skipped_puts", "skipped_puts", "Writes that did not fit into this tier"),
+            ("errors", "errors", "Backend errors of this tier"),
+        ]
+        for field, name, doc in counters:
+            m = CounterMetricFamily(f"lmcache_tier_{name}", doc, labels=["tier", "backend"])
+            for tname, t in tiers.items():
+                m.add_metric([tname, t["backend"]], t[field])
+            yield m
+        gauges = [
+            ("used_bytes", "used_bytes", "Bytes stored in this tier"),
+            ("capacity_bytes", "capacity_bytes", "Capacity of this tier in bytes"),
+            ("entries", "entries", "Entries in this tier"),
+            ("pinned", "pinned_entries", "Pinned entries in this tier"),
+        ]
+        for field, name, doc in gauges:
+            m = GaugeMetricFamily(f"lmcache_tier_{name}", doc, labels=["tier", "backend"])
+            for tname, t in tiers.items():
+                m.add_metric([tname, t["backend"]], t[field])
+            yield m
+        pool = stats.get("pool")
+        if pool:
+            g = GaugeMetricFamily("lmcache_pool_used_bytes", "Bytes of the memory pool in use")
+            g.add_metric([], pool["used"])
+            yield g
+            g = GaugeMetricFamily("lmcache_pool_capacity_bytes", "Bytes of the memory pool")
+            g.add_metric([], pool["capacity"])
+            yield g
+        h = stats.get("hierarchy")
+        if h:
+            for field, doc in (
+                ("dropped_writes", "Lower-tier writes dropped because the write queue was full"),
+                ("skipped_no_memory", "Chunks not stored because the memory pool was exhausted"),
+                ("promotions", "Hits in a lower tier copied into an upper one"),
+            ):
+                c = CounterMetricFamily(f"lmcache_{field}", doc)
+                c.add_metric([], h[field])
+                yield c
+            g = GaugeMetricFamily("lmcache_pending_writes", "Lower-tier writes waiting in the queue")
+            g.add_metric([], h["pending_writes"])
+            yield g
+
+
+__all__ = ["ApiServer", "MAX_BODY"]
