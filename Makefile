@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 
 install: $(STAMP)
 
+# the demo keeps its cache in .cache/demo (fresh each run) so that the CLI can inspect it:
+#   .venv/bin/lmcache tiers --config .cache/demo/lmcache.yaml
 demo: $(STAMP)
-	$(VENV)/bin/lmcache demo
+	rm -rf .cache/demo
+	$(VENV)/bin/lmcache demo --dir .cache/demo
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -419,6 +419,17 @@ def compare(hit_tokens: list[int], hit_logits: Any, ref: dict[str, Any]) -> dict
     }
 
 
+CONFIG_NAME = "lmcache.yaml"
+
+
+def _write_config(path: Path, chunk_size: int, tiers: list[dict[str, Any]]) -> None:
+    """The demo's tiers as a config file, for ``lmcache tiers --config`` and friends."""
+    import yaml
+
+    data = {"chunk_size": chunk_size, "model": MODEL_KEY, "write_policy": "write-through", "tiers": tiers}
+    path.write_text("# written by `lmcache demo --dir`: the demo's cache tiers\n" + yaml.safe_dump(data, sort_keys=False))
+
+
 def demo_config(chunk_size: int, tiers: list[dict[str, Any]], **extra: Any):
     """The demo's engine config: ``LMCACHE_*`` settings apply, but the tiers, chunk size,
     write policy and model name are the demo's."""
@@ -472,10 +483,10 @@ def demo(
     wd = bench.open_work_dir(directory, "lmcache-demo-")
     try:
         kv_dir = wd.path / "kv"
-        cfg = demo_config(  # a bad config fails here, before the model loads
-            chunk_size,
-            [{"backend": "cpu", "capacity": cpu_cap}, {"backend": "disk", "path": str(kv_dir), "capacity": disk_cap}],
-        )
+        tiers = [{"backend": "cpu", "capacity": cpu_cap}, {"backend": "disk", "path": str(kv_dir.resolve()), "capacity": disk_cap}]
+        cfg = demo_config(chunk_size, tiers)  # a bad config fails here, before the model loads
+        if not wd.temporary:
+            _write_config(wd.path / CONFIG_NAME, chunk_size, tiers)
         ok = _run(cfg, wd, questions, doc_tokens, max_new_tokens, chunk_size, seed, disk_cap or 0, memcpy_bytes,
                   threads, restart, verify)
     finally:
@@ -540,7 +551,10 @@ def _run(cfg: Any, wd: bench.WorkDir, questions: int, doc_tokens: int, max_new_t
     _tiers(o, answers, rs, memcpy, stats)
     ok = _summary(o, answers, check, rs, memcpy, doc, time.perf_counter() - started)
     if not wd.temporary:
-        o.print(f"The cache was kept in {wd.path / 'kv'}.")
+        conf = wd.path / CONFIG_NAME
+        o.print(f"The cache was kept in {wd.path / 'kv'}; its config is {conf}. Inspect it with:")
+        o.print(f"  lmcache tiers --config {conf}    lmcache ls --config {conf} --tier disk")
+        o.print(f"  lmcache evict --config {conf} --tier disk --all --yes")
     return ok
 
 

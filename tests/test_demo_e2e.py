@@ -114,6 +114,16 @@ def test_demo_runs_end_to_end_with_a_restart(preloaded, tmp_path, monkeypatch):
     assert "answers identical with and without lmcache (2 checked" in text
     assert re.search(r"cpu hit \d+x faster; disk hit after restart \d+x faster", text)
     assert list((kv / "kv").rglob("*.lmc")), "the directory given with --dir is kept"
+    # as a new user would: the demo's config lets the CLI inspect and empty its disk tier
+    conf = kv / "lmcache.yaml"
+    assert str(conf) in text
+    tiers = runner.invoke(app, ["tiers", "--config", str(conf), "--json"])
+    assert tiers.exit_code == 0, tiers.output
+    disk = [t for t in json.loads(tiers.stdout) if t["name"] == "disk"]
+    assert disk and disk[0]["entries"] >= 2
+    ev = runner.invoke(app, ["evict", "--config", str(conf), "--tier", "disk", "--all", "--yes"])
+    assert ev.exit_code == 0, ev.output
+    assert not list((kv / "kv").rglob("*.lmc"))
 
 
 def test_bench_e2e_small(preloaded, tmp_path):
