@@ -848,3 +848,27 @@ def e2e_cmd(
     from . import bench_e2e  # the model, transformers and matplotlib load only for this command
 
     bench_e2e.main(lengths, repeats, prefill_repeats, chunk_size, seed, directory, memcpy_size, threads, as_json, plot)
+
+
+@app.command("codecs")
+def codecs_cmd(
+    codec: Annotated[
+        list[str] | None,
+        typer.Option("--codec", help="A codec or chain to measure (int8+zstd; zstd@bf16 converts the KV to bfloat16 first; int8+zstd/g128 sets the quantizer's group size); repeatable. Default: a standard set."),
+    ] = None,
+    text: Annotated[Path | None, typer.Option("--text", exists=True, dir_okay=False, help="Text whose KV is captured (default: benchmarks/data/codec_text.txt).")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", min=2, help="Tokens of the text to use.")] = 1024,
+    chunk_size: ChunkSize = 256,
+    prompts: Annotated[int, typer.Option("--prompts", min=1, help="Prompts (prefixes of the text) for first-token top-1 agreement.")] = 128,
+    gen_prompts: Annotated[int, typer.Option("--gen-prompts", min=0, help="Prompts for greedy-generation agreement.")] = 4,
+    gen_tokens: Annotated[int, typer.Option("--gen-tokens", min=1, help="Tokens generated per greedy prompt.")] = 64,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timing repeats (the best is reported).")] = 3,
+    group_size: Annotated[int | None, typer.Option("--group-size", min=1, help="Group size of int8/int4/fp8 (default: the codec's, 64).")] = None,
+    threads: Threads = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Compression ratio, speed, error and model quality of codecs on real KV (SmolLM2)."""
+    from . import bench_codecs  # the model and transformers load only for this command
+
+    bench_codecs.main(codec or list(bench_codecs.DEFAULT_ROWS), text, tokens, chunk_size, prompts, gen_prompts,
+                      gen_tokens, repeats, group_size, threads, as_json)

@@ -99,6 +99,7 @@ class TierConfig:
 
     backend: str
     capacity: int
+    #: a codec name, or a chain of them joined by ``+`` (``codec: [int8, zstd]`` in YAML)
     codec: str = "raw"
     policy: str = "lru"
     name: str = ""
@@ -224,6 +225,19 @@ def _name(key: str, v: Any, src: str | None) -> str:
     return v
 
 
+def _codec_spec(key: str, v: Any, src: str | None) -> str:
+    """A codec name, or a chain: a list of names (``[int8, zstd]``) or ``"int8+zstd"``;
+    returned in the ``a+b`` form that payload headers record."""
+    if isinstance(v, str) and "+" in v:
+        v = v.split("+")
+    if isinstance(v, (list, tuple)):
+        if not v:
+            raise ConfigError(key, "an empty list names no codec; use raw for none", src)
+        names = [_name(f"{key}[{j}]", n, src) for j, n in enumerate(v)]
+        return "+".join(names)
+    return _name(key, v, src)
+
+
 def _tier(i: int, raw: Any, src: str | None) -> TierConfig:
     key = f"tiers[{i}]"
     if not isinstance(raw, Mapping):
@@ -236,7 +250,7 @@ def _tier(i: int, raw: Any, src: str | None) -> TierConfig:
     tier = TierConfig(
         backend=_name(f"{key}.backend", raw.pop("backend"), src),
         capacity=_size(f"{key}.capacity", raw.pop("capacity"), src),
-        codec=_name(f"{key}.codec", raw.pop("codec", "raw"), src),
+        codec=_codec_spec(f"{key}.codec", raw.pop("codec", "raw"), src),
         policy=_name(f"{key}.policy", raw.pop("policy", "lru"), src),
     )
     if "name" in raw:

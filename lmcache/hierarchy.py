@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .codecs import ChainError, chain_names, load_codec
 from .config import Config, TierConfig
 from .errors import ConfigError
 from .memory import MemoryObj, MemoryPool
@@ -413,10 +414,17 @@ def check_tier(
     except Exception as exc:
         raise ConfigError(f"{prefix}.backend", str(exc), source) from exc
     try:
+        for name in chain_names(tcfg.codec):
+            regs.codecs.load(name)
+    except Exception as exc:
+        raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
+    try:
         if codec_for is not None:
             codec = codec_for(tcfg.codec, codec_options)
         else:
-            codec = regs.codecs.load(tcfg.codec)(**(codec_options or {}))
+            codec = load_codec(regs.codecs.load, tcfg.codec, codec_options)
+    except ChainError as exc:
+        raise ConfigError(f"{prefix}.codec", str(exc), source) from None
     except TypeError as exc:
         raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
     except ValueError as exc:
@@ -460,9 +468,9 @@ def build_tier(
 
         def codec_for(name: str, options: dict | None = None) -> object:
             if options:
-                return regs.codecs.load(name)(**options)
+                return load_codec(regs.codecs.load, name, options)
             if name not in cache:
-                cache[name] = regs.codecs.load(name)()
+                cache[name] = load_codec(regs.codecs.load, name)
             return cache[name]
 
     parts = parts or check_tier(i, tcfg, source=source, registries=regs, codec_for=codec_for)
@@ -534,10 +542,10 @@ class StorageHierarchy:
     # ------------------------------------------------------------ building
     def _codec(self, name: str, options: dict | None = None):
         if options:
-            return self.registries.codecs.load(name)(**options)
+            return load_codec(self.registries.codecs.load, name, options)
         c = self._codecs.get(name)
         if c is None:
-            c = self._codecs[name] = self.registries.codecs.load(name)()
+            c = self._codecs[name] = load_codec(self.registries.codecs.load, name)
         return c
 
     def _build_tier(self, i: int, tcfg: TierConfig) -> Tier:

@@ -40,8 +40,10 @@ def lmcache_register_codecs(registry: "Registry") -> None:
 
     Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is
     built as ``Class(**options)`` and implements :class:`lmcache.codecs.Codec`
-    (``encode(data) -> bytes``, ``decode(data, nbytes) -> bytes``). The name is what a
-    tier's ``codec:`` key and the payload header name. Returns nothing.
+    (``encode(data) -> bytes``, ``decode(data, nbytes) -> bytes``, and optionally
+    ``encode_tensor(t)``/``decode_tensor(data, shape, dtype)`` for codecs that need the
+    dtype and shape). The name is what a tier's ``codec:`` key and the payload header name;
+    it may not contain ``+``, which joins the names of a chain (``int8+zstd``). Returns nothing.
     """
 
 

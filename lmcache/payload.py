@@ -4,8 +4,9 @@ Layout::
 
     b"LMCK" | u16 version | u32 header length | u64 xxh3-64 of header | header | body
 
-The header is UTF-8 JSON with the key, codec, dtype, shape, raw byte count, body length
-and the xxh3-64 of the body. Nothing is pickled. :func:`decode` checks every field and
+The header is UTF-8 JSON with the key, codec (``a+b`` for a chain of codecs, see
+:mod:`lmcache.codecs`), dtype, shape, raw byte count, body length and the xxh3-64 of the
+body. Nothing is pickled. :func:`decode` checks every field and
 both checksums; any mismatch raises :class:`CorruptPayloadError`, so corrupt bytes are
 never handed to an engine.
 """
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .codecs import Codec
+from .codecs import Codec, is_tensor_codec
 from .dtypes import dtype_from_name, dtype_name
 from .errors import CorruptPayloadError
 from .memory import MemoryObj
@@ -57,9 +58,14 @@ def header_overhead(key: str, ndim: int) -> int:
 
 
 def encode(key: str, obj: MemoryObj, codec: Codec) -> list:
-    """Header and body buffers (zero-copy for the ``raw`` codec) of one payload."""
-    raw = memoryview(obj.byte_view().numpy()).cast("B")
-    body = codec.encode(raw)
+    """Header and body buffers (zero-copy for the ``raw`` codec) of one payload.
+
+    Tensor codecs (and chains, see :mod:`lmcache.codecs`) get the tensor itself; the
+    header's ``codec`` is the codec's name, ``a+b`` for a chain."""
+    if is_tensor_codec(codec):
+        body = codec.encode_tensor(obj.tensor)  # type: ignore[attr-defined]
+    else:
+        body = codec.encode(memoryview(obj.byte_view().numpy()).cast("B"))
     body_mv = memoryview(body).cast("B") if not isinstance(body, memoryview) else body
     hdr = json.dumps(
         {
@@ -140,13 +146,22 @@ def decode(
         codec = codec_lookup(header.codec)
     except Exception as exc:
         raise CorruptPayloadError(f"payload codec {header.codec!r} is not available: {exc}") from None
+    dtype = dtype_from_name(header.dtype)
     try:
-        raw = codec.decode(body, header.nbytes)
-    except ValueError as exc:
+        if is_tensor_codec(codec):
+            t = codec.decode_tensor(body, header.shape, dtype)  # type: ignore[attr-defined]
+            if tuple(t.shape) != header.shape or t.dtype != dtype:
+                raise ValueError(f"decoded {tuple(t.shape)} {t.dtype}, expected {header.shape} {header.dtype}")
+            raw = None
+        else:
+            raw = codec.decode(body, header.nbytes)
+    except (ValueError, RuntimeError) as exc:  # RuntimeError: torch rejecting a malformed tensor
         raise CorruptPayloadError(f"codec {header.codec!r} failed: {exc}") from None
-    obj = allocate(header.shape, dtype_from_name(header.dtype))
+    obj = allocate(header.shape, dtype)
     try:
-        if header.nbytes:
+        if raw is None:
+            obj.tensor.copy_(t)
+        elif header.nbytes:
             obj.byte_view().numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
     except Exception:
         obj.unref()

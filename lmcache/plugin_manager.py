@@ -75,6 +75,11 @@ class Registry:
         """Register ``target`` (a ``"module:Class"`` string or a class) as ``name``."""
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {self._current_plugin!r} registered a {self.kind} with an empty name")
+        if self.kind == "codec" and "+" in name:
+            raise PluginError(
+                f"plugin {self._current_plugin!r} registered codec {name!r}; codec names may not contain '+', "
+                "which joins the names of a chain (int8+zstd)"
+            )
         if isinstance(target, str) and ":" not in target:
             raise PluginError(
                 f"plugin {self._current_plugin!r} registered {self.kind} {name!r} as {target!r}; "

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 import torch
 
 from . import payload
-from .codecs import Codec
+from .codecs import Codec, load_codec
 from .errors import ConfigError, CorruptPayloadError
 from .memory import MemoryObj, MemoryPool
 
@@ -100,7 +100,7 @@ class BackendContext:
             codec = regs.codecs.load("raw")()
 
         def lookup(name: str) -> Codec:
-            return codec if name == codec.name else regs.codecs.load(name)()
+            return codec if name == codec.name else load_codec(regs.codecs.load, name)  # type: ignore[return-value]
 
         def allocate(shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
             obj = pool.allocate(shape, dtype) if pool is not None else None

@@ -166,6 +166,64 @@ class CodecTests:
         with pytest.raises(ValueError):
             codec.decode(memoryview(enc), len(raw) + 1)
 
+    # ---- tensors: every codec, through the tensor methods where it has them
+    @staticmethod
+    def _tensors():
+        g = torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            # chunk layout (layers, 2, tokens, heads, head_size); keys with outlier channels
+            kv = torch.randn(3, 2, 37, 2, 16, generator=g)
+            kv[:, 0, :, :, 3] *= 20
+            yield kv.to(dtype)
+            yield torch.randn(2, 2, 1, 1, 4, generator=g).to(dtype)  # a one-token chunk
+            yield torch.randn(5, 7, generator=g).to(dtype)  # another layout
+            yield torch.full((2, 2, 8, 2, 4), 1.5).to(dtype)  # constant groups
+        yield torch.empty(0, 2, 0, 2, 8, dtype=torch.float16)
+        yield torch.arange(300, dtype=torch.int32).reshape(3, 100)  # not floating point
+        yield torch.tensor([1.0, float("inf"), float("nan"), -2.0])  # non-finite
+
+    def test_tensor_roundtrip(self, codec):
+        from .codecs import decode_tensor, encode_tensor
+
+        for t in self._tensors():
+            enc = encode_tensor(codec, t)
+            dec = decode_tensor(codec, memoryview(enc).cast("B"), tuple(t.shape), t.dtype)
+            assert tuple(dec.shape) == tuple(t.shape) and dec.dtype == t.dtype
+            if codec.lossless or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                # lossy codecs store what they cannot quantize as it is
+                assert torch.equal(dec.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            elif hasattr(codec, "error_bound"):
+                err = (dec.float() - t.float()).abs()
+                bound = codec.error_bound(t)
+                assert bool((err <= bound).all()), f"error {float((err - bound).max())} over the documented bound"
+
+    def test_tensor_max_encoded_size_bounds(self, codec):
+        from .codecs import encode_tensor
+
+        for t in self._tensors():
+            nbytes = t.numel() * t.element_size()
+            assert len(memoryview(encode_tensor(codec, t)).cast("B")) <= codec.max_encoded_size(nbytes)
+
+    def test_tensor_garbage_is_valueerror(self, codec):
+        from .codecs import decode_tensor, encode_tensor
+
+        t = torch.randn(2, 2, 40, 2, 8, generator=torch.Generator().manual_seed(2))
+        enc = bytes(memoryview(encode_tensor(codec, t)).cast("B"))
+        for bad in (bytes(b ^ 0xFF for b in enc[: len(enc) // 2]) + enc[len(enc) // 2 :], enc[:-3], enc + b"xyz"):
+            try:
+                out = decode_tensor(codec, memoryview(bad), tuple(t.shape), t.dtype)
+            except ValueError:
+                continue
+            assert tuple(out.shape) == tuple(t.shape)
+
+    def test_tensor_wrong_shape_is_valueerror(self, codec):
+        from .codecs import decode_tensor, encode_tensor
+
+        t = torch.randn(2, 2, 40, 2, 8, generator=torch.Generator().manual_seed(3))
+        enc = encode_tensor(codec, t)
+        with pytest.raises(ValueError):
+            decode_tensor(codec, memoryview(enc).cast("B"), (2, 2, 41, 2, 8), t.dtype)
+
 
 class PolicyTests:
     """The eviction policy contract (see :mod:`lmcache.policies`)."""

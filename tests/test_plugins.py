@@ -79,6 +79,12 @@ def test_lazy_import_with_install_hint():
         reg.entry("nope")
 
 
+def test_codec_names_may_not_contain_the_chain_separator():
+    with pytest.raises(PluginError, match="may not contain '\\+'"):
+        Registry("codec").add("int8+zstd", "lmcache.plugins.codecs.quant:Int8Codec")
+    Registry("backend").add("a+b", "x.y:Z")  # only codec names form chains
+
+
 def test_target_imported_only_on_first_use():
     import sys
 
