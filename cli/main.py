@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from . import bench, config_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugins_cmd, stats_cmd, tiers_cmd
+from . import bench, compress_cmd, config_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugins_cmd, stats_cmd, tiers_cmd
 from ._util import LMCacheGroup, print_json
 
 app = typer.Typer(
@@ -31,6 +31,7 @@ app.add_typer(ls_cmd.app)
 app.add_typer(evict_cmd.app)
 app.add_typer(pin_cmd.app)
 app.add_typer(stats_cmd.app)
+app.add_typer(compress_cmd.app)
 app.add_typer(config_cmd.app, name="config")
 
 

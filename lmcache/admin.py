@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from .config import Config
-from .errors import AdminError, NotFoundError
+from .errors import AdminError, LMCacheError, NotFoundError
 from .keys import CacheKey
 from .units import parse_duration, parse_size
 
@@ -365,6 +365,57 @@ class Admin:
                 self._pins.discard((tname, key))
         result = self.evict(tier, all=True)
         return result
+
+    # ------------------------------------------------------------ re-encoding
+    def recode(
+        self,
+        tier: str,
+        codec: str,
+        *,
+        keys: Sequence[str] | None = None,
+        namespace: str | None = None,
+        model: str | None = None,
+        codec_options: Mapping[str, Any] | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        """Re-encode the entries of ``tier`` (all, or ``keys``, or those of a namespace /
+        model) with ``codec`` (a name or an ``a+b`` chain; ``raw`` decompresses), each
+        replaced atomically. Returns ``{"tier", "codec", "recoded": [{key, before,
+        after}], "skipped": [{key, reason}], "bytes_before", "bytes_after", "dry_run"}``."""
+        from .codecs import load_codec
+        from .plugin_manager import get_registries
+
+        t = self.tier(tier)
+        if t.backend.holds_memory_objects:
+            raise AdminError(f"tier {tier!r} holds chunks in memory, uncompressed; only byte tiers (disk, ...) can be re-encoded")
+        try:
+            chosen = load_codec(get_registries().codecs.load, codec, codec_options)
+        except LMCacheError as exc:
+            raise AdminError(f"codec {codec!r}: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise AdminError(f"codec {codec!r}: {exc}") from None
+        match = _matcher(namespace, model)
+        if keys:
+            for k in keys:
+                parse_key(k)
+            selected = list(keys)
+        else:
+            selected = [e.key for e, _ in t.entries() if match(e.key)]
+        if dry_run:
+            rows = [{"key": k, "before": t.size_of(k) or 0, "after": None} for k in selected]
+            total = sum(r["before"] for r in rows)
+            return {"tier": tier, "codec": getattr(chosen, "name", codec), "recoded": rows, "skipped": [],
+                    "bytes_before": total, "bytes_after": None, "dry_run": True}
+        done, skipped = t.recode(selected, chosen)
+        return {
+            "tier": tier,
+            "codec": getattr(chosen, "name", codec),
+            "recoded": [{"key": k, "before": a, "after": b} for k, a, b in done],
+            "skipped": [{"key": k, "reason": why} for k, why in skipped],
+            "bytes_before": sum(a for _, a, _ in done),
+            "bytes_after": sum(b for _, _, b in done),
+            "dry_run": False,
+        }
 
     # ------------------------------------------------------------ pins
     def _need_live(self, what: str) -> None:

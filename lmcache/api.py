@@ -19,6 +19,7 @@ POST     /v1/evict         ``{tier, keys | bytes | older_than | all, namespace, 
 POST     /v1/clear         ``{tier}``: every entry (of the tier), pins dropped
 POST     /v1/pin           ``{key, tier}``
 POST     /v1/unpin         ``{key, tier}``
+POST     /v1/recode        ``{tier, codec, keys, namespace, model, dry_run}``: re-encode in place
 GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 =======  ================  ==================================================
 
@@ -65,6 +66,11 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/clear": ({"tier": (str,)}, ()),
     "/v1/pin": ({"key": (str,), "tier": (str,)}, ("key",)),
     "/v1/unpin": ({"key": (str,), "tier": (str,)}, ("key",)),
+    "/v1/recode": (
+        {"tier": (str,), "codec": (str,), "keys": (list,), "namespace": (str,), "model": (str,),
+         "codec_options": (dict,), "dry_run": (bool,)},
+        ("tier", "codec"),
+    ),
 }
 _QUERIES = {
     "/v1/keys": ("tier", "namespace", "model", "offset", "limit"),
@@ -200,6 +206,9 @@ class ApiServer:
             return a.pin(body["key"], body.get("tier"))
         if path == "/v1/unpin":
             return a.unpin(body["key"], body.get("tier"))
+        if path == "/v1/recode":
+            body = dict(body)
+            return a.recode(body.pop("tier"), body.pop("codec"), **body)
         raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
 
 

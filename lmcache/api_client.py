@@ -147,6 +147,10 @@ class ApiClient:
         body = {"tier": tier, "dry_run": dry_run, **selection}
         return self.request("POST", "/v1/evict", body={k: v for k, v in body.items() if v is not None})
 
+    def recode(self, tier: str, codec: str, **selection: Any) -> dict[str, Any]:
+        body = {"tier": tier, "codec": codec, **selection}
+        return self.request("POST", "/v1/recode", body={k: v for k, v in body.items() if v is not None})
+
     def evict_entries(self, entries: Iterable[tuple[str, str]]) -> tuple[list[dict], list[dict]]:
         by_tier: dict[str, list[str]] = {}
         for tname, key in entries:
