@@ -45,9 +45,10 @@ GB = 1e9
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "codec_text.txt"
 DEFAULT_ROWS = (
     "zstd", "shuffle+zstd", "int8", "int8+zstd", "int8+zstd/g128", "int4", "int4+zstd", "int4+zstd/g32", "fp8+zstd",
-    "zstd@bf16", "shuffle+zstd@bf16", "int8+zstd@bf16", "int4+zstd@bf16",
+    "cachegen", "cachegen/g128",
+    "zstd@bf16", "shuffle+zstd@bf16", "int8+zstd@bf16", "int4+zstd@bf16", "cachegen@bf16",
 )
-QUANTIZERS = ("int8", "int4", "fp8")  # codecs with a group_size option
+QUANTIZERS = ("int8", "int4", "fp8", "cachegen")  # codecs with a group_size option
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 

@@ -198,3 +198,22 @@ def test_payloads_decode_whatever_the_reader_options():
     writer = REGS.codecs.load("int4")(group_size=8, scale_dtype="float32")
     dec = decode_tensor(REGS.codecs.load("int4")(), memoryview(encode_tensor(writer, t)), tuple(t.shape), t.dtype)
     assert bool(((dec - t).abs() <= writer.error_bound(t)).all())
+
+
+def test_cachegen_disk_tier_through_the_cache_engine(tmp_path):
+    """The CacheGen-style codec (quantize, token deltas, zstd) as a tier's whole codec."""
+    toks = list(range(100))
+    kv = kv_for(toks)
+    spec = KVSpec(num_layers=L, num_kv_heads=H, head_size=D, dtype="float32")
+    disk = {"backend": "disk", "path": str(tmp_path / "disk"), "capacity": "8MiB", "codec": "cachegen",
+            "codec_options": {"group_size": 8}}
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk]}, kv_spec=spec) as e:
+        e.store(toks, kv)
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk]}, kv_spec=spec) as e2:
+        res = e2.retrieve(toks)
+        assert res.num_tokens == 100 and set(res.tiers) == {"disk"}
+        codec = REGS.codecs.load("cachegen")(group_size=8)
+        for s in range(0, 100, 16):
+            ref = kv[:, :, s : s + 16]
+            err = (res.kv[:, :, s : s + ref.shape[2]] - ref).abs()
+            assert bool((err <= codec.error_bound(ref)).all())

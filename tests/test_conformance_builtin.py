@@ -34,7 +34,7 @@ class TestDiskBackend(BackendTests):
 
 @pytest.mark.parametrize(
     "name",
-    ["raw", "zstd", "shuffle", "int8", "int4", "fp8", "shuffle+zstd", "int8+zstd", "int4+zstd", "fp8+zstd", "raw+zstd"],
+    ["raw", "zstd", "shuffle", "int8", "int4", "fp8", "shuffle+zstd", "int8+zstd", "int4+zstd", "fp8+zstd", "raw+zstd", "cachegen"],
 )
 class TestBuiltinCodecs(CodecTests):
     @pytest.fixture
@@ -53,7 +53,7 @@ class TestBuiltinPolicies(PolicyTests):
     "name,options",
     [("int8", {"group_size": 7, "scale_dtype": "float32"}), ("int4", {"group_size": 128}),
      ("int8+zstd", {"int8": {"group_size": 1}}), ("int4+zstd", {"int4": {"scale_dtype": "float32"}}),
-     ("fp8", {"group_size": 5})],
+     ("fp8", {"group_size": 5}), ("cachegen", {"group_size": 3, "level": 9})],
 )
 class TestQuantizerOptions(CodecTests):
     @pytest.fixture

@@ -23,3 +23,7 @@ def lmcache_register_codecs(registry):
         "fp8", "lmcache.plugins.codecs.fp8:Fp8Codec",
         description="lossy float8 e4m3 with a scale per group (keys per channel, values per token)",
     )
+    registry.add(
+        "cachegen", "lmcache.plugins.codecs.cachegen:CacheGenCodec",
+        description="lossy CacheGen-style: 8-bit quantization, token deltas, zstd entropy coding",
+    )
