@@ -866,9 +866,10 @@ def codecs_cmd(
     group_size: Annotated[int | None, typer.Option("--group-size", min=1, help="Group size of int8/int4/fp8 (default: the codec's, 64).")] = None,
     threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also plot ratio against top-1 agreement into this PNG (needs matplotlib).")] = None,
 ) -> None:
     """Compression ratio, speed, error and model quality of codecs on real KV (SmolLM2)."""
     from . import bench_codecs  # the model and transformers load only for this command
 
     bench_codecs.main(codec or list(bench_codecs.DEFAULT_ROWS), text, tokens, chunk_size, prompts, gen_prompts,
-                      gen_tokens, repeats, group_size, threads, as_json)
+                      gen_tokens, repeats, group_size, threads, as_json, plot)

@@ -321,13 +321,42 @@ def print_table(data: dict[str, Any]) -> None:
             "flips: prompts whose top-1 changed, and the smallest top-1/top-2 logit gap of the exact run among them")
 
 
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Compression ratio against first-token top-1 agreement, one point per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in data["rows"]:
+        if r.get("ratio") is None or r.get("top1") is None:
+            continue
+        colour = "tab:green" if r["lossless"] else ("tab:blue" if r["dtype"] == "float32" else "tab:orange")
+        ax.scatter(r["ratio"], 100 * r["top1"], color=colour, s=40, zorder=3)
+        ax.annotate(r["row"], (r["ratio"], 100 * r["top1"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.axhline(99, color="grey", ls="--", lw=1)
+    ax.axvline(4, color="grey", ls="--", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("compression ratio (raw bytes of the row's dtype / encoded bytes, log scale)")
+    ax.set_ylabel(f"first-token top-1 agreement over {data.get('prompts', '')} prompts (%)")
+    ax.set_title("lmcache bench codecs: SmolLM2-135M KV (green: lossless, blue: lossy fp32, orange: lossy bf16)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(rows: Sequence[str], text: Path | None, tokens: int, chunk_size: int, prompts: int, gen_prompts: int,
-         gen_tokens: int, repeats: int, group_size: int | None, threads: int | None, as_json: bool) -> None:
+         gen_tokens: int, repeats: int, group_size: int | None, threads: int | None, as_json: bool,
+         plot_path: Path | None = None) -> None:
     from .bench import set_threads
 
     set_threads(threads)
     data = run(rows, text=text or DEFAULT_TEXT, tokens=tokens, chunk_size=chunk_size, prompts=prompts,
                gen_prompts=gen_prompts, gen_tokens=gen_tokens, repeats=repeats, group_size=group_size)
+    if plot_path is not None:
+        plot(data, plot_path)
     if as_json:
         print_json(data)
     else:

@@ -33,11 +33,14 @@ def test_bench_codecs_small_run(smollm2):
     assert rows["zstd@bf16"]["dtype"] == "bfloat16" and rows["zstd@bf16"]["top1"] is not None
 
 
-def test_bench_codecs_cli_json_and_errors(smollm2):
-    r = CliRunner().invoke(app, ["bench", "codecs", "--codec", "int8+zstd", "--tokens", "40", "--chunk-size", "16",
-                                 "--prompts", "3", "--gen-prompts", "0", "--repeats", "1", "--json"])
+def test_bench_codecs_cli_json_and_errors(smollm2, tmp_path):
+    png = tmp_path / "codecs.png"
+    r = CliRunner().invoke(app, ["bench", "codecs", "--codec", "int8+zstd", "--codec", "cachegen", "--tokens", "40",
+                                 "--chunk-size", "16", "--prompts", "3", "--gen-prompts", "0", "--repeats", "1",
+                                 "--json", "--plot", str(png)])
     assert r.exit_code == 0, r.output
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(r.stdout)
-    assert [row["codec"] for row in data["rows"]] == ["int8+zstd"] and data["gen_prompts"] == 0
+    assert [row["codec"] for row in data["rows"]] == ["int8+zstd", "cachegen"] and data["gen_prompts"] == 0
     bad = CliRunner().invoke(app, ["bench", "codecs", "--codec", "zstd+int8", "--tokens", "8"])
     assert bad.exit_code != 0 and "must be the first codec" in bad.output
