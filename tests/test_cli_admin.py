@@ -24,6 +24,8 @@ import lmcache
 from lmcache.cli.main import app
 from lmcache.errors import AdminError
 
+from _missing import missing
+
 runner = CliRunner()
 HERE = Path(__file__).parent
 TOKEN = "t0ken"
@@ -416,9 +418,7 @@ def _lmcache_exe() -> str:
     exe = Path(sys.executable).parent / "lmcache"
     if not exe.exists():  # pragma: no cover - not installed as a script
         msg = f"the lmcache console script is not installed at {exe} (make test installs it)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing(msg)
     return str(exe)
 
 

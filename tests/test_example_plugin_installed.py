@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from _missing import missing
 
 PACKAGE = Path(__file__).resolve().parents[1] / "examples" / "lmcache-plugin-example"
 MISSING = "make test installs examples/lmcache-plugin-example; it is missing"
@@ -18,9 +17,7 @@ def test_example_plugin_package_passes_its_tests():
     try:
         md.distribution("lmcache-plugin-example")
     except md.PackageNotFoundError:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(MISSING)
-        pytest.skip(MISSING)
+        missing(MISSING)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PACKAGE / "tests")],
         capture_output=True,

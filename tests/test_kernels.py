@@ -533,9 +533,9 @@ def _triton_or_skip() -> None:
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
         msg = f"triton is not importable ({last}); the Triton kernels are untested (pip install triton)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        from _missing import missing  # (this file also runs in a subprocess without tests/ on its path)
+
+        missing(msg)
 
 
 def _triton_interpreter_check() -> None:
@@ -620,9 +620,9 @@ def test_triton_kernel_compiles_for_hopper_and_ampere():
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     if r.returncode != 0 and "ptxas" in (r.stderr or "") and "not found" in r.stderr.lower():
         msg = "triton's bundled ptxas is unavailable here: " + r.stderr.strip().splitlines()[-1]
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        from _missing import missing  # (this file also runs in a subprocess without tests/ on its path)
+
+        missing(msg)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "compiled" in r.stdout
 

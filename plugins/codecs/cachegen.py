@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .quant import _EPS, _bound, _dequantize, _quantize
+from .quant import _bound, _dequantize, _parts, _quantize, bound_by_parts
 
 _HDR = struct.Struct("<3sBBH")
 _MAGIC = b"LMG"
@@ -81,11 +81,6 @@ class CacheGenCodec:
         return nbytes + _HDR.size  # never larger than raw: it falls back to raw
 
     # ----------------------------------------------------------- tensor API
-    @staticmethod
-    def _parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        l, _, n, h, d = x.shape
-        return x[:, 0].reshape(l, n, h * d), x[:, 1].reshape(l * n, h * d, 1)
-
     def _lengths(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         l, _, n, h, d = shape
         g = self.group_size
@@ -96,10 +91,10 @@ class CacheGenCodec:
     def encode_tensor(self, t: torch.Tensor) -> bytes:
         t = t.detach().cpu().contiguous()
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        if not (t.is_floating_point() and _is_chunk(t) and bool(torch.isfinite(t).all())):
+        if not self._quantizable(t):
             return self._raw(raw)
         l, _, n, h, d = t.shape
-        pk, pv = self._parts(t.to(torch.float32))
+        pk, pv = _parts(t.to(torch.float32))  # keys (L, T, H*D); values (L*T, H*D, 1)
         qk, lok, stk = _quantize(pk, self.group_size, QMAX, torch.float32)
         qv, lov, stv = _quantize(pv, self.group_size, QMAX, torch.float32)
         pieces = [lok.numpy().tobytes(), stk.numpy().tobytes(), lov.numpy().tobytes(), stv.numpy().tobytes()]
@@ -168,17 +163,15 @@ class CacheGenCodec:
         out[:, 1] = v.reshape(l, n, h, d)
         return out.to(dtype)
 
+    @staticmethod
+    def _quantizable(t: torch.Tensor) -> bool:
+        return t.is_floating_point() and _is_chunk(t) and bool(torch.isfinite(t).all())
+
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         """The largest absolute error of each element of ``t`` after a round trip."""
-        t = t.detach().cpu()
-        if not (t.is_floating_point() and _is_chunk(t) and bool(torch.isfinite(t).all())):
-            return torch.zeros(t.shape, dtype=torch.float32)
-        x = t.to(torch.float32).contiguous()
-        eps = _EPS.get(t.dtype, 2.0**-8)
-        l, _, n, h, d = x.shape
-        out = torch.empty(x.shape, dtype=torch.float32)
-        pk, pv = self._parts(x)
-        for i, part in enumerate((pk, pv)):
+
+        def part_bound(part: torch.Tensor, eps: float) -> torch.Tensor:
             b, step = _bound(part, self.group_size, QMAX, torch.float32)
-            out[:, i] = (b + eps * (part.abs() + step)).reshape(l, n, h, d)
-        return out
+            return b + eps * (part.abs() + step)
+
+        return bound_by_parts(t, self._quantizable, part_bound)

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .quant import KV, RAW, ROWS, _EPS, _groups, _join, _mode, _part_shapes, _parts, _up
+from .quant import KV, RAW, ROWS, _groups, _join, _mode, _part_shapes, _parts, _up, bound_by_parts
 
 _HDR = struct.Struct("<3sBBH")
 _MAGIC = b"LF8"
@@ -147,16 +147,12 @@ class Fp8Codec:
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         """The largest absolute error of each element of ``t`` after a round trip."""
-        t = t.detach().cpu()
-        if not self._quantizable(t):
-            return torch.zeros(t.shape, dtype=torch.float32)
-        x = t.to(torch.float32).contiguous()
-        eps = _EPS.get(t.dtype, 2.0**-8)
-        bounds = []
-        for part in _parts(x):
+
+        def part_bound(part: torch.Tensor, eps: float) -> torch.Tensor:
             a, n, b = part.shape
             xg, ng = _groups(part, self.group_size)
             s = _scale(xg)[:, :, None].expand_as(xg).reshape(a, ng * self.group_size, b)[:, :n]
             ax = part.abs()
-            bounds.append(ax / 16 + s / 1024 + eps * 2 * ax + 2.0**-20 * (ax + s))
-        return _join(bounds, tuple(t.shape))
+            return ax / 16 + s / 1024 + eps * 2 * ax + 2.0**-20 * (ax + s)
+
+        return bound_by_parts(t, self._quantizable, part_bound)

@@ -38,7 +38,7 @@ the same for values (or for the rows); codes are one per byte (int8) or two per 
 from __future__ import annotations
 
 import struct
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -145,6 +145,22 @@ def _join(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         out[:, 1] = parts[1].reshape(sub)
         return out
     return parts[0].reshape(shape)
+
+
+def bound_by_parts(
+    t: torch.Tensor,
+    quantizable: "Callable[[torch.Tensor], bool]",
+    part_bound: "Callable[[torch.Tensor, float], torch.Tensor]",
+) -> torch.Tensor:
+    """Per-element error bound of a lossy codec: zeros for a tensor it stores as it is,
+    else ``part_bound(part, eps)`` of each float32 part of :func:`_parts`, joined back;
+    ``eps`` is one rounding to the tensor's dtype."""
+    t = t.detach().cpu()
+    if not quantizable(t):
+        return torch.zeros(t.shape, dtype=torch.float32)
+    eps = _EPS.get(t.dtype, 2.0**-8)
+    parts = _parts(t.to(torch.float32).contiguous())
+    return _join([part_bound(p, eps) for p in parts], tuple(t.shape))
 
 
 def _mode(t: torch.Tensor) -> int:
@@ -280,16 +296,12 @@ class _GroupQuantCodec:
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         """The largest absolute error of each element of ``t`` after a round trip."""
-        t = t.detach().cpu()
-        if not self._quantizable(t):
-            return torch.zeros(t.shape, dtype=torch.float32)
-        x = t.to(torch.float32).contiguous()
-        eps = _EPS.get(t.dtype, 2.0**-8)
-        bounds = []
-        for part in _parts(x):
+
+        def part_bound(part: torch.Tensor, eps: float) -> torch.Tensor:
             b, step = _bound(part, self.group_size, self.qmax, self._sdt)
-            bounds.append(b + eps * (part.abs() + step))
-        return _join(bounds, tuple(t.shape))
+            return b + eps * (part.abs() + step)
+
+        return bound_by_parts(t, self._quantizable, part_bound)
 
 
 class Int8Codec(_GroupQuantCodec):
