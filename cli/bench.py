@@ -742,10 +742,21 @@ def tiers_cmd(
     threads: Threads = None,
     pin: Pin = True,
     restart: Annotated[bool, typer.Option("--restart/--no-restart", help="Also retrieve everything from a new process that opens only the disk tier.")] = False,
+    backend: Annotated[str | None, typer.Option("--backend", help="Instead: one backend's batch put/get (redis, valkey, s3, fs, gds, mooncake, ...) next to its raw client doing the same transfers.")] = None,
+    option: Annotated[list[str] | None, typer.Option("--option", "-o", help="With --backend: a backend option KEY=VALUE (repeatable), e.g. url=redis://host:6379/0. Without any, a store is started on loopback.")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="With --backend and no --option: the loopback store to start (e.g. redis-cluster, valkey-cluster).")] = None,
+    values: Annotated[int, typer.Option("--values", min=1, help="With --backend: chunks stored and read per round.")] = 16,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="With --backend: chunks per put/get call.")] = 8,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="With --backend: rounds; the best counts.")] = 3,
+    codec: Annotated[str, typer.Option("--codec", help="With --backend: the tier's codec.")] = "raw",
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Throughput of the CPU and disk tiers next to memcpy and raw file I/O."""
+    """Throughput of the CPU and disk tiers next to memcpy and raw file I/O; with
+    --backend, one backend next to its raw client."""
     wl = build_workload(layers, kv_heads, head_size, dtype, prompts, tokens, prefix, chunk_size, seed)
+    if backend is not None:
+        _backend_bench(backend, option or [], store, wl, values, batch, repeats, codec, as_json)
+        return
     cpu_cap = size_option(cpu_capacity, "--cpu-capacity")
     disk_cap = size_option(disk_capacity, "--disk-capacity")
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
@@ -778,6 +789,27 @@ def tiers_cmd(
         _print_report(data)
     if not ok:
         raise LMCacheError("some retrieved KV differed from what was stored")
+
+
+def _backend_bench(backend: str, option: list[str], store: str | None, wl: Workload, values: int, batch: int,
+                   repeats: int, codec: str, as_json: bool) -> None:
+    from . import bench_backends as bb
+
+    opts = bb.parse_options(option)
+    e = err()
+    warn_if_busy(machine_info())
+    with bb.open_store(backend, opts, store) as (options, where):
+        e.print(f"{backend}: {values} chunks of {format_size(wl.chunk_bytes)} x {repeats} rounds against {where} ...")
+        data = bb.run_backend(backend, options, shape=wl.shape(wl.chunk_size), dtype=wl.dtype, values=values,
+                              batch=batch, repeats=repeats, codec=codec, seed=wl.seed)
+    data["store"] = where
+    data["machine"] = machine_info()
+    if as_json:
+        print_json(data)
+    else:
+        bb.print_report(data)
+    if not data["exact"]:
+        raise LMCacheError(f"some values read back from {backend} differed from what was stored")
 
 
 def _print_report(data: dict[str, Any]) -> None:

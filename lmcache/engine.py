@@ -246,15 +246,14 @@ class CacheEngine:
     def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec) -> list[tuple[Chunk, MemoryObj, Tier]]:
         """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
+        results = self.hierarchy.get_many(keys)  # one batch per tier (pipelines for remote stores)
         try:
-            for chunk, key in zip(chunks, keys):
-                r = self.hierarchy.get(key)
+            for chunk, key, r in zip(chunks, keys, results):
                 if r is None:
                     break
                 obj, tier = r
                 if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
                     log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
-                    obj.unref()
                     tier.remove([key])
                     break
                 got.append((chunk, obj, tier))
@@ -262,6 +261,10 @@ class CacheEngine:
             for _, obj, _ in got:
                 obj.unref()
             raise
+        finally:
+            for r in results[len(got):]:  # past the cached prefix, or dropped
+                if r is not None:
+                    r[0].unref()
         return got
 
     # --------------------------------------------------------------- admin

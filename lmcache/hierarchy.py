@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START = 0.05
 _writer_lock = threading.Lock()
-BACKOFF_MAX = 30.0
+BACKOFF_MAX = 10.0
 
 
 @dataclass
@@ -59,6 +59,7 @@ class TierStats:
 class _Health:
     failures: int = 0
     down_until: float = 0.0
+    since: float = 0.0
 
 
 class Tier:
@@ -91,10 +92,14 @@ class Tier:
         self._health = _Health()
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
-        for key, size in backend.keys():
-            self._index[key] = size
-            self.used += size
-            policy.on_insert(key)
+        if not backend.shared:
+            try:
+                for key, size in backend.keys():
+                    self._index[key] = size
+                    self.used += size
+                    policy.on_insert(key)
+            except Exception as exc:  # unreachable at start: serve misses, retry later
+                self._failed("listing entries", exc)
         if trim and self.used > self.capacity:
             with self._lock:
                 self._make_room(0)
@@ -105,17 +110,30 @@ class Tier:
         return self.clock() >= self._health.down_until
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        """An error from the backend: serve misses for a while (doubling each time), and
+        say so once per outage, not once per call."""
         h = self._health
         h.failures += 1
         delay = min(BACKOFF_START * (2 ** (h.failures - 1)), BACKOFF_MAX)
         h.down_until = self.clock() + delay
         self.stats.errors += 1
         self.stats.last_error = f"{what}: {type(exc).__name__}: {exc}"
-        log.warning("tier %s: %s failed (%s); treating it as a miss for %.2fs", self.name, what, exc, delay)
+        if h.failures == 1:
+            h.since = self.clock()
+            log.warning(
+                "tier %s: %s failed (%s: %s); serving misses and retrying with backoff until it recovers",
+                self.name, what, type(exc).__name__, exc,
+            )
+        else:
+            log.debug("tier %s: %s failed again (%s); next try in %.2fs", self.name, what, exc, delay)
 
     def _ok(self) -> None:
-        if self._health.failures:
+        h = self._health
+        if h.failures:
             self._health = _Health()
+            log.warning(
+                "tier %s: recovered after %d failed calls over %.1fs", self.name, h.failures, self.clock() - h.since
+            )
 
     # ---------------------------------------------------------------- pins
     def pin(self, key: str) -> None:
@@ -177,32 +195,40 @@ class Tier:
         return out
 
     def get(self, key: str) -> MemoryObj | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        """Objects for ``keys`` in one batch call to the backend (a pipeline or a
+        concurrent fetch for remote stores); the caller owns one reference of each."""
+        if not keys:
+            return []
         if not self.available:
-            self.stats.misses += 1
-            return None
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
         t0 = time.perf_counter()
         try:
-            obj = self.backend.get_one(key)
+            objs = self.backend.get(keys) if len(keys) > 1 else [self.backend.get_one(keys[0])]
         except Exception as exc:
             self._failed("get", exc)
-            self.stats.misses += 1
-            return None
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
         self._ok()
         dt = time.perf_counter() - t0
         with self._lock:
-            if obj is None:
-                self.stats.misses += 1
-                size = self._index.pop(key, None)  # vanished (corrupt, or removed by a peer)
-                if size is not None:
-                    self.used -= size
-                    self.policy.on_remove(key)
-                return None
-            self.stats.hits += 1
-            self.stats.hit_bytes += obj.nbytes
+            for key, obj in zip(keys, objs):
+                if obj is None:
+                    self.stats.misses += 1
+                    size = self._index.pop(key, None)  # vanished (corrupt, or removed by a peer)
+                    if size is not None:
+                        self.used -= size
+                        self.policy.on_remove(key)
+                    continue
+                self.stats.hits += 1
+                self.stats.hit_bytes += obj.nbytes
+                if key in self._index:
+                    self.policy.on_access(key)
             self.stats.get_seconds += dt
-            if key in self._index:
-                self.policy.on_access(key)
-        return obj
+        return objs
 
     def _make_room(self, need: int) -> bool:
         """Evict until ``need`` more bytes fit. Called with the lock held."""
@@ -678,20 +704,34 @@ class StorageHierarchy:
 
     def get(self, key: str) -> tuple[MemoryObj, Tier] | None:
         """The object for ``key`` (caller owns one reference) and the tier it came from."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[tuple[MemoryObj, Tier] | None]:
+        """:meth:`get` for several keys, one batch call per tier: each tier is asked
+        for the keys the tiers above it did not have."""
+        found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
+        remaining = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
-            obj = tier.get(key)
-            if obj is None:
-                continue
-            if i > 0:
-                obj = self._promote(key, obj, i)
-            return obj, tier
-        pending = self._inflight_get(key)
-        if pending is not None:
-            obj, target = pending
-            if target > 0:
-                obj = self._promote(key, obj, target)
-            return obj, self.tiers[target]
-        return None
+            if not remaining:
+                break
+            objs = tier.get_many([keys[j] for j in remaining])
+            nxt = []
+            for j, obj in zip(remaining, objs):
+                if obj is None:
+                    nxt.append(j)
+                    continue
+                if i > 0:
+                    obj = self._promote(keys[j], obj, i)
+                found[j] = (obj, tier)
+            remaining = nxt
+        for j in remaining:
+            pending = self._inflight_get(keys[j])
+            if pending is not None:
+                obj, target = pending
+                if target > 0:
+                    obj = self._promote(keys[j], obj, target)
+                found[j] = (obj, self.tiers[target])
+        return found
 
     def _promote(self, key: str, obj: MemoryObj, found_at: int) -> MemoryObj:
         for j in range(found_at):

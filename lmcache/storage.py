@@ -117,6 +117,12 @@ class StorageBackend:
     #: True if the backend keeps :class:`MemoryObj` references (the CPU tier): a hit is a
     #: reference into the memory pool, not a copy.
     holds_memory_objects: ClassVar[bool] = False
+    #: True if other processes read and write the same store (redis, valkey, s3, mooncake,
+    #: a shared directory): entries appear and vanish under us. The tier does not
+    #: enumerate a shared store when it opens (that would cost a scan of the whole store
+    #: on every engine start); its capacity bounds what this instance writes, and the
+    #: store's own limits (Redis ``maxmemory``, S3 lifecycle rules) bound the total.
+    shared: ClassVar[bool] = False
 
     def __init__(self, context: BackendContext):
         self.context = context
@@ -192,6 +198,15 @@ class StorageBackend:
 
     def close(self) -> None:
         pass
+
+    @classmethod
+    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
+        """The physical limit for ``lmcache bench tiers --backend``: store ``items``
+        (name, bytes) with the store's own client in the fastest plain way (pipelines,
+        multi-get, concurrent requests) ``batch`` at a time, read them all back, delete
+        them, and return ``(put_seconds, get_seconds)``. Networked backends implement it;
+        the default says the backend has no raw baseline."""
+        raise NotImplementedError(f"backend {cls.__name__} has no raw baseline")
 
     def __enter__(self) -> "StorageBackend":
         return self

@@ -40,11 +40,23 @@ class FlakyDisk(DiskBackend):
         self._check()
         return super().put_one(key, obj)
 
+    def list(self):
+        self._check()
+        return super().list()
+
+
+class SharedDisk(DiskBackend):
+    """A disk directory treated as a store other processes share (like NFS or Redis)."""
+
+    OPTIONS = {**DiskBackend.OPTIONS}
+    shared = True
+
 
 class _TestPlugin:
     @hookimpl
     def lmcache_register_backends(self, registry):
         registry.add("flaky-disk", FlakyDisk)
+        registry.add("shared-disk", SharedDisk)
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +297,74 @@ def test_capacity_never_exceeded_and_data_exact(tmp_path_factory, regs, ops, pol
     finally:
         h.close()
     assert pool.used == 0, "memory leaked after close"
+
+
+def test_tier_opens_while_its_store_is_unreachable(tmp_path, regs, caplog):
+    """An engine starts while a lower tier is down: the tier serves misses, then recovers
+    (and the outage is logged once, not once per call)."""
+    clock = Clock()
+    h, pool = _h(tmp_path, regs, cpu_chunks=1, disk_backend="flaky-disk", clock=clock)
+    _put(h, pool, 0)
+    h.flush()
+    h.close()
+    FlakyDisk.unplugged = True
+    try:
+        with caplog.at_level("WARNING", logger="lmcache.hierarchy"):
+            h, pool = _h(tmp_path, regs, cpu_chunks=1, disk_backend="flaky-disk", clock=clock)
+            disk = h.tiers[1]
+            assert disk.stats.errors == 1 and "listing entries" in disk.stats.last_error
+            for _ in range(20):  # many calls during one outage
+                clock.t += 1
+                assert h.get(make_key(0)) is None
+            failures = [r for r in caplog.records if "serving misses" in r.getMessage()]
+            assert len(failures) == 1, [r.getMessage() for r in caplog.records]
+            FlakyDisk.unplugged = False
+            clock.t += 60
+            obj, tier = h.get(make_key(0))
+            assert tier is disk
+            obj.unref()
+            assert len([r for r in caplog.records if "recovered" in r.getMessage()]) == 1
+    finally:
+        FlakyDisk.unplugged = False
+        h.close()
+
+
+def test_shared_tier_is_not_listed_at_open_but_serves_peers_entries(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=1, disk_backend="shared-disk")
+    for i in range(3):
+        _put(h, pool, i)
+    h.flush()
+    h.close()
+    h, pool = _h(tmp_path, regs, cpu_chunks=1, disk_backend="shared-disk")
+    try:
+        disk = h.tiers[1]
+        assert disk.usage().entries == 0  # not enumerated: a peer's entries are not ours to account
+        assert h.contains_prefix([make_key(0), make_key(1)]) == ["shared-disk", "shared-disk"]
+        obj, tier = h.get(make_key(2))
+        assert tier is disk
+        obj.unref()
+    finally:
+        h.close()
+
+
+def test_get_many_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
+    h, pool = _h(tmp_path, regs, cpu_chunks=2, disk_chunks=100)
+    try:
+        for i in range(6):
+            _put(h, pool, i)
+        h.flush()
+        disk = h.tiers[1]
+        calls = []
+        real_get = disk.backend.get
+        disk.backend.get = lambda keys: calls.append(list(keys)) or real_get(keys)
+        keys = [make_key(i) for i in range(7)]  # 4 and 5 are in the cpu tier, 6 nowhere
+        got = h.get_many(keys)
+        assert calls == [[make_key(i) for i in (0, 1, 2, 3, 6)]]
+        assert [r is not None for r in got] == [True] * 6 + [False]
+        for r, i in zip(got[:6], range(6)):
+            obj, _ = r
+            want = torch.randn(CHUNK, generator=torch.Generator().manual_seed(i)).half()
+            assert torch.equal(obj.tensor, want), i
+            obj.unref()
+    finally:
+        h.close()

@@ -1,0 +1,201 @@
+"""``lmcache bench tiers --backend NAME``: one storage backend against its raw client.
+
+The physical limit of a networked or shared store is what its own client achieves doing
+the same transfers in the plainest fast way (redis-py pipelined SET/GET, boto3 concurrent
+put/get, fsspec writes and reads, Mooncake batch put/get). Each backend provides that
+baseline as :meth:`lmcache.storage.StorageBackend.raw_transfer`; this module times the
+backend's own batch ``put``/``get`` (payload encoding with the self-describing header and
+checksum, decoding and verifying into a memory object) on the same bytes, in the same
+run, against the same server, and reports the ratio.
+
+How the numbers are taken (GB/s are 10^9 bytes per second, of payload bytes, which are the
+chunk's KV plus a header of a few hundred bytes; the raw client moves exactly as many):
+
+- values: ``--values`` chunks of the workload's shape (``--layers``, ``--kv-heads``,
+  ``--head-size``, ``--chunk-size`` tokens, ``--dtype``), random content;
+- put: wall time of ``backend.put(batch)`` over all values, ``--batch`` values per call;
+- get: wall time of ``backend.get(keys)`` over all values, same batches; the first
+  round checks that every value comes back bit-exact;
+- raw: ``raw_transfer`` with the same bytes and batch size;
+- each round stores, reads and deletes everything; ours and raw alternate; the best of
+  ``--repeats`` rounds counts for each (the same rule for both).
+
+Without ``--option url=...`` the store is started on loopback for the run
+(:mod:`lmcache.loopback`; ``--store redis-cluster`` picks a cluster), or, for ``fs`` and
+``gds``, a temporary directory is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+
+GB = 1e9
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (values parsed as YAML scalars: numbers, booleans, strings)."""
+    import typer
+
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="'--option'")
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            parsed = value
+        opts[key.strip()] = value if isinstance(parsed, (dict, list)) or parsed is None else parsed
+    return opts
+
+
+@contextlib.contextmanager
+def open_store(backend: str, options: dict[str, Any], store: str | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """The options that reach the store, and a description of it: the given ones, or a
+    store started on loopback (a temporary directory for fs and gds) for the run."""
+    if options:
+        yield options, "given by --option"
+        return
+    if backend in ("fs", "gds", "disk"):
+        tmp = Path(tempfile.mkdtemp(prefix=f"lmcache-bench-{backend}-"))
+        try:
+            opts = {"path": str(tmp)} if backend == "disk" else {"url": f"{'file' if backend == 'fs' else 'gds'}://{tmp}"}
+            yield opts, f"temporary directory {tmp}"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    from lmcache import loopback
+
+    with loopback.start(store or backend) as st:
+        yield dict(st.options), f"{store or backend} started on loopback for this run"
+
+
+def _chunks(seq: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+def run_backend(
+    backend: str,
+    options: dict[str, Any],
+    *,
+    shape: tuple[int, ...],
+    dtype: str,
+    values: int,
+    batch: int,
+    repeats: int,
+    codec: str = "raw",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time ``backend``'s batch put/get and its raw client on the same bytes."""
+    import torch
+
+    from lmcache import payload
+    from lmcache.codecs import load_codec
+    from lmcache.keys import CacheKey
+    from lmcache.memory import MemoryPool
+    from lmcache.plugin_manager import get_registries
+    from lmcache.errors import LMCacheError
+    from lmcache.storage import BackendContext, StorageBackend
+
+    regs = get_registries()
+    cls = regs.backends.load(backend)
+    if getattr(cls.raw_transfer, "__func__", None) is StorageBackend.raw_transfer.__func__:
+        raise LMCacheError(
+            f"backend {backend!r} has no raw-client baseline (raw_transfer); for cpu and disk run "
+            "`lmcache bench tiers` without --backend"
+        )
+    codec_obj = load_codec(regs.codecs.load, codec)
+    ctx = BackendContext.standalone(options, codec=codec_obj, capacity=1 << 62, tier=backend)
+    g = torch.Generator().manual_seed(seed)
+    tdtype = getattr(torch, dtype)
+    sig = f"{dtype}-L{shape[0]}-H{shape[3]}-D{shape[4]}-bench"
+    objs, keys = [], []
+    for i in range(values):
+        obj = MemoryPool.allocate_unpooled(shape, tdtype)
+        obj.tensor.copy_(torch.randn(shape, generator=g).to(tdtype))
+        objs.append(obj)
+        keys.append(CacheKey("lmcache-bench", "lmcache/bench", sig, f"{seed:016x}{i:016x}").to_string())
+    raw_items = [
+        (f"lmcache-bench-raw-{seed}-{i}", b"".join(bytes(b) for b in payload.encode(k, o, codec_obj)))
+        for i, (k, o) in enumerate(zip(keys, objs))
+    ]
+    nbytes = sum(len(v) for _, v in raw_items)
+    best = {"put": float("inf"), "get": float("inf"), "raw_put": float("inf"), "raw_get": float("inf")}
+    exact = True
+    be = cls(ctx)
+    try:
+        be.remove(keys)  # leftovers of an interrupted run
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            for part in _chunks(list(zip(keys, objs)), batch):
+                be.put(part)
+            t1 = time.perf_counter()
+            got_all = 0
+            for part_keys, part_objs in zip(_chunks(keys, batch), _chunks(objs, batch)):
+                got = be.get(part_keys)
+                for o, gobj in zip(part_objs, got):
+                    if gobj is None:
+                        exact = False
+                        continue
+                    got_all += 1
+                    if r == 0 and not torch.equal(o.tensor, gobj.tensor):
+                        exact = False
+                    gobj.unref()
+            t2 = time.perf_counter()
+            be.remove(keys)
+            if got_all != values:
+                exact = False
+            best["put"] = min(best["put"], t1 - t0)
+            best["get"] = min(best["get"], t2 - t1)
+            put_s, get_s = cls.raw_transfer(options, raw_items, batch)
+            best["raw_put"] = min(best["raw_put"], put_s)
+            best["raw_get"] = min(best["raw_get"], get_s)
+    finally:
+        with contextlib.suppress(Exception):
+            be.remove(keys)
+        be.close()
+    gbps = {k: nbytes / v / GB for k, v in best.items()}
+    return {
+        "backend": backend,
+        "codec": codec,
+        "values": values,
+        "value_bytes": nbytes // max(values, 1),
+        "batch": batch,
+        "repeats": repeats,
+        "bytes": nbytes,
+        "put_gbps": gbps["put"],
+        "get_gbps": gbps["get"],
+        "raw_put_gbps": gbps["raw_put"],
+        "raw_get_gbps": gbps["raw_get"],
+        "put_ratio": gbps["put"] / gbps["raw_put"],
+        "get_ratio": gbps["get"] / gbps["raw_get"],
+        "exact": exact,
+    }
+
+
+def print_report(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from lmcache.units import format_size
+
+    from ._util import out
+
+    t = Table(title=f"lmcache bench tiers --backend {data['backend']} (GB/s = 10^9 bytes/s)")
+    for col in ("op", "lmcache GB/s", "raw client GB/s", "ratio"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for op in ("put", "get"):
+        t.add_row(op, f"{data[op + '_gbps']:.3f}", f"{data['raw_' + op + '_gbps']:.3f}", f"{data[op + '_ratio']:.2f}")
+    o = out()
+    o.print(t)
+    o.print(
+        f"{data['values']} values of {format_size(data['value_bytes'])}, {data['batch']} per call, "
+        f"codec {data['codec']}, best of {data['repeats']}; store: {data['store']}; exact={data['exact']}"
+    )
