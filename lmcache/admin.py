@@ -182,7 +182,10 @@ class Admin:
         return [self.tier(tier)]
 
     def tiers(self) -> list[dict[str, Any]]:
-        """Per tier: backend, entries, bytes used and capacity, counters, hit rate."""
+        """Per tier: backend, entries, bytes used and capacity, counters, hit rate (a
+        shared store is listed first, so the numbers cover all of it)."""
+        for t in self._tiers:
+            t.refresh()
         return [t.info() for t in self._tiers]
 
     def stats(self) -> dict[str, Any]:
@@ -274,6 +277,8 @@ class Admin:
             )
         victims: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
+        for t in tiers:
+            t.refresh()  # a shared store: account for what peers wrote, so it can be evicted
         if keys is not None:
             for k in keys:
                 parse_key(k)
@@ -395,6 +400,7 @@ class Admin:
         except (ValueError, TypeError) as exc:
             raise AdminError(f"codec {codec!r}: {exc}") from None
         match = _matcher(namespace, model)
+        t.refresh()
         if keys:
             for k in keys:
                 parse_key(k)

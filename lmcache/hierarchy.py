@@ -355,14 +355,51 @@ class Tier:
             "bytes_out": st["hit_bytes"],
             "pinned": pinned,
             "available": self.available,
+            # a store other processes share: usage counts only what this instance wrote
+            "shared": self.backend.shared,
         }
 
     def entries(self) -> Iterator[tuple[EntryInfo, bool]]:
-        """``(entry, pinned)`` for every entry the tier accounts for."""
+        """``(entry, pinned)`` for every entry the tier accounts for (for a shared store:
+        every entry in it, adopted into the index, see :meth:`refresh`)."""
+        if self.backend.shared:
+            found = list(self.backend.entries())
+            self._adopt([(e.key, e.size) for e in found])
+            for e in found:
+                yield e, self.is_pinned(e.key)
+            return
         index = self._index
         for e in self.backend.entries():
             if e.key in index:
                 yield e, self.is_pinned(e.key)
+
+    def refresh(self) -> None:
+        """For a shared store, which is not listed when the tier opens: list it now and
+        account for what it holds (entries other processes wrote are adopted, entries
+        that vanished are dropped), so that an operator's ``ls``, ``evict`` or
+        ``compress`` sees the whole store. A no-op for other tiers."""
+        if not self.backend.shared:
+            return
+        try:
+            listed = list(self.backend.keys())
+        except Exception as exc:
+            self._failed("listing entries", exc)
+            return
+        self._ok()
+        self._adopt(listed)
+
+    def _adopt(self, listed: Sequence[tuple[str, int]]) -> None:
+        with self._lock:
+            present = dict(listed)
+            for key in [k for k in self._index if k not in present]:
+                self.used -= self._index.pop(key)
+                self.policy.on_remove(key)
+            for key, size in listed:
+                old = self._index.get(key)
+                if old is None:
+                    self.policy.on_insert(key)
+                self._index[key] = size
+                self.used += size - (old or 0)
 
     def eviction_order(self) -> list[str]:
         """The keys this tier's policy would evict next, first first (pinned ones and

@@ -343,6 +343,13 @@ def test_shared_tier_is_not_listed_at_open_but_serves_peers_entries(tmp_path, re
         obj, tier = h.get(make_key(2))
         assert tier is disk
         obj.unref()
+        # an operator's listing adopts the store's entries, so they can be evicted
+        assert sorted(e.key for e, _ in disk.entries()) == sorted(make_key(i) for i in range(3))
+        assert disk.usage().entries == 3 and disk.used > 0
+        assert disk.evict_keys([make_key(0)])[0][0][0] == make_key(0)
+        disk.backend.remove_one(make_key(1))  # a peer removes one
+        disk.refresh()
+        assert disk.usage().entries == 1
     finally:
         h.close()
 
