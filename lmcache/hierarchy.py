@@ -192,6 +192,14 @@ class Tier:
             self._failed("contains", exc)
             return [False] * len(keys)
         self._ok()
+        if self.backend.shared:
+            # a shared store loses entries behind our back (a peer evicts, the server
+            # restarts empty, maxmemory): forget them, or a later put would skip them
+            with self._lock:
+                for key, present in zip(keys, out):
+                    if not present and key in self._index:
+                        self.used -= self._index.pop(key)
+                        self.policy.on_remove(key)
         return out
 
     def get(self, key: str) -> MemoryObj | None:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 LAUNCHERS: dict[str, str] = {
     "redis": "lmcache.loopback.redis:redis_store",
     "redis-cluster": "lmcache.loopback.redis:redis_cluster_store",
+    "redis-sentinel": "lmcache.loopback.redis:redis_sentinel_store",
     "valkey": "lmcache.loopback.redis:valkey_store",
     "valkey-cluster": "lmcache.loopback.redis:valkey_cluster_store",
     "s3": "lmcache.loopback.s3:s3_store",
