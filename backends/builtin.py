@@ -17,3 +17,7 @@ def lmcache_register_backends(registry):
                  description="Valkey standalone or cluster (valkey-py)")
     registry.add("s3", "lmcache.backends.s3:S3Backend", extra="s3",
                  description="an S3 bucket or any S3-compatible store (boto3)")
+    registry.add("fs", "lmcache.backends.fs:FSBackend", extra="fs",
+                 description="a shared filesystem (NFS) or any fsspec URL")
+    registry.add("gds", "lmcache.backends.gds:GDSBackend",
+                 description="GPUDirect Storage files (kvikio when installed, else O_DIRECT)")

@@ -25,11 +25,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import xxhash
 
 from lmcache import payload
+from lmcache.codecs import Codec
 from lmcache.dtypes import dtype_from_name
 from lmcache.errors import ConfigError, CorruptPayloadError
 from lmcache.memory import MemoryObj
@@ -202,6 +203,24 @@ class DiskBackend(BytesBackend):
         final.parent.mkdir(exist_ok=True)
         tmp = final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         total = sum(len(b) for b in buffers)
+        try:
+            self._write_file(tmp, buffers, total)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, final)
+        with self._lock:
+            old = self._index.pop(key, None)  # re-inserted last: the newest entry
+            self._index[key] = total
+            self._meta[key] = (self.context.codec.name, time.time())
+            self._used += total - (old or 0)
+
+    def _write_file(self, tmp: Path, buffers: Sequence[bytes | memoryview], total: int) -> None:
+        """Create ``tmp`` exclusively and fill it with the ``total`` bytes of ``buffers``.
+
+        The one step that moves bytes to the file, so that a subclass can move them
+        another way (the gds backend through kvikio) and keep the temporary-name,
+        rename and index logic of :meth:`write`."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.o_direct:
             flags |= os.O_DIRECT
@@ -220,17 +239,8 @@ class DiskBackend(BytesBackend):
                 _write_all(fd, [memoryview(b).cast("B") for b in buffers])
             if self.fsync:
                 os.fsync(fd)
-        except BaseException:
+        finally:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, final)
-        with self._lock:
-            old = self._index.pop(key, None)  # re-inserted last: the newest entry
-            self._index[key] = total
-            self._meta[key] = (self.context.codec.name, time.time())
-            self._used += total - (old or 0)
 
     def read(self, key: str) -> bytes | None:
         if key not in self._index:
@@ -247,58 +257,84 @@ class DiskBackend(BytesBackend):
         if key not in self._index:
             return None
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
+            return self._load(self._path(key), key)
         except FileNotFoundError:
             self._forget(key)
             return None
-        try:
-            return self._read_obj(fd, key)
         except CorruptPayloadError as exc:
             self.integrity.corrupt += 1
             self.integrity.last_error = str(exc)
             log.warning("disk tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
-            os.close(fd)
-            fd = -1
             self.delete(key)
             return None
-        finally:
-            if fd >= 0:
-                os.close(fd)
 
-    def _read_obj(self, fd: int, key: str) -> MemoryObj:
-        size = os.fstat(fd).st_size
-        if self.o_direct:
-            buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
-            n = _read_all(fd, memoryview(buf))
-            data = memoryview(buf)[:n]
-            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-        head = os.read(fd, payload.HEADER_READ_HINT)
-        h = payload.parse_header(head)
-        if h.key != key:
-            raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
-        if size != h.total_len:
-            raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
-        if h.codec != "raw":
-            rest = os.pread(fd, size - len(head), len(head)) if size > len(head) else b""
-            return payload.decode(head + rest, key, self.context.codec_lookup, self.context.allocate)
-        obj = self.context.allocate(h.shape, dtype_from_name(h.dtype))
+    def _load(self, path: Path, key: str) -> MemoryObj:
+        """The checked entry in the file at ``path``; ``FileNotFoundError`` if it is gone,
+        :class:`CorruptPayloadError` if it fails its checks. The file is closed on return.
+
+        With ``o_direct`` the whole file is read into one aligned buffer (O_DIRECT wants
+        block-aligned addresses, offsets and lengths); otherwise through
+        :func:`read_payload`, the path that reads ``raw`` bodies straight into pool
+        memory. A subclass that reads files another way overrides this."""
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
         try:
-            dst = memoryview(obj.byte_view().numpy()) if h.nbytes else memoryview(bytearray())
-            have = head[h.header_len :]
-            dst[: len(have)] = have
-            if h.body_len > len(have):
-                got = _read_all(fd, dst[len(have) :])
-                if got != h.body_len - len(have):
-                    raise CorruptPayloadError("file ended before its body")
-            if xxhash.xxh3_64_intdigest(dst) != h.body_xxh3:
-                raise CorruptPayloadError("body checksum mismatch")
-        except BaseException:
-            obj.unref()
-            raise
-        return obj
+            size = os.fstat(fd).st_size
+            if self.o_direct:
+                buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
+                n = _read_all(fd, memoryview(buf))
+                data = memoryview(buf)[:n]
+                return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
+            ctx = self.context
+            return read_payload(lambda dst, off: _pread_all(fd, dst, off), size, key, ctx.codec_lookup, ctx.allocate)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         pass
+
+
+def read_payload(
+    read_at: Callable[[memoryview, int], int],
+    size: int,
+    key: str,
+    codec_lookup: Callable[[str], Codec],
+    allocate: Callable[..., MemoryObj],
+) -> MemoryObj:
+    """Check and decode the ``size``-byte payload of ``key`` that ``read_at(dst, offset)``
+    reads (it fills ``dst`` from ``offset`` and returns the bytes it read); raises
+    :class:`CorruptPayloadError` like :func:`lmcache.payload.decode`.
+
+    Why not read everything and call :func:`~lmcache.payload.decode`: the header comes
+    first, in one small read, and a ``raw`` body then goes straight into the memory it
+    is served from and is checked there: one copy from the storage instead of two
+    (every file-like backend reads this way; other codecs decode from one whole read)."""
+    head_buf = bytearray(min(size, payload.HEADER_READ_HINT))
+    head = bytes(memoryview(head_buf)[: read_at(memoryview(head_buf), 0)])
+    h = payload.parse_header(head)
+    if h.key != key:
+        raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
+    if size != h.total_len:
+        raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
+    if h.codec != "raw":
+        whole = bytearray(size)
+        whole[: len(head)] = head
+        got = len(head) + (read_at(memoryview(whole)[len(head) :], len(head)) if size > len(head) else 0)
+        return payload.decode(memoryview(whole)[:got], key, codec_lookup, allocate)
+    obj = allocate(h.shape, dtype_from_name(h.dtype))
+    try:
+        dst = memoryview(obj.byte_view().numpy()) if h.nbytes else memoryview(bytearray())
+        have = head[h.header_len :]
+        dst[: len(have)] = have
+        if h.body_len > len(have):
+            got = read_at(dst[len(have) :], len(head))
+            if got != h.body_len - len(have):
+                raise CorruptPayloadError("file ended before its body")
+        if xxhash.xxh3_64_intdigest(dst) != h.body_xxh3:
+            raise CorruptPayloadError("body checksum mismatch")
+    except BaseException:
+        obj.unref()
+        raise
+    return obj
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
@@ -315,6 +351,16 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             else:
                 bufs[0] = bufs[0][n:]
                 n = 0
+
+
+def _pread_all(fd: int, dst: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(dst):
+        n = os.preadv(fd, [dst[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def _read_all(fd: int, dst: memoryview) -> int:

@@ -88,15 +88,19 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
         return False
 
 
-def _apt_install(package: str, suite: str | None) -> str:
-    """Install a Debian package (as root); returns apt's output tail on failure, "" on success."""
+def _apt_install(package: str, suite: str | None, components: str = "main") -> str:
+    """Install a Debian package (as root), adding a sources entry for ``suite`` (e.g.
+    ``bookworm-backports``) or for extra ``components`` (e.g. ``contrib non-free``) of
+    the release first; returns apt's output tail on failure, "" on success."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if suite:
-        src = Path(f"/etc/apt/sources.list.d/lmcache-{suite}.sources")
+    if suite or components != "main":
+        release = suite or _debian_codename()
+        name = f"lmcache-{release}-{components.replace(' ', '-')}"
+        src = Path(f"/etc/apt/sources.list.d/{name}.sources")
         if not src.exists():
             src.write_text(
                 "Types: deb\nURIs: http://deb.debian.org/debian\n"
-                f"Suites: {suite}\nComponents: main\n"
+                f"Suites: {release}\nComponents: {components}\n"
                 "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
             )
     steps = [["apt-get", "update", "-q"]]
@@ -109,6 +113,41 @@ def _apt_install(package: str, suite: str | None) -> str:
         if p.returncode != 0:
             return (p.stdout + p.stderr)[-2000:]
     return ""
+
+
+def _debian_codename() -> str:
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("VERSION_CODENAME="):
+                return line.split("=", 1)[1].strip().strip('"') or "bookworm"
+    except OSError:
+        pass
+    return "bookworm"
+
+
+def ensure_library(soname: str, *, apt_package: str, components: str = "main") -> None:
+    """Make sure the shared library ``soname`` (e.g. ``libcuda.so.1``) can be loaded;
+    install ``apt_package`` first when it cannot and we are root on Debian. Raises
+    :class:`ServerUnavailable` saying how to get it otherwise."""
+    import ctypes
+
+    def loadable() -> bool:
+        try:
+            ctypes.CDLL(soname)
+            return True
+        except OSError:
+            return False
+
+    if loadable():
+        return
+    how = f"apt-get install -y {apt_package}" + (f" (Debian components: {components})" if components != "main" else "")
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        log.warning("installing %s (for %s) with apt-get", apt_package, soname)
+        problem = _apt_install(apt_package, None, components)
+        if loadable():
+            return
+        raise ServerUnavailable(f"{soname} cannot be loaded and `{how}` failed: {problem.strip()[-500:]}")
+    raise ServerUnavailable(f"{soname} cannot be loaded (install it with `{how}`, as root)")
 
 
 def ensure_binary(name: str, *, apt_package: str | None = None, suite: str | None = None) -> str:

@@ -1,0 +1,508 @@
+"""The ``fs`` backend: one file per chunk on a shared filesystem (NFS) or any fsspec URL.
+
+What it is for: a directory that several engine processes (on one host or many, through
+NFS or another shared mount) read and write together, so that each sees the chunks the
+others stored; and, through fsspec, any filesystem fsspec reaches (``memory://``,
+``sftp://``, ...).
+
+Why the key is spelled out in the file name (percent-encoded, in a subdirectory chosen
+by a hash of the key) rather than hashed as the disk backend does: listing a shared
+store must not read every file. On a remote filesystem each read is a round trip, while
+one ``ls`` per directory returns every name with its size; with the key in the name,
+``keys()`` is a walk of the directories and nothing else. Names longer than a filesystem
+allows (255 bytes) are split into nested directories at fixed lengths, which the walk
+joins back.
+
+Why temporary name + rename: a reader on another host must never see a half-written
+chunk. A writer creates a uniquely named temporary file in the chunk's directory and
+renames it over the final name (``rename(2)`` on local and NFS mounts replaces
+atomically); two writers of one key both finish and the last rename wins. Filesystems
+that are object stores (``memory://``, ``s3://``...) have no rename but publish an
+object whole when its upload ends, so they are written in place. A writer that dies
+leaves its temporary file behind: the walk skips such files and removes those older than
+``tmp_max_age`` seconds.
+
+Why a thread pool and a deadline on every call: a hung NFS mount blocks ``open`` and
+``read`` in the kernel, uninterruptibly. Each call runs its file operations on worker
+threads (``concurrency`` at a time, which is also what makes batches fast on a network
+filesystem) and waits at most ``timeout`` seconds; past that it raises
+:class:`TimeoutError`, which the tier turns into misses and retries with backoff. The
+stuck thread itself cannot be cancelled: it stays blocked until the filesystem answers,
+and is replaced so that the pool keeps its size. Workers are daemon threads, so a stuck
+one does not block the process from exiting either.
+
+A corrupt or truncated file is a miss and is removed (the payload header and checksums
+of :mod:`lmcache.payload`); reads are checked and decoded on the workers, through the
+same path as the disk backend's (:func:`lmcache.backends.disk.read_payload`: a ``raw``
+body goes straight into the memory it is served from).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future, wait
+from functools import partial
+from concurrent.futures import ThreadPoolExecutor as _RawPool
+from typing import Any, Callable, Iterator, Mapping, Sequence
+from urllib.parse import quote, unquote, urlsplit
+
+import xxhash
+
+from lmcache import payload
+from lmcache.errors import ConfigError, CorruptPayloadError
+from lmcache.keys import CacheKey
+from lmcache.memory import MemoryObj
+from lmcache.storage import BackendContext, BytesBackend, EntryInfo
+
+from .disk import read_payload
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".lmc"
+TMP_PREFIX = ".tmp+"  # "+" never appears in an encoded key, so no key looks like a temporary
+SEGMENT = 200  # bytes of encoded key per path component (NAME_MAX is 255)
+#: filesystems whose ``mv`` is a rename that replaces the target atomically (fsspec's
+#: generic ``mv`` is copy + delete); the others are written in place
+RENAME_PROTOCOLS = frozenset({"file", "local", "sftp", "ssh", "hdfs", "arrow_hdfs"})
+#: a listing walks the whole store: it gets this many times the per-call timeout (at least a minute)
+LIST_TIMEOUT_FACTOR = 10
+
+_worker = threading.local()
+
+
+def _in_worker() -> bool:
+    return getattr(_worker, "active", False)
+
+
+class _Workers:
+    """A fixed number of daemon threads running submitted calls.
+
+    Not :class:`concurrent.futures.ThreadPoolExecutor`: its threads are joined when the
+    interpreter exits, so one stuck in a hung mount would hang the exit of the process.
+    :meth:`replace` starts a thread for each one given up on, up to four times the size;
+    threads above the size end after their current call."""
+
+    def __init__(self, size: int, name: str):
+        self.size = size
+        self.name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the backend is closed")
+            while self._live < self.size:
+                self._start()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def replace(self, stuck: int) -> None:
+        with self._lock:
+            for _ in range(min(stuck, 4 * self.size - self._live)):
+                self._start()
+
+    def _start(self) -> None:
+        self._live += 1
+        threading.Thread(target=self._run, name=f"{self.name}-{self._live}", daemon=True).start()
+
+    def _run(self) -> None:
+        _worker.active = True
+        while True:
+            item = self._q.get()
+            if item is None:
+                break
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+            with self._lock:
+                if self._live > self.size:
+                    break
+        with self._lock:
+            self._live -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            n = self._live
+        for _ in range(n):
+            self._q.put(None)
+
+
+def _release(fut: Future) -> None:
+    """Drop the object a call returned after its caller gave up on it."""
+    if not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), MemoryObj):
+        fut.result().unref()
+
+
+def _read_at(f: Any, dst: memoryview, offset: int) -> int:
+    f.seek(offset)
+    got = 0
+    while got < len(dst):
+        n = f.readinto(dst[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _unref_arg(args: tuple) -> None:
+    args[-1].unref()
+
+
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    """A listing entry's modification time as ``time.time()`` seconds, where it has one."""
+    for field in ("mtime", "LastModified", "last_modified", "created", "modified"):
+        v = info.get(field)
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, datetime.datetime):
+            return v.timestamp()
+    return None
+
+
+def _filesystem_class(url: str) -> type:
+    import fsspec
+    from fsspec.core import split_protocol
+
+    protocol = split_protocol(url)[0] or "file"
+    try:
+        return fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ConfigError("url", f"unknown filesystem protocol {protocol!r} in {url!r}") from None
+    except ImportError as exc:
+        raise ConfigError("url", f"the {protocol}:// filesystem needs a package that is not installed: {exc}") from None
+
+
+class FSBackend(BytesBackend):
+    OPTIONS = {
+        "url": None, "fs_options": {}, "prefix": "", "concurrency": 16, "timeout": 5.0, "tmp_max_age": 3600.0,
+    }
+    shared = True
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        opts = super().check_options(options)
+        url = opts["url"]
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError("url", f"expected a directory URL such as file:///mnt/nfs/lmcache, got {url!r}")
+        if "::" in url:
+            raise ConfigError("url", f"chained fsspec URLs are not supported, got {url!r}")
+        parts = urlsplit(url)
+        if parts.scheme == "file" and (parts.netloc not in ("", "localhost") or not parts.path.startswith("/")):
+            raise ConfigError("url", f"a file URL is file:///absolute/path (or a plain path), got {url!r}")
+        _filesystem_class(url)
+        if not isinstance(opts["fs_options"], Mapping):
+            raise ConfigError("fs_options", f"expected a mapping of filesystem arguments, got {opts['fs_options']!r}")
+        if not isinstance(opts["prefix"], str) or any(c in opts["prefix"] for c in "/\\"):
+            raise ConfigError("prefix", f"expected a string without slashes, got {opts['prefix']!r}")
+        n = opts["concurrency"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError("concurrency", f"expected a whole number of threads >= 1, got {n!r}")
+        for key in ("timeout", "tmp_max_age"):
+            v = opts[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(key, f"expected a number of seconds > 0, got {v!r}")
+        return opts
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.url: str = self.options["url"]
+        self.prefix: str = self.options["prefix"]
+        self.timeout = float(self.options["timeout"])
+        cls = _filesystem_class(self.url)
+        self._fs_cls = cls
+        self._fs_kwargs = {**cls._get_kwargs_from_urls(self.url), **self.options["fs_options"]}
+        self.root: str = cls._strip_protocol(self.url).rstrip("/") or "/"
+        protocols = (cls.protocol,) if isinstance(cls.protocol, str) else tuple(cls.protocol)
+        self.atomic_rename = any(p in RENAME_PROTOCOLS for p in protocols)
+        self._fs_obj: Any = None
+        self._fs_lock = threading.Lock()
+        self._dirs: set[str] = set()
+        self._workers = _Workers(self.options["concurrency"], f"lmcache-fs-{context.tier}")
+        try:  # connect now if the filesystem answers in time; a bad argument is a config error
+            self._call(self._fs)
+        except TypeError as exc:
+            raise ConfigError("fs_options", f"{cls.__name__} rejected its arguments: {exc}") from None
+        except Exception as exc:  # unreachable: open anyway, serve misses, retry on each call
+            log.warning("fs tier %s: %s is not reachable yet (%s: %s)", context.tier, self.url, type(exc).__name__, exc)
+
+    # ------------------------------------------------------------- plumbing
+    def _fs(self) -> Any:
+        """The filesystem object, built on first use (building one may connect)."""
+        fs = self._fs_obj
+        if fs is None:
+            with self._fs_lock:
+                if self._fs_obj is None:
+                    fs = self._fs_cls(**self._fs_kwargs)
+                    if not self.context.read_only:
+                        fs.makedirs(self.root, exist_ok=True)
+                    self._fs_obj = fs
+                fs = self._fs_obj
+        return fs
+
+    def _batch(
+        self,
+        fn: Callable[..., Any],
+        calls: Sequence[tuple],
+        what: str,
+        timeout: float | None = None,
+        not_run: Callable[[tuple], None] | None = None,
+    ) -> list:
+        """``fn(*args)`` for each of ``calls`` on the workers, all within the timeout.
+
+        Raises :class:`TimeoutError` when they are not all done in time, or the first
+        error one raised; objects the others returned are released, and so are those
+        that stuck calls return later. ``not_run(args)`` is called for each call that was
+        given up on before it started."""
+        if _in_worker():  # a step of a call already bounded by its caller
+            return [fn(*args) for args in calls]
+        if not calls:
+            return []
+        limit = self.timeout if timeout is None else timeout
+        futures = [self._workers.submit(fn, *args) for args in calls]
+        done, pending = wait(futures, timeout=limit)
+        if pending:
+            stuck = 0
+            for f, args in zip(futures, calls):
+                if f in pending:
+                    if f.cancel():
+                        if not_run is not None:
+                            not_run(args)
+                    else:
+                        stuck += 1
+                        f.add_done_callback(_release)
+            for f in done:
+                _release(f)
+            self._workers.replace(stuck)
+            raise TimeoutError(
+                f"fs tier {self.context.tier}: {what} of {len(calls)} entries did not finish within "
+                f"{limit:g}s ({self.url} is slow or hung; {stuck} calls still blocked)"
+            )
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            for f in futures:
+                _release(f)
+            raise error
+        return [f.result() for f in futures]
+
+    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        return self._batch(fn, [args], getattr(fn, "__name__", "call"), timeout)[0]
+
+    # ----------------------------------------------------------------- layout
+    def _path(self, key: str) -> str:
+        name = quote(self.prefix + key, safe="-_.~") + SUFFIX
+        sub = xxhash.xxh3_64_hexdigest(key.encode())[:2]
+        return "/".join([self.root, sub, *(name[i : i + SEGMENT] for i in range(0, len(name), SEGMENT))])
+
+    def _key_of(self, path: str) -> str | None:
+        """The key a stored file's path spells, or ``None`` if it is not an lmcache entry."""
+        parts = path[len(self.root) :].strip("/").split("/")
+        name = "".join(parts[1:])
+        if len(parts) < 2 or len(parts[0]) != 2 or not name.endswith(SUFFIX):
+            return None
+        text = unquote(name[: -len(SUFFIX)])
+        if not text.startswith(self.prefix):
+            return None
+        key = text[len(self.prefix) :]
+        try:
+            CacheKey.parse(key)
+        except ValueError:
+            return None
+        return key
+
+    # --------------------------------------------------------- bytes steps
+    def read(self, key: str) -> bytes | None:
+        return self._call(self._read, key)
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            return self._fs().cat_file(self._path(key))
+        except FileNotFoundError:
+            return None
+
+    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        self._call(self._write, key, buffers)
+
+    def _write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        fs = self._fs()
+        final = self._path(key)
+        parent = final.rsplit("/", 1)[0]
+        if parent not in self._dirs:
+            fs.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
+        target = f"{parent}/{TMP_PREFIX}{uuid.uuid4().hex}" if self.atomic_rename else final
+        try:
+            try:
+                f = fs.open(target, "wb")
+            except FileNotFoundError:  # the directory was removed under us (a peer cleaning up)
+                fs.makedirs(parent, exist_ok=True)
+                f = fs.open(target, "wb")
+            with f:
+                for b in buffers:
+                    f.write(b)
+            if self.atomic_rename:
+                fs.mv(target, final)
+        except BaseException:
+            if self.atomic_rename:
+                try:
+                    fs.rm_file(target)
+                except Exception:
+                    pass
+            raise
+
+    def delete(self, key: str) -> bool:
+        return self._call(self._delete, key)
+
+    def _delete(self, key: str) -> bool:
+        try:
+            self._fs().rm_file(self._path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._call(self._exists, key)
+
+    def _exists(self, key: str) -> bool:
+        return bool(self._fs().exists(self._path(key)))
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        return iter([(e.key, e.size) for e in self.entries()])
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """Keys and sizes from directory listings alone (no file is opened); the time
+        stored is the file's modification time, the codec is unknown without a read."""
+        limit = max(self.timeout * LIST_TIMEOUT_FACTOR, 60.0)
+        return iter(self._call(self._entries, timeout=limit))
+
+    def _entries(self) -> list[EntryInfo]:
+        fs = self._fs()
+        out: list[EntryInfo] = []
+        stale_before = time.time() - float(self.options["tmp_max_age"])
+        pending = [self.root]
+        while pending:
+            listing = self._ls(fs, pending.pop())
+            for info in listing:
+                name = info["name"]
+                if info.get("type") == "directory":
+                    pending.append(name)
+                    continue
+                if name.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
+                    mtime = _mtime(info)
+                    if not self.context.read_only and mtime is not None and mtime < stale_before:
+                        try:
+                            fs.rm_file(name)
+                            log.info("fs tier %s: removed stale temporary file %s", self.context.tier, name)
+                        except FileNotFoundError:
+                            pass
+                    continue
+                key = self._key_of(name)
+                if key is not None:
+                    out.append(EntryInfo(key, int(info.get("size") or 0), None, _mtime(info)))
+        return out
+
+    @staticmethod
+    def _ls(fs: Any, d: str) -> list[dict]:
+        """One directory's entries. A local listing fails as a whole when one file in it
+        vanishes between ``readdir`` and ``stat`` (a peer's rename or delete): try again."""
+        for _ in range(5):
+            try:
+                return fs.ls(d, detail=True)
+            except FileNotFoundError:
+                if not fs.isdir(d):  # removed meanwhile (or the store is still empty)
+                    return []
+        return []
+
+    # --------------------------------------------------------- object API
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._batch(self._exists, [(k,) for k in keys], "contains")
+
+    def contains_one(self, key: str) -> bool:
+        return self.exists(key)
+
+    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        return self._batch(self._get_step, [(k,) for k in keys], "get")
+
+    def get_one(self, key: str) -> MemoryObj | None:
+        return self._call(self._get_step, key)
+
+    def _get_step(self, key: str) -> MemoryObj | None:
+        """On a worker: read, check and decode one entry; a corrupt one is deleted and is
+        a miss. A ``raw`` body is read straight into the memory it is served from."""
+        ctx = self.context
+        try:
+            with self._fs().open(self._path(key), "rb") as f:
+                size = f.seek(0, 2)
+                return read_payload(partial(_read_at, f), size, key, ctx.codec_lookup, ctx.allocate)
+        except FileNotFoundError:
+            return None
+        except CorruptPayloadError as exc:
+            self.integrity.corrupt += 1
+            self.integrity.last_error = str(exc)
+            log.warning("fs tier %s: dropping corrupt entry %s: %s", ctx.tier, key, exc)
+            self._delete(key)
+            return None
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        return self._batch(self._put_step, [(k, o.ref()) for k, o in items], "put", not_run=_unref_arg)
+
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        return self._batch(self._put_step, [(key, obj.ref())], "put", not_run=_unref_arg)[0]
+
+    def _put_step(self, key: str, obj: MemoryObj) -> int:
+        # holds its own reference: a call given up on must not write memory reused meanwhile
+        try:
+            bufs = payload.encode(key, obj, self.context.codec)
+            self._write(key, bufs)
+            return sum(len(b) for b in bufs)
+        finally:
+            obj.unref()
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._batch(self._delete, [(k,) for k in keys], "remove")
+
+    def remove_one(self, key: str) -> bool:
+        return self.delete(key)
+
+    def close(self) -> None:
+        self._workers.close()
+
+    # ------------------------------------------------------------- baseline
+    @classmethod
+    def raw_transfer(
+        cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int
+    ) -> tuple[float, float]:
+        """fsspec's own ``pipe_file``/``cat_file`` of the same bytes, ``concurrency``
+        requests at a time, ``batch`` items per round, into a scratch directory that is
+        removed afterwards."""
+        opts = cls.check_options(options)
+        fs_cls = _filesystem_class(opts["url"])
+        fs = fs_cls(**{**fs_cls._get_kwargs_from_urls(opts["url"]), **opts["fs_options"]})
+        scratch = f"{fs_cls._strip_protocol(opts['url']).rstrip('/')}/.raw-{uuid.uuid4().hex}"
+        fs.makedirs(scratch, exist_ok=True)
+        paths = [f"{scratch}/{quote(name, safe='')}" for name, _ in items]
+        step = max(1, batch)
+        try:
+            with _RawPool(opts["concurrency"]) as pool:
+                t0 = time.perf_counter()
+                for i in range(0, len(items), step):
+                    list(pool.map(fs.pipe_file, paths[i : i + step], [d for _, d in items[i : i + step]]))
+                t1 = time.perf_counter()
+                for i in range(0, len(items), step):
+                    list(pool.map(fs.cat_file, paths[i : i + step]))
+                t2 = time.perf_counter()
+        finally:
+            fs.rm(scratch, recursive=True)
+        return t1 - t0, t2 - t1
