@@ -28,6 +28,7 @@ Without ``--option url=...`` the store is started on loopback for the run
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import tempfile
 import time
@@ -113,9 +114,12 @@ def run_backend(
             "`lmcache bench tiers` without --backend"
         )
     codec_obj = load_codec(regs.codecs.load, codec)
-    ctx = BackendContext.standalone(options, codec=codec_obj, capacity=1 << 62, tier=backend)
-    g = torch.Generator().manual_seed(seed)
     tdtype = getattr(torch, dtype)
+    value_nbytes = math.prod(shape) * torch.empty((), dtype=tdtype).element_size()
+    # reads land in a memory pool, as in an engine (reused, already faulted-in pages)
+    pool = MemoryPool((batch + 1) * (value_nbytes + 4096))
+    ctx = BackendContext.standalone(options, codec=codec_obj, capacity=1 << 62, tier=backend, pool=pool)
+    g = torch.Generator().manual_seed(seed)
     sig = f"{dtype}-L{shape[0]}-H{shape[3]}-D{shape[4]}-bench"
     objs, keys = [], []
     for i in range(values):
