@@ -21,3 +21,5 @@ def lmcache_register_backends(registry):
                  description="a shared filesystem (NFS) or any fsspec URL")
     registry.add("gds", "lmcache.backends.gds:GDSBackend",
                  description="GPUDirect Storage files (kvikio when installed, else O_DIRECT)")
+    registry.add("mooncake", "lmcache.backends.mooncake:MooncakeBackend", extra="mooncake",
+                 description="a Mooncake distributed store")

@@ -1,0 +1,658 @@
+"""The ``mooncake`` backend: one object per chunk in a Mooncake distributed store.
+
+Why Mooncake: its store pools the host memory of every client that joins it (each client
+mounts a *global segment* of its own memory into the store), with one master that places
+objects and hands out their locations; a read moves the bytes straight from the segment
+that holds them (TCP here, RDMA where the hardware has it). Every engine instance that
+points at the same master sees the same entries, so it is a shared tier
+(``shared = True``): one object per chunk under the canonical key string (plus the
+optional ``prefix``), each a self-describing payload, so instances, the CLI and the
+benchmark read each other's entries and a corrupt or truncated one is a miss and is
+removed.
+
+Why the calls run on worker threads: the client (``MooncakeDistributedStore`` from the
+``mooncake-transfer-engine`` wheels) has no per-call timeout and blocks for seconds when
+the master is gone (about 4 s per RPC, and ``setup`` retries 20 times). Every call is
+therefore made on a small pool of worker threads and waited for at most ``timeout``
+seconds; a call that does not return in time raises :class:`TimeoutError` (the tier
+turns that into misses and retries with backoff) and keeps running in the background.
+While such a stuck call is still running, later calls fail at once instead of queueing
+behind it, so an outage never piles up threads. The client reconnects by itself: it pings
+the master and, once a restarted master answers, mounts its segment again; a client that
+never got set up (the master was down when it was first needed) is set up on the next
+call, after a quick TCP check of the master that fails fast while it is down. The engine
+therefore starts while the store is down: nothing is contacted until the first call.
+
+Why writes are upserts and removals forced: ``put`` of an existing key is silently a
+no-op in Mooncake, and ``remove`` refuses a key that a reader looked at in the last
+``default_kv_lease_ttl`` (10 s), which would make both ``overwrite`` and ``remove`` lie.
+
+Why batches are split: every transfer is staged through the client's *local buffer*
+(``local_buffer_size``); a batch whose values do not fit fails as a whole. Puts are cut
+into groups of at most half the local buffer; gets ask for the whole batch and fetch the
+values that did not fit one at a time. A single payload larger than the local buffer
+cannot be stored or read at all: size it above the largest chunk payload.
+
+Listing: the client cannot enumerate keys, so :meth:`keys` asks the master's HTTP admin
+server (``admin_url``: ``/get_all_keys``, then ``/batch_query_keys`` for the sizes); it
+never loads values and skips anything that is not an lmcache key under ``prefix``.
+
+Options: ``url`` (``mooncake://master-host[:rpc-port]``, port 50051 by default),
+``prefix``, ``timeout`` (seconds), ``global_segment_size`` (memory this process adds to
+the store; 0 adds none), ``local_buffer_size``, ``protocol`` (``tcp``), ``device_name``
+(RDMA devices), ``local_hostname`` (the address other clients reach this one's segment
+at; default: 127.0.0.1 for a master on loopback, else the local address that routes to
+the master), ``metadata_server`` (default ``http://master-host:8080/metadata``, the
+master's own HTTP metadata server) and ``admin_url`` (default ``http://master-host:9003``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import json
+import logging
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from lmcache import payload
+from lmcache.errors import BackendError, ConfigError, CorruptPayloadError, MissingDependencyError
+from lmcache.keys import CacheKey
+from lmcache.memory import MemoryObj
+from lmcache.storage import BackendContext, BytesBackend
+from lmcache.units import parse_size
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MASTER_PORT = 50051  # mooncake_master --rpc_port
+DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port
+DEFAULT_ADMIN_PORT = 9003  # mooncake_master --metrics_port (the HTTP admin server)
+WORKERS = 4  # threads per backend that make client calls (and the most a stuck store holds)
+QUERY_BATCH = 100  # keys per /batch_query_keys request
+
+#: Mooncake's error codes (mooncake-store/include/types.h), for messages
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -100: "SHARD_INDEX_OUT_OF_RANGE",
+    -101: "SEGMENT_NOT_FOUND", -102: "SEGMENT_ALREADY_EXISTS", -103: "CLIENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE (no room, or no segment mounted yet)", -300: "INVALID_VERSION",
+    -400: "INVALID_KEY", -500: "WRITE_FAIL", -600: "INVALID_PARAMS (or the local buffer is full)",
+    -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE", -701: "INVALID_READ", -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED", -708: "OBJECT_HAS_REPLICATION_TASK",
+    -800: "TRANSFER_FAIL", -801: "CHECKSUM_MISMATCH", -900: "RPC_FAIL (master unreachable)",
+    -901: "RPC_TIMEOUT",
+}
+OBJECT_NOT_FOUND = -704
+_PROTOCOL = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class MooncakeError(BackendError):
+    """A Mooncake client call returned an error code."""
+
+    def __init__(self, what: str, code: int):
+        self.code = code
+        super().__init__(f"mooncake {what} failed: {code} {ERROR_NAMES.get(code, 'unknown error')}")
+
+
+def parse_url(url: object) -> tuple[str, int]:
+    """``mooncake://host[:port]`` -> (host, port); :class:`ConfigError` on ``url`` otherwise."""
+    example = "e.g. url: mooncake://mooncake-master:50051"
+    if not isinstance(url, str) or not url:
+        raise ConfigError("url", f"the mooncake backend needs the master's address, {example}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "mooncake":
+        raise ConfigError("url", f"expected a mooncake:// URL, got {url!r} ({example})")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError("url", f"{url!r}: only mooncake://host[:port] is understood ({example})")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError("url", f"{url!r} has an invalid port ({example})") from None
+    host = parts.hostname
+    if not host:
+        raise ConfigError("url", f"{url!r} names no host ({example})")
+    return host, port if port is not None else DEFAULT_MASTER_PORT
+
+
+def _http_url(key: str, value: object, example: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected a URL such as {example}, got {value!r}")
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, f"expected an http:// URL such as {example}, got {value!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(key, f"{value!r} has an invalid port") from None
+    return value
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def import_client() -> Any:
+    """The ``mooncake.store`` module, or :class:`MissingDependencyError` saying what to
+    install (the wheel, or Debian's ``libibverbs1``, which it needs even for TCP)."""
+    try:
+        import mooncake.store as store
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError(
+            f"backend 'mooncake' needs the Mooncake client ({exc}); install it with: "
+            "pip install 'lmcache[mooncake]' (mooncake-transfer-engine-non-cuda; "
+            "mooncake-transfer-engine on CUDA hosts)"
+        ) from exc
+    except ImportError as exc:
+        hint = (
+            "; install libibverbs1 (apt-get install libibverbs1), which the client needs even for protocol tcp"
+            if "libibverbs" in str(exc) else ""
+        )
+        raise MissingDependencyError(f"backend 'mooncake': the Mooncake client cannot be loaded: {exc}{hint}") from exc
+    return store
+
+
+class BoundedCalls:
+    """Make blocking client calls on worker threads, waiting at most ``timeout`` each.
+
+    A call that overruns raises :class:`TimeoutError` and keeps running in the
+    background; until it returns, every new call raises :class:`TimeoutError` at once
+    (so a hung store holds at most one worker, and waiting callers never pile up).
+    """
+
+    def __init__(self, timeout: float, workers: int = WORKERS, name: str = "lmcache-mooncake"):
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._stuck: tuple[str, float, Future] | None = None
+
+    def run(self, what: str, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """``fn(*args)`` on a worker, waited for ``timeout`` (default: the configured one)."""
+        timeout = self.timeout if timeout is None else max(timeout, 0.001)
+        with self._lock:
+            stuck = self._stuck
+            if stuck is not None:
+                if not stuck[2].done():
+                    raise TimeoutError(
+                        f"mooncake {stuck[0]} has not returned for {time.monotonic() - stuck[1]:.1f}s "
+                        f"(store unreachable or overloaded); not starting {what}"
+                    )
+                self._stuck = None
+            fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            if fut.cancel():  # still queued behind other callers' calls: nothing is stuck
+                raise TimeoutError(f"mooncake {what}: no worker free within {timeout:.3g}s") from None
+            with self._lock:
+                if self._stuck is None or self._stuck[2].done():
+                    self._stuck = (what, time.monotonic(), fut)
+            raise TimeoutError(f"mooncake {what} did not return within {timeout:.3g}s") from None
+
+    def shutdown(self) -> None:
+        """Stop taking calls; what runs or was submitted last still finishes."""
+        self._pool.shutdown(wait=False)
+
+
+def _view(handle: Any) -> memoryview:
+    """The bytes of a client ``BufferHandle`` (valid while the handle lives), uncopied."""
+    n = handle.size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(handle.ptr())).cast("B")
+
+
+def _groups(sizes: Sequence[int], budget: int) -> Iterator[list[int]]:
+    """Indices in consecutive groups whose sizes sum to at most ``budget`` (a larger
+    single item gets a group of its own)."""
+    group: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if group and total + n > budget:
+            yield group
+            group, total = [], 0
+        group.append(i)
+        total += n
+    if group:
+        yield group
+
+
+def _setup_args(options: Mapping[str, Any], *, segment: int | None = None) -> tuple:
+    """Arguments of ``MooncakeDistributedStore.setup`` for checked ``options``."""
+    host, port = parse_url(options["url"])
+    local = options["local_hostname"] or _local_address(host, port)
+    metadata = options["metadata_server"] or f"http://{_url_host(host)}:{DEFAULT_METADATA_PORT}/metadata"
+    return (
+        local, metadata,
+        parse_size(options["global_segment_size"]) if segment is None else segment,
+        parse_size(options["local_buffer_size"]),
+        options["protocol"], options["device_name"], f"{_url_host(host)}:{port}",
+    )
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address other clients reach this one at: loopback for a master on loopback,
+    else the local address the kernel routes to the master from (a UDP "connect" sends
+    nothing)."""
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    try:
+        fam = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(fam[0], socket.SOCK_DGRAM) as s:
+            s.connect(fam[4])
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise ConnectionError(f"cannot resolve or route to mooncake master {host}:{port}: {exc}") from None
+
+
+def _reachable(host: str, port: int, timeout: float, what: str) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError as exc:
+        raise ConnectionError(f"mooncake {what} {host}:{port} is unreachable: {exc}") from None
+
+
+class MooncakeBackend(BytesBackend):
+    OPTIONS = {
+        "url": None,
+        "prefix": "",
+        "timeout": 5.0,
+        "global_segment_size": "1GiB",
+        "local_buffer_size": "256MiB",
+        "protocol": "tcp",
+        "device_name": "",
+        "local_hostname": None,
+        "metadata_server": None,
+        "admin_url": None,
+    }
+    shared = True
+
+    @classmethod
+    def check_options(cls, options):
+        opts = super().check_options(options)
+        host, _ = parse_url(opts["url"])
+        prefix = opts["prefix"]
+        if not isinstance(prefix, str) or any(c in prefix for c in ",\n\r"):
+            raise ConfigError("prefix", f"expected a string without commas or line breaks, got {prefix!r}")
+        t = opts["timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t:
+            raise ConfigError("timeout", f"expected a positive number of seconds, got {t!r}")
+        for key in ("global_segment_size", "local_buffer_size"):
+            try:
+                n = parse_size(opts[key])
+            except ValueError as exc:
+                raise ConfigError(key, str(exc)) from None
+            if key == "local_buffer_size" and n <= 0:
+                raise ConfigError(key, "the local buffer stages every transfer; it must hold the largest chunk payload")
+        if not isinstance(opts["protocol"], str) or not _PROTOCOL.match(opts["protocol"]):
+            raise ConfigError(
+                "protocol", f"expected a Mooncake transport name such as tcp or rdma, got {opts['protocol']!r}"
+            )
+        if not isinstance(opts["device_name"], str):
+            raise ConfigError(
+                "device_name", f"expected a string (RDMA device names, comma-separated), got {opts['device_name']!r}"
+            )
+        local = opts["local_hostname"]
+        if local is not None and (not isinstance(local, str) or not local or any(c.isspace() for c in local)):
+            raise ConfigError("local_hostname", f"expected a host name or address, got {local!r}")
+        meta = opts["metadata_server"]
+        if meta is not None:
+            if not isinstance(meta, str) or not (
+                meta == "P2PHANDSHAKE" or urllib.parse.urlsplit(meta).scheme in ("http", "https", "etcd", "redis")
+            ):
+                raise ConfigError(
+                    "metadata_server",
+                    "expected http://host:port/metadata, etcd://host:port, redis://host:port or "
+                    f"P2PHANDSHAKE, got {meta!r}",
+                )
+        if opts["admin_url"] is not None:
+            _http_url("admin_url", opts["admin_url"], f"http://{_url_host(host)}:{DEFAULT_ADMIN_PORT}")
+        return opts
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self._client_mod = import_client()  # a missing wheel or libibverbs is an error now, not a miss later
+        self.host, self.port = parse_url(self.options["url"])
+        self.prefix: str = self.options["prefix"]
+        self.timeout = float(self.options["timeout"])
+        self.local_buffer = parse_size(self.options["local_buffer_size"])
+        admin = self.options["admin_url"] or f"http://{_url_host(self.host)}:{DEFAULT_ADMIN_PORT}"
+        self.admin_url = admin.rstrip("/")
+        self._calls = BoundedCalls(self.timeout, name=f"lmcache-mooncake-{id(self):x}")
+        self._store: Any = None
+        self._connect_lock = threading.Lock()
+        self._closed = False
+        self._oversize_warned = False
+
+    # ------------------------------------------------------------ client
+    def _name(self, key: str) -> str:
+        return self.prefix + key
+
+    def _client(self, deadline: float) -> Any:
+        """The set-up client; set it up on first use (or after a failed setup), all
+        within ``deadline`` (``time.monotonic()``)."""
+        store = self._store
+        if store is not None:
+            return store
+        if self._closed:
+            raise BackendError(f"mooncake tier {self.context.tier} is closed")
+        if not self._connect_lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
+            raise TimeoutError(f"mooncake tier {self.context.tier}: still connecting")
+        try:
+            if self._store is None:
+                # fail fast while the master is down, instead of starting a setup that
+                # retries for minutes on a worker
+                _reachable(self.host, self.port, max(deadline - time.monotonic(), 0.001), "master")
+                meta = self.options["metadata_server"]
+                if meta is None or meta.startswith(("http://", "https://")):
+                    parts = urllib.parse.urlsplit(meta or f"http://{_url_host(self.host)}:{DEFAULT_METADATA_PORT}")
+                    port = parts.port or (443 if parts.scheme == "https" else 80)
+                    _reachable(parts.hostname, port, max(deadline - time.monotonic(), 0.001), "metadata server")
+                self._calls.run("setup", self._setup, timeout=deadline - time.monotonic())
+            if self._store is None:
+                raise BackendError(f"mooncake tier {self.context.tier} is closed")
+            return self._store
+        finally:
+            self._connect_lock.release()
+
+    def _setup(self) -> None:
+        """On a worker: set up a new client; publish it only if it works (a setup that
+        finishes after its caller timed out still serves the next call)."""
+        args = _setup_args(self.options, segment=0 if self.context.read_only else None)
+        store = self._client_mod.MooncakeDistributedStore()
+        rc = store.setup(*args)
+        if rc != 0:
+            try:
+                store.close()
+            except Exception:  # pragma: no cover - best effort
+                pass
+            raise MooncakeError(f"setup (master {args[6]}, metadata {args[1]})", rc)
+        if self._closed:
+            store.close()
+            return
+        self._store = store
+        log.info("mooncake tier %s: connected to master %s as %s", self.context.tier, args[6], args[0])
+
+    def _call(self, what: str, method: str, *args: Any) -> Any:
+        """One client call, bounded by ``timeout`` (connecting first if needed)."""
+        deadline = time.monotonic() + self.timeout
+        store = self._client(deadline)
+        return self._calls.run(what, getattr(store, method), *args, timeout=deadline - time.monotonic())
+
+    # ------------------------------------------------------------ batch forms
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._call("batch_is_exist", "batch_is_exist", [self._name(k) for k in keys])
+        out = []
+        for c in codes:
+            if c < 0:
+                raise MooncakeError("batch_is_exist", c)
+            out.append(c == 1)
+        return out
+
+    def _fetch(self, names: list[str], use: Callable[[int, memoryview], None]) -> None:
+        """Read ``names``, calling ``use(i, bytes)`` for each one found while its buffer
+        is alive. Values that did not fit the local buffer together are fetched again
+        one at a time; a miss is checked so that an outage raises instead of missing."""
+        handles = self._call("batch_get_buffer", "batch_get_buffer", names)
+        again: list[int] = []
+        try:
+            for i, h in enumerate(handles):
+                if h is None:
+                    again.append(i)
+                else:
+                    use(i, _view(h))
+        finally:
+            del handles
+        if not again:
+            return
+        codes = self._call("batch_is_exist", "batch_is_exist", [names[i] for i in again])
+        for i, c in zip(again, codes):
+            if c < 0:
+                raise MooncakeError("batch_is_exist", c)
+            if c == 0:
+                continue
+            h = self._call("get_buffer", "get_buffer", names[i])
+            if h is None:
+                if not self._oversize_warned:
+                    self._oversize_warned = True
+                    log.warning(
+                        "mooncake tier %s: could not read %s (%s bytes) through the local buffer of %d bytes; "
+                        "treating it as a miss (raise local_buffer_size if payloads are this large)",
+                        self.context.tier, names[i], self._size_or_unknown(names[i]), self.local_buffer,
+                    )
+                continue
+            try:
+                use(i, _view(h))
+            finally:
+                del h
+
+    def _size_or_unknown(self, name: str) -> str:
+        try:
+            n = self._call("get_size", "get_size", name)
+        except Exception:
+            return "?"
+        return str(n) if n >= 0 else "?"
+
+    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        """Decode each payload through the same checks as ``BytesBackend.get_one``: a
+        corrupt or truncated one is a miss and is removed (in one batch)."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if not keys:
+            return out
+        corrupt: list[str] = []
+
+        def use(i: int, data: memoryview) -> None:
+            key = keys[i]
+            try:
+                out[i] = payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
+            except CorruptPayloadError as exc:
+                self.integrity.corrupt += 1
+                self.integrity.last_error = str(exc)
+                log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
+                corrupt.append(key)
+
+        try:
+            self._fetch([self._name(k) for k in keys], use)
+        except BaseException:
+            for o in out:
+                if o is not None:
+                    o.unref()
+            raise
+        if corrupt:
+            try:
+                self.remove(corrupt)
+            except Exception:  # the entry stays a miss for every reader that checks it
+                log.exception("tier %s: could not delete corrupt entries %s", self.context.tier, corrupt)
+        return out
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        if not items:
+            return []
+        codec = self.context.codec
+        blobs = [b"".join(payload.encode(k, o, codec)) for k, o in items]
+        sizes = [len(b) for b in blobs]
+        last = {k: i for i, (k, _) in enumerate(items)}  # a key given twice: the last one wins
+        order = [i for i in range(len(items)) if last[items[i][0]] == i]
+        for i in order:
+            if sizes[i] > self.local_buffer:
+                raise MooncakeError(
+                    f"put of {items[i][0]} ({sizes[i]} bytes, more than local_buffer_size {self.local_buffer})", -600
+                )
+        for group in _groups([sizes[i] for i in order], max(self.local_buffer // 2, 1)):
+            idx = [order[j] for j in group]
+            rc = self._call(
+                "upsert_batch", "upsert_batch", [self._name(items[i][0]) for i in idx], [blobs[i] for i in idx]
+            )
+            if rc != 0:
+                raise MooncakeError(f"upsert_batch of {len(idx)} entries", rc)
+        return sizes
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._remove(keys)
+
+    def _remove(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._call("batch_remove", "batch_remove", [self._name(k) for k in keys], True)
+        out = []
+        for c in codes:
+            if c < 0 and c != OBJECT_NOT_FOUND:
+                raise MooncakeError("batch_remove", c)
+            out.append(c == 0)
+        return out
+
+    # ------------------------------------------------------------ single keys
+    def get_one(self, key: str) -> MemoryObj | None:
+        return self.get([key])[0]
+
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        return self.put([(key, obj)])[0]
+
+    def remove_one(self, key: str) -> bool:
+        return self._remove([key])[0]
+
+    def contains_one(self, key: str) -> bool:
+        return self.contains([key])[0]
+
+    # ------------------------------------------------------------ BytesBackend
+    def read(self, key: str) -> bytes | None:
+        got: list[bytes] = []
+        self._fetch([self._name(key)], lambda i, data: got.append(bytes(data)))
+        return got[0] if got else None
+
+    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        blob = b"".join(buffers)
+        if len(blob) > self.local_buffer:
+            raise MooncakeError(f"write of {key} ({len(blob)} bytes, more than local_buffer_size)", -600)
+        rc = self._call("upsert", "upsert", self._name(key), blob)
+        if rc != 0:
+            raise MooncakeError("upsert", rc)
+
+    def delete(self, key: str) -> bool:
+        return self._remove([key])[0]
+
+    def exists(self, key: str) -> bool:
+        return self.contains([key])[0]
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        """From the master's admin server: every key, then the sizes of ours in batches."""
+        names = self._http("/get_all_keys").decode("utf-8", "replace").splitlines()
+        ours: list[str] = []
+        for name in names:
+            if not name.startswith(self.prefix):
+                continue
+            try:
+                CacheKey.parse(name[len(self.prefix):])
+            except ValueError:
+                continue
+            ours.append(name)
+        out: list[tuple[str, int]] = []
+        for i in range(0, len(ours), QUERY_BATCH):
+            part = ours[i : i + QUERY_BATCH]
+            q = ",".join(urllib.parse.quote(n, safe="") for n in part)
+            try:
+                data = json.loads(self._http(f"/batch_query_keys?keys={q}")).get("data") or {}
+            except ValueError as exc:
+                raise BackendError(f"mooncake admin server {self.admin_url}: unreadable answer: {exc}") from None
+            for name in part:
+                info = data.get(name) or {}
+                values = info.get("values") or []
+                if info.get("ok") and values:  # gone meanwhile otherwise
+                    out.append((name[len(self.prefix):], int(values[0].get("size_", 0))))
+        return iter(out)
+
+    def _http(self, path: str) -> bytes:
+        url = self.admin_url + path
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as r:
+                return r.read()
+        except urllib.error.HTTPError as exc:
+            where = path.split("?")[0]
+            raise BackendError(f"mooncake admin server {self.admin_url}: {where} answered {exc.code}") from None
+        except (OSError, ValueError) as exc:
+            raise ConnectionError(f"mooncake admin server {self.admin_url} is unreachable: {exc}") from None
+
+    def close(self) -> None:
+        """Unmount this client's segment (its entries leave the store) and stop the
+        client, waiting at most ``timeout``: the client's own close takes 0.5-2 s (it
+        joins its heartbeat thread) and longer while the master is unreachable; past the
+        timeout it finishes in the background (interpreter exit still waits for it)."""
+        self._closed = True
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                self._calls.run("close", self._close_client, store)
+            except TimeoutError as exc:
+                log.warning("mooncake tier %s: %s; it goes on in the background", self.context.tier, exc)
+        self._calls.shutdown()
+
+    def _close_client(self, store: Any) -> None:
+        try:
+            rc = store.close()
+        except Exception as exc:  # pragma: no cover - best effort
+            rc = exc
+        if rc not in (0, None):
+            log.warning("mooncake tier %s: close returned %s", self.context.tier, rc)
+
+    # ------------------------------------------------------------ benchmark
+    @classmethod
+    def raw_transfer(cls, options, items, batch):
+        """The raw client's ``upsert_batch``/``batch_get_buffer`` of the same bytes,
+        ``batch`` at a time (cut to fit the local buffer, as the client requires), then
+        ``batch_remove``. One untimed round first: a fresh client's buffers are mapped
+        lazily, and the first touch of their pages is not what the store costs."""
+        opts = cls.check_options(options)
+        mod = import_client()
+        store = mod.MooncakeDistributedStore()
+        args = _setup_args(opts)
+        rc = store.setup(*args)
+        if rc != 0:
+            raise MooncakeError(f"setup (master {args[6]})", rc)
+        budget = max(args[3] // 2, 1)
+        step = max(batch, 1)
+        names = [opts["prefix"] + n for n, _ in items]
+        values = [v for _, v in items]
+
+        def once() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            for s in range(0, len(items), step):
+                part = list(range(s, min(s + step, len(items))))
+                for g in _groups([len(values[i]) for i in part], budget):
+                    idx = [part[j] for j in g]
+                    rc = store.upsert_batch([names[i] for i in idx], [values[i] for i in idx])
+                    if rc != 0:
+                        raise MooncakeError("upsert_batch", rc)
+            t1 = time.perf_counter()
+            for s in range(0, len(items), step):
+                handles = store.batch_get_buffer(names[s : s + step])
+                for h, n in zip(handles, names[s : s + step]):
+                    if h is None and store.get_buffer(n) is None:
+                        raise BackendError(f"mooncake raw get of {n} found nothing")
+                del handles
+            t2 = time.perf_counter()
+            codes = store.batch_remove(names, True)
+            bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
+            if bad:
+                raise MooncakeError("batch_remove", bad[0])
+            return t1 - t0, t2 - t1
+
+        try:
+            once()
+            return once()
+        finally:
+            try:
+                store.batch_remove(names, True)  # after an error midway
+            finally:
+                store.close()
