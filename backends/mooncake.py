@@ -385,9 +385,13 @@ class MooncakeBackend(BytesBackend):
 
     def _call(self, what: str, method: str, *args: Any) -> Any:
         """One client call, bounded by ``timeout`` (connecting first if needed)."""
+        return self._call_with(what, lambda store: getattr(store, method)(*args))
+
+    def _call_with(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)`` (a few client calls in a row), bounded by ``timeout`` as one."""
         deadline = time.monotonic() + self.timeout
         store = self._client(deadline)
-        return self._calls.run(what, getattr(store, method), *args, timeout=deadline - time.monotonic())
+        return self._calls.run(what, fn, store, timeout=deadline - time.monotonic())
 
     # ------------------------------------------------------------ batch forms
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -481,8 +485,10 @@ class MooncakeBackend(BytesBackend):
         if not items:
             return []
         codec = self.context.codec
-        blobs = [b"".join(payload.encode(k, o, codec)) for k, o in items]
-        sizes = [len(b) for b in blobs]
+        # header and body go out as parts of one object: joining them into one bytes
+        # object first cost more than the transfer itself (0.56x of the raw client)
+        parts = [payload.encode(k, o, codec) for k, o in items]
+        sizes = [sum(len(b) for b in p) for p in parts]
         last = {k: i for i, (k, _) in enumerate(items)}  # a key given twice: the last one wins
         order = [i for i in range(len(items)) if last[items[i][0]] == i]
         for i in order:
@@ -492,11 +498,14 @@ class MooncakeBackend(BytesBackend):
                 )
         for group in _groups([sizes[i] for i in order], max(self.local_buffer // 2, 1)):
             idx = [order[j] for j in group]
-            rc = self._call(
-                "upsert_batch", "upsert_batch", [self._name(items[i][0]) for i in idx], [blobs[i] for i in idx]
-            )
-            if rc != 0:
-                raise MooncakeError(f"upsert_batch of {len(idx)} entries", rc)
+
+            def run(store: Any, idx: list[int] = idx) -> list[int]:
+                return [store.upsert_parts(self._name(items[i][0]), *parts[i]) for i in idx]
+
+            codes = self._call_with("upsert_parts", run)
+            bad = [c for c in codes if c != 0]
+            if bad:
+                raise MooncakeError(f"upsert_parts of {len(idx)} entries", bad[0])
         return sizes
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -609,7 +618,7 @@ class MooncakeBackend(BytesBackend):
     # ------------------------------------------------------------ benchmark
     @classmethod
     def raw_transfer(cls, options, items, batch):
-        """The raw client's ``upsert_batch``/``batch_get_buffer`` of the same bytes,
+        """The raw client's ``upsert_parts``/``batch_get_buffer`` of the same bytes,
         ``batch`` at a time (cut to fit the local buffer, as the client requires), then
         ``batch_remove``. One untimed round first: a fresh client's buffers are mapped
         lazily, and the first touch of their pages is not what the store costs."""
@@ -629,18 +638,20 @@ class MooncakeBackend(BytesBackend):
             t0 = time.perf_counter()
             for s in range(0, len(items), step):
                 part = list(range(s, min(s + step, len(items))))
-                for g in _groups([len(values[i]) for i in part], budget):
-                    idx = [part[j] for j in g]
-                    rc = store.upsert_batch([names[i] for i in idx], [values[i] for i in idx])
+                for i in part:  # faster than upsert_batch here (4.2 vs 7 GB/s for 32 MiB values)
+                    rc = store.upsert_parts(names[i], values[i])
                     if rc != 0:
-                        raise MooncakeError("upsert_batch", rc)
+                        raise MooncakeError("upsert_parts", rc)
             t1 = time.perf_counter()
             for s in range(0, len(items), step):
-                handles = store.batch_get_buffer(names[s : s + step])
-                for h, n in zip(handles, names[s : s + step]):
-                    if h is None and store.get_buffer(n) is None:
-                        raise BackendError(f"mooncake raw get of {n} found nothing")
-                del handles
+                part = list(range(s, min(s + step, len(items))))
+                for g in _groups([len(values[i]) for i in part], budget):  # gets fit the buffer too
+                    idx = [names[part[j]] for j in g]
+                    handles = store.batch_get_buffer(idx)
+                    for h, n in zip(handles, idx):
+                        if h is None:
+                            raise BackendError(f"mooncake raw get of {n} found nothing")
+                    del handles
             t2 = time.perf_counter()
             codes = store.batch_remove(names, True)
             bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]

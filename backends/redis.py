@@ -485,20 +485,28 @@ class RedisBackend(BytesBackend):
         codec = self.context.codec
         for part in _chunks(items, self.batch):
             encoded = [(self._k(k), payload.encode(k, obj, codec)) for k, obj in part]
-            if self._is_cluster:  # the cluster pipeline routes by slot: hand it whole values
-                values = [(k, b"".join(bufs)) for k, bufs in encoded]
-
-                def run(c: Any, values: list = values) -> list:
-                    p = self._pipeline(c)
-                    for k, v in values:
-                        p.set(k, v, ex=self.ttl)
-                    return p.execute()
-
-                self._call("SET", run)
+            if self._is_cluster:
+                self._call("SET", lambda c, encoded=encoded: self._send_cluster_sets(c, encoded))
             else:
                 self._call("SET", lambda c, encoded=encoded: self._send_sets(c, encoded))
             sizes.extend(sum(len(b) for b in bufs) for _, bufs in encoded)
         return sizes
+
+    def _send_cluster_sets(self, client: Any, values: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        """:meth:`_send_sets` to each master, for the keys whose slots it serves. A
+        reply such as MOVED (the cluster is resharding) raises: the tier treats it as an
+        outage and ``_call`` drops the client, so the next call rediscovers the slots."""
+        by_node: dict[str, tuple[Any, list[tuple[str, Sequence[Any]]]]] = {}
+        for key, bufs in values:
+            node = client.get_node_from_key(key)
+            by_node.setdefault(node.name, (node, []))[1].append((key, bufs))
+        for node, vals in by_node.values():
+            # redis-py and valkey-py name the node's client after themselves
+            conn = getattr(node, "redis_connection", None) or getattr(node, "valkey_connection", None)
+            if conn is None:
+                getter = getattr(client, "get_redis_connection", None) or getattr(client, "get_valkey_connection")
+                conn = getter(node)
+            self._send_sets(conn, vals)
 
     def _send_sets(self, client: Any, values: Sequence[tuple[str, Sequence[Any]]]) -> None:
         """Pipelined SETs whose values go out as the payload's header and body buffers
