@@ -220,7 +220,7 @@ def print_report(data: dict[str, Any]) -> None:
 
     from ._util import out
 
-    t = Table(title=f"lmcache bench tiers --backend {data['backend']} (GB/s = 10^9 bytes/s)")
+    t = Table(title=f"{data['backend']} vs its raw client (GB/s)")
     for col in ("op", "lmcache GB/s", "raw client GB/s", "ratio"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for op in ("put", "get"):
