@@ -64,3 +64,6 @@ def tiers(
             str(r["misses"]), str(r["evictions"]), str(r.get("pinned", 0)),
         )
     o.print(t)
+    for r in rows:  # a store that did not answer: its zeros mean "unknown", say so
+        if r.get("available") is False:
+            o.print(f"tier {r['name']}: unreachable ({r.get('last_error') or 'no answer'}); its numbers are not known")

@@ -516,3 +516,19 @@ def test_subprocess_offline_after_the_instance_stops(instance):
     p = cli("evict", "--tier", "disk", "--all", "--yes", "--config", cfg)
     assert p.returncode == 0 and "Evicted 1 entry" in p.stdout
     assert json.loads(cli("ls", "--json", "--config", cfg).stdout) == []
+
+
+def test_tiers_on_a_config_whose_remote_store_is_down_says_so(tmp_path):
+    from lmcache.loopback import free_port
+
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(yaml.safe_dump({"tiers": [
+        {"backend": "disk", "path": str(tmp_path / "d"), "capacity": "1GiB"},
+        {"backend": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "capacity": "1GiB", "timeout": 0.3},
+    ]}))
+    r = runner.invoke(app, ["tiers", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert "tier redis: unreachable" in r.stdout and "Connection refused" in r.stdout.replace("\n", "")
+    r = runner.invoke(app, ["tiers", "--config", str(cfg), "--json"])
+    rows = {t["name"]: t for t in json.loads(r.stdout)}
+    assert rows["redis"]["available"] is False and rows["disk"]["available"] is True
