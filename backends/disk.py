@@ -262,9 +262,7 @@ class DiskBackend(BytesBackend):
             self._forget(key)
             return None
         except CorruptPayloadError as exc:
-            self.integrity.corrupt += 1
-            self.integrity.last_error = str(exc)
-            log.warning("disk tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
+            self.note_corrupt(key, exc)
             self.delete(key)
             return None
 

@@ -449,9 +449,7 @@ class FSBackend(BytesBackend):
         except FileNotFoundError:
             return None
         except CorruptPayloadError as exc:
-            self.integrity.corrupt += 1
-            self.integrity.last_error = str(exc)
-            log.warning("fs tier %s: dropping corrupt entry %s: %s", ctx.tier, key, exc)
+            self.note_corrupt(key, exc)
             self._delete(key)
             return None
 

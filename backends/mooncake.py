@@ -63,7 +63,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lmcache import payload
-from lmcache.errors import BackendError, ConfigError, CorruptPayloadError, MissingDependencyError
+from lmcache.errors import BackendError, ConfigError, MissingDependencyError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend
@@ -458,14 +458,9 @@ class MooncakeBackend(BytesBackend):
         corrupt: list[str] = []
 
         def use(i: int, data: memoryview) -> None:
-            key = keys[i]
-            try:
-                out[i] = payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-            except CorruptPayloadError as exc:
-                self.integrity.corrupt += 1
-                self.integrity.last_error = str(exc)
-                log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
-                corrupt.append(key)
+            out[i] = self.decode_checked(keys[i], data)
+            if out[i] is None:
+                corrupt.append(keys[i])
 
         try:
             self._fetch([self._name(k) for k in keys], use)

@@ -465,14 +465,10 @@ class RedisBackend(BytesBackend):
     def _decode(self, key: str, data: bytes, corrupt: list[str]) -> MemoryObj | None:
         """The same checks as :meth:`BytesBackend.get_one`: a payload that fails them is
         counted, logged and queued in ``corrupt`` for deletion; it is a miss."""
-        try:
-            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-        except CorruptPayloadError as exc:
-            self.integrity.corrupt += 1
-            self.integrity.last_error = str(exc)
-            log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
+        obj = self.decode_checked(key, data)
+        if obj is None:
             corrupt.append(key)
-            return None
+        return obj
 
     def _drop_corrupt(self, keys: Sequence[str]) -> None:
         try:

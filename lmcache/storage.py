@@ -256,17 +256,28 @@ class BytesBackend(StorageBackend):
         data = self.read(key)
         if data is None:
             return None
-        try:
-            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-        except CorruptPayloadError as exc:
-            self.integrity.corrupt += 1
-            self.integrity.last_error = str(exc)
-            log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
+        obj = self.decode_checked(key, data)
+        if obj is None:
             try:
                 self.delete(key)
             except Exception:  # pragma: no cover - best effort
                 log.exception("tier %s: could not delete corrupt entry %s", self.context.tier, key)
+        return obj
+
+    def decode_checked(self, key: str, data: "bytes | bytearray | memoryview") -> MemoryObj | None:
+        """Decode a payload read from the store, or ``None`` if it fails its checks
+        (counted in ``integrity`` and logged; the caller deletes the entry). Backends that
+        override the batch reads decode through this, so every path drops corrupt data."""
+        try:
+            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
+        except CorruptPayloadError as exc:
+            self.note_corrupt(key, exc)
             return None
+
+    def note_corrupt(self, key: str, exc: Exception) -> None:
+        self.integrity.corrupt += 1
+        self.integrity.last_error = str(exc)
+        log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
 
     def put_one(self, key: str, obj: MemoryObj) -> int:
         bufs = payload.encode(key, obj, self.context.codec)

@@ -42,6 +42,21 @@ def make_obj(seed: int, num_tokens: int = 16, dtype: torch.dtype = torch.float16
     return obj
 
 
+def assert_rejects(backend_cls, options, key: str, *, construct: bool = True) -> None:
+    """``options`` is a config error naming ``key``, both in ``check_options`` (what
+    ``lmcache config validate`` runs) and, with ``construct``, when the backend is built."""
+    from .errors import ConfigError
+    from .storage import BackendContext
+
+    with pytest.raises(ConfigError) as info:
+        backend_cls.check_options(options)
+    assert info.value.key == key, f"expected a config error naming {key!r}, got {info.value}"
+    if construct:
+        with pytest.raises(ConfigError) as info:
+            backend_cls(BackendContext.standalone(options))
+        assert info.value.key == key, f"the constructor named {info.value.key!r}, not {key!r}"
+
+
 class BackendTests:
     """The storage backend contract (see :mod:`lmcache.storage`)."""
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any, Iterator
 
 import pytest
 
@@ -13,3 +15,20 @@ def missing(message: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+@contextlib.contextmanager
+def loopback_store(name: str, **kwargs: Any) -> Iterator[Any]:
+    """A store started on loopback for a test (:func:`lmcache.loopback.start`), or
+    :func:`missing` saying why it could not start."""
+    from lmcache import loopback
+
+    try:
+        cm = loopback.start(name, **kwargs)
+        store = cm.__enter__()
+    except loopback.ServerUnavailable as exc:
+        missing(f"{name} store unavailable: {exc}")
+    try:
+        yield store
+    finally:
+        cm.__exit__(None, None, None)

@@ -17,7 +17,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, make_key, make_obj
+from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
 GDSBackend = REGS.backends.load("gds")
@@ -205,9 +205,7 @@ def test_kvikio_corrupt_entry_is_a_miss_and_deleted(kvikio_usable, tmp_path):
     ],
 )
 def test_bad_options_name_the_key(options, key):
-    with pytest.raises(ConfigError) as info:
-        GDSBackend.check_options(options)
-    assert info.value.key == key
+    assert_rejects(GDSBackend, options, key, construct=False)
 
 
 def test_path_instead_of_url_and_string_booleans(tmp_path):

@@ -23,8 +23,8 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, make_key, make_obj
-from _missing import missing
+from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from _missing import loopback_store, missing
 
 REGS = get_registries()
 L, H, D = 3, 2, 16
@@ -41,29 +41,15 @@ def S3():
 
 @pytest.fixture(scope="session")
 def s3_server(S3):
-    try:
-        cm = loopback.start("s3")
-        store = cm.__enter__()
-    except loopback.ServerUnavailable as exc:
-        missing(f"no S3-compatible server (rclone serve s3): {exc}")
-    try:
+    with loopback_store("s3") as store:
         yield store
-    finally:
-        cm.__exit__(None, None, None)
 
 
 @pytest.fixture
 def fresh_server(S3):
     """A server of its own, for tests that kill it."""
-    try:
-        cm = loopback.start("s3")
-        store = cm.__enter__()
-    except loopback.ServerUnavailable as exc:
-        missing(f"no S3-compatible server (rclone serve s3): {exc}")
-    try:
+    with loopback_store("s3") as store:
         yield store
-    finally:
-        cm.__exit__(None, None, None)
 
 
 def unique(tag: str) -> str:
@@ -156,12 +142,7 @@ GOOD = {"url": "s3://lmcache"}
     ],
 )
 def test_bad_options_are_config_errors_naming_the_key(S3, options, key):
-    with pytest.raises(ConfigError) as e:
-        S3.check_options(options)
-    assert e.value.key == key
-    with pytest.raises(ConfigError) as e:
-        open_backend(S3, options)
-    assert e.value.key == key
+    assert_rejects(S3, options, key)
 
 
 def test_config_errors_name_the_tier_key(S3):

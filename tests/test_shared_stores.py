@@ -17,8 +17,7 @@ import pytest
 import yaml
 
 import lmcache
-from lmcache import loopback
-from _missing import missing
+from _missing import loopback_store
 from shared_store_peer import SPEC, TOKENS, check, prompt
 
 PEER = Path(__file__).with_name("shared_store_peer.py")
@@ -30,15 +29,8 @@ def shared_store(name: str, tmp_path: Path):
     if name == "fs":
         yield {"url": f"file://{tmp_path / 'shared'}"}
         return
-    try:
-        cm = loopback.start(name)
-        store = cm.__enter__()
-    except loopback.ServerUnavailable as exc:
-        missing(f"{name} store unavailable: {exc}")
-    try:
+    with loopback_store(name) as store:
         yield dict(store.options)
-    finally:
-        cm.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("name", STORES)
