@@ -23,3 +23,4 @@ def lmcache_register_backends(registry):
                  description="GPUDirect Storage files (kvikio when installed, else O_DIRECT)")
     registry.add("mooncake", "lmcache.backends.mooncake:MooncakeBackend", extra="mooncake",
                  description="a Mooncake distributed store")
+    registry.add("lm", "lmcache.backends.lm:LMBackend", description="an lmcache server (lm://host:port)")

@@ -21,7 +21,7 @@ from _missing import loopback_store
 from shared_store_peer import SPEC, TOKENS, check, prompt
 
 PEER = Path(__file__).with_name("shared_store_peer.py")
-STORES = ["redis", "valkey", "s3", "fs", "mooncake"]
+STORES = ["redis", "valkey", "s3", "fs", "mooncake", "lm"]
 
 
 @contextlib.contextmanager

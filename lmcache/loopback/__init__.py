@@ -47,6 +47,7 @@ LAUNCHERS: dict[str, str] = {
     "valkey-cluster": "lmcache.loopback.redis:valkey_cluster_store",
     "s3": "lmcache.loopback.s3:s3_store",
     "mooncake": "lmcache.loopback.mooncake:mooncake_store",
+    "lm": "lmcache.loopback.lm:lm_store",
 }
 
 

@@ -1,0 +1,422 @@
+"""The ``lm`` backend: a remote tier on an ``lmcache server`` (``lm://host:port``).
+
+Why our own server: it speaks the framed protocol of :mod:`lmcache.server`, the same one
+peers use to fetch chunks from each other, so a value moves as one header and the raw
+payload bytes both ways, with nothing to parse in between. The server never decodes a
+value; what it stores is the self-describing payload (magic, version, codec, dtype,
+shape, checksums), so a reader checks what it got and a truncated or foreign value is a
+miss and is deleted. Every instance that points at the same server shares its entries
+(``shared = True``); the server's own capacity and eviction policy bound the total.
+
+Why batches are pipelined: a chunk is one round trip otherwise. ``get``, ``put``,
+``contains`` and ``remove`` write up to ``batch`` requests on one pooled connection and
+then read the responses, which come back in order. PUT values go out as the payload's
+header and body buffers (a view of the chunk's memory), never joined.
+
+Why every call raises instead of waiting: the tier above turns an exception into a miss
+and backs off, so the backend fails within ``timeout`` (connect, and each send or
+receive) and never retries on its own. Connections are opened lazily (an engine starts
+while the server is down) and kept in a small pool (``max_connections``); any error
+closes the connection it happened on and drops the idle ones (after a server restart
+they are all dead), so the first call after the server is back connects afresh.
+
+Options: ``url`` (required, ``lm://host[:port]``, default port 7171), ``timeout``
+(seconds), ``token`` (sent as the first frame of each connection), ``prefix`` (put in
+front of every key on the server, to share one server between separate caches),
+``batch`` (requests per round trip), ``max_connections``, ``max_value_size`` (the
+largest value this client accepts from the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+from urllib.parse import urlsplit
+
+from lmcache import payload
+from lmcache import server as proto
+from lmcache.errors import BackendError, ConfigError
+from lmcache.keys import CacheKey
+from lmcache.memory import MemoryObj
+from lmcache.storage import BackendContext, BytesBackend
+
+log = logging.getLogger(__name__)
+
+
+def parse_url(url: Any) -> tuple[str, int]:
+    """``lm://host[:port]`` -> (host, port); anything else is a config error naming ``url``."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError("url", f"a server URL is required, e.g. lm://127.0.0.1:{proto.DEFAULT_PORT}; got {url!r}")
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError("url", f"malformed URL {url!r}: {exc}") from None
+    if parts.scheme.lower() != "lm":
+        raise ConfigError("url", f"unsupported scheme {parts.scheme!r} in {url!r}; use lm://host:port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ConfigError("url", f"{url!r}: only lm://host:port (put the token in the tier's 'token' key)")
+    if not parts.hostname:
+        raise ConfigError("url", f"{url!r} names no host")
+    if port == 0:
+        raise ConfigError("url", f"{url!r}: bad port 0")
+    return parts.hostname, port or proto.DEFAULT_PORT
+
+
+def _chunks(seq: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+
+
+class Connection:
+    """One socket to the server and the number of its next request."""
+
+    def __init__(self, host: str, port: int, timeout: float, token: str | None, max_value: int):
+        self.max_value = max_value
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.seq = 0
+        self._scratch: memoryview | None = None
+        if token:
+            try:
+                self.request([(proto.AUTH, b"", [token.encode()])])
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:  # pragma: no cover
+            pass
+
+    def request(self, reqs: Sequence[tuple[int, bytes, Sequence[Any]]], scratch: bool = False) -> list[tuple[proto.Frame, Any]]:
+        """Send ``(op, key, value buffers)`` requests pipelined, then read one response
+        each (several pages for LIST, joined); a FATAL response or a response out of
+        order raises :class:`BackendError`; ERROR is returned for the caller to judge.
+
+        With ``scratch``, the responses are yielded as they arrive, each value in a
+        reused per-connection buffer that is only valid until the next one is read (the
+        caller decodes it into pool memory at once): no allocation, and warm pages."""
+        return list(self.stream(reqs, scratch)) if not scratch else self.stream(reqs, scratch)  # type: ignore[return-value]
+
+    def stream(self, reqs: Sequence[tuple[int, bytes, Sequence[Any]]], scratch: bool) -> Iterator[tuple[proto.Frame, Any]]:
+        bufs: list[Any] = []
+        first = self.seq
+        for op, key, value in reqs:
+            n = sum(len(b) for b in value)
+            bufs.append(proto.pack_header(op, self.seq, key, n) + key)
+            bufs.extend(value)
+            self.seq = (self.seq + 1) & 0xFFFFFFFF
+        proto.send_buffers(self.sock, bufs)
+        for i, (op, _, _) in enumerate(reqs):
+            f, val = self._read(scratch)
+            want = (first + i) & 0xFFFFFFFF
+            if f.status == proto.FATAL:
+                raise BackendError(f"server refused the request: {bytes(val).decode(errors='replace')}")
+            if f.seq != want or f.op != op:
+                raise BackendError(f"out-of-order response (seq {f.seq}, op {f.op}; expected {want}, {op})")
+            if op == proto.LIST:
+                pages = [val]
+                while f.flags & proto.MORE:
+                    f, val = self._read()
+                    if f.status != proto.OK or f.seq != want:
+                        raise BackendError("LIST stream broke off")
+                    pages.append(val)
+                val = bytearray(b"".join(pages)) if len(pages) > 1 else pages[0]
+            yield f, val
+
+    def _read(self, scratch: bool = False) -> tuple[proto.Frame, Any]:
+        hdr = proto.recv_exact(self.sock, proto.HEADER_SIZE)
+        try:
+            f = proto.parse_header(hdr, self.max_value)
+        except proto.ProtocolError as exc:
+            raise BackendError(f"bad response from the server: {exc}") from None
+        if f.key_len:
+            proto.recv_exact(self.sock, f.key_len)
+        if not f.value_len:
+            return f, bytearray()
+        if not scratch:
+            return f, proto.recv_exact(self.sock, f.value_len)
+        if self._scratch is None or len(self._scratch) < f.value_len:
+            self._scratch = memoryview(proto.alloc(max(f.value_len, proto.LAZY_ALLOC))).cast("B")
+        view = self._scratch[: f.value_len]
+        proto.recv_into_exact(self.sock, view)
+        return f, view
+
+
+class LMBackend(BytesBackend):
+    OPTIONS = {
+        "url": None,
+        "timeout": 2.0,
+        "token": None,
+        "prefix": "",
+        "batch": 64,
+        "max_connections": 8,
+        "max_value_size": proto.DEFAULT_MAX_VALUE,
+    }
+    shared = True
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        opts = super().check_options(options)
+        parse_url(opts["url"])
+        t = opts["timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ConfigError("timeout", f"expected a positive number of seconds, got {t!r}")
+        if opts["token"] is not None and (not isinstance(opts["token"], str) or not opts["token"]):
+            raise ConfigError("token", "expected a non-empty string (or none)")
+        if not isinstance(opts["prefix"], str):
+            raise ConfigError("prefix", f"expected a string, got {opts['prefix']!r}")
+        for key in ("batch", "max_connections", "max_value_size"):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(key, f"expected a positive integer, got {v!r}")
+        return opts
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.host, self.port = parse_url(self.options["url"])
+        self.timeout = float(self.options["timeout"])
+        self.prefix: str = self.options["prefix"]
+        self.batch: int = self.options["batch"]
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.options["max_connections"])
+        self._closed = False
+
+    def describe(self) -> str:
+        return f"lm://{self.host}:{self.port}"
+
+    # ------------------------------------------------------------ connections
+    def _exchange(self, what: str, reqs: Sequence[tuple[int, bytes, Sequence[Any]]],
+                  consume: Callable[[int, proto.Frame, Any], None] | None = None) -> list[tuple[proto.Frame, Any]]:
+        """Run pipelined requests on a pooled connection; any failure is a
+        :class:`BackendError` naming the server, and drops the connection and the idle ones."""
+        if self._closed:
+            raise BackendError(f"tier {self.context.tier}: the lm backend is closed")
+        if not self._slots.acquire(timeout=self.timeout):
+            raise BackendError(f"tier {self.context.tier}: no free connection to {self.describe()} within {self.timeout}s")
+        conn: Connection | None = None
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = Connection(self.host, self.port, self.timeout, self.options["token"], self.options["max_value_size"])
+            if consume is None:
+                res = conn.request(reqs)
+            else:
+                res = []
+                for i, (f, val) in enumerate(conn.request(reqs, scratch=True)):
+                    consume(i, f, val)
+        except (OSError, BackendError) as exc:
+            if conn is not None:
+                conn.close()
+            self._drop_idle()
+            raise BackendError(
+                f"tier {self.context.tier}: {what} on {self.describe()} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        else:
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+            return res
+        finally:
+            self._slots.release()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def _k(self, key: str) -> bytes:
+        return (self.prefix + key).encode()
+
+    def _each(self, op: int, keys: Sequence[str]) -> list[proto.Frame]:
+        out: list[proto.Frame] = []
+        for part in _chunks(keys, self.batch):
+            res = self._exchange(proto.OP_NAMES[op], [(op, self._k(k), ()) for k in part])
+            out.extend(f for f, _ in res)
+        return out
+
+    # ------------------------------------------------------ BytesBackend
+    def read(self, key: str) -> bytearray | memoryview | None:
+        ((f, val),) = self._exchange("GET", [(proto.GET, self._k(key), ())])
+        return val if f.status == proto.OK else None
+
+    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        ((f, val),) = self._exchange("PUT", [(proto.PUT, self._k(key), list(buffers))])
+        self._check_put(f, val)
+
+    def _check_put(self, f: proto.Frame, val: Any) -> None:
+        if f.status != proto.OK:
+            raise BackendError(f"tier {self.context.tier}: PUT on {self.describe()} refused: "
+                               f"{bytes(val).decode(errors='replace')}")
+
+    def delete(self, key: str) -> bool:
+        return self._each(proto.DELETE, [key])[0].status == proto.OK
+
+    def exists(self, key: str) -> bool:
+        return self._each(proto.EXISTS, [key])[0].status == proto.OK
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        ((f, page),) = self._exchange("LIST", [(proto.LIST, self.prefix.encode(), ())])
+        try:
+            entries = proto.decode_list_page(page)
+        except proto.ProtocolError as exc:
+            raise BackendError(f"tier {self.context.tier}: LIST on {self.describe()}: {exc}") from None
+        n = len(self.prefix)
+        for name, size in entries:
+            key = name[n:]
+            try:
+                CacheKey.parse(key)
+            except ValueError:
+                continue  # not one of ours
+            yield key, size
+
+    def health(self) -> dict[str, Any]:
+        """The server's HEALTH answer (status, used/capacity bytes, entries, ...)."""
+        import json
+
+        ((f, val),) = self._exchange("HEALTH", [(proto.HEALTH, b"", ())])
+        return json.loads(bytes(val))
+
+    # ------------------------------------------------------ batch forms
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [f.status == proto.OK for f in self._each(proto.EXISTS, keys)]
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._each(proto.DELETE, keys)
+
+    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        try:
+            for part in _chunks(keys, self.batch):
+                corrupt: list[str] = []
+
+                def consume(i: int, f: proto.Frame, data: Any, part: Sequence[str] = part) -> None:
+                    if f.status != proto.OK:
+                        out.append(None)
+                        return
+                    obj = self.decode_checked(part[i], data)  # copies out of the scratch buffer
+                    if obj is None:
+                        corrupt.append(part[i])
+                    out.append(obj)
+
+                self._exchange("GET", [(proto.GET, self._k(k), ()) for k in part], consume)
+                if corrupt:
+                    try:
+                        self.remove(corrupt)
+                    except Exception:  # best effort: the next reader drops it again
+                        log.exception("tier %s: could not delete corrupt entries", self.context.tier)
+        except BaseException:
+            for obj in out:
+                if obj is not None:
+                    obj.unref()
+            raise
+        return out
+
+    def get_one(self, key: str) -> MemoryObj | None:
+        return self.get([key])[0]
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        sizes: list[int] = []
+        codec = self.context.codec
+        for part in _chunks(items, self.batch):
+            encoded = [(k, payload.encode(k, obj, codec)) for k, obj in part]
+            res = self._exchange("PUT", [(proto.PUT, self._k(k), bufs) for k, bufs in encoded])
+            for f, val in res:
+                self._check_put(f, val)
+            sizes.extend(sum(len(b) for b in bufs) for _, bufs in encoded)
+        return sizes
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._drop_idle()
+
+    # ------------------------------------------------------ raw baseline
+    @classmethod
+    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
+        """Plain loopback TCP of the same bytes, the floor under any protocol: a trivial
+        sink/echo server (a thread on 127.0.0.1) receives each value with ``recv_into``
+        after an 8-byte length and acknowledges each ``batch`` with one byte (put);
+        then it sends the values back, ``batch`` per request, into buffers the client
+        allocated (get). ``options`` are not used: the baseline never touches the server."""
+        return raw_tcp_transfer([v for _, v in items], batch)
+
+
+def raw_tcp_transfer(values: Sequence[bytes], batch: int) -> tuple[float, float]:
+    """``(put_seconds, get_seconds)`` of plain socket transfers of ``values`` on loopback."""
+    import struct
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    stored: list[Any] = []
+    failure: list[BaseException] = []
+    u64 = struct.Struct("<Q")
+
+    def sink() -> None:
+        try:
+            conn, _ = lsock.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with conn:
+                while True:  # put phase: u64 count, then count x (u64 length, bytes); ack 1 byte
+                    n = u64.unpack(proto.recv_exact(conn, 8))[0]
+                    if n == 0:
+                        break
+                    for _ in range(n):
+                        size = u64.unpack(proto.recv_exact(conn, 8))[0]
+                        stored.append(proto.recv_exact(conn, size))
+                    conn.sendall(b"\x01")
+                i = 0
+                while i < len(stored):  # get phase: u64 count requested, values sent back
+                    n = u64.unpack(proto.recv_exact(conn, 8))[0]
+                    proto.send_buffers(conn, stored[i : i + n])
+                    i += n
+        except BaseException as exc:  # noqa: BLE001 - reported by the client side
+            failure.append(exc)
+
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    c = socket.create_connection(lsock.getsockname(), timeout=60)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        t0 = time.perf_counter()
+        for part in _chunks(values, batch):
+            bufs: list[Any] = [u64.pack(len(part))]
+            for v in part:
+                bufs += [u64.pack(len(v)), v]
+            proto.send_buffers(c, bufs)
+            proto.recv_exact(c, 1)
+        c.sendall(u64.pack(0))
+        t1 = time.perf_counter()
+        got = 0
+        for part in _chunks(values, batch):
+            c.sendall(u64.pack(len(part)))
+            for v in part:
+                buf = proto.alloc(len(v))  # the buffer kind the lm client receives into
+                proto.recv_into_exact(c, memoryview(buf))
+                got += len(buf)
+        t2 = time.perf_counter()
+    finally:
+        c.close()
+        t.join(10)
+        lsock.close()
+    if failure:
+        raise BackendError(f"raw transfer failed: {failure[0]}")
+    want = sum(len(v) for v in values)
+    if got != want:
+        raise BackendError(f"raw transfer read back {got} bytes of {want}")
+    return t1 - t0, t2 - t1

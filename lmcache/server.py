@@ -1,0 +1,660 @@
+"""``lmcache server``: a cache server speaking one framed binary protocol over TCP.
+
+Why our own server rather than only Redis: peers fetch chunks from each other (P2P) and
+prefill instances push KV to decode instances over a protocol that must move tens of MiB
+per chunk at close to the speed of the socket, with no text encoding of values and
+nothing that a malformed peer can use to make a process allocate without bound. The
+same frames serve the ``lm`` backend (``backends/lm.py``), which uses this server as a
+shared remote tier.
+
+Frames (requests and responses have the same 24-byte header, little-endian)::
+
+    magic  b"LMCS"  4 bytes
+    version         u8   (1)
+    op              u8   (AUTH, HEALTH, PUT, GET, EXISTS, DELETE, LIST)
+    status          u8   (responses: OK, NOT_FOUND, ERROR, FATAL; requests: 0)
+    flags           u8   (responses to LIST: MORE when another page follows)
+    seq             u32  (the request's number; its response echoes it)
+    key length      u32  (<= MAX_KEY)
+    value length    u64  (<= the server's max value size)
+    key bytes (UTF-8), then value bytes
+
+The value is opaque: the server stores and returns the bytes a client sent (the ``lm``
+backend sends self-describing payloads, so a reader checks what it got). Nothing is
+pickled or evaluated; HEALTH answers a small JSON object.
+
+Why batches are pipelining, not a BATCH frame: a client writes any number of requests
+and then reads the responses, which come back in request order (``seq`` lets it check).
+That is one round trip per batch, like a multi-key frame, without a second encoding of
+keys and values inside a frame, and values go out as they are, straight from the stored
+buffer. A client must keep the bytes of its unanswered requests small or read while it
+writes (the ``lm`` backend pipelines at most ``batch`` requests; GET requests are a key
+each, and PUT responses are 24 bytes each, so neither side blocks the other).
+
+Why malformed input closes the connection: after a bad header the stream cannot be
+resynchronised. The server checks magic, version, op, both lengths and the op's value
+rules before it allocates anything, so a declared length of 2**40 costs nothing; it
+answers FATAL with a message where it can and closes the connection; other connections
+and the server carry on. A request that is well-formed but cannot be served (a value
+larger than the whole capacity) is an ERROR response and the connection stays open.
+
+When a token is set, the first frame of every connection must be AUTH with the token as
+its value (compared in constant time); anything else is answered FATAL and closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LMCS"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIIQ")
+HEADER_SIZE = HEADER.size  # 24
+
+# ops
+AUTH, HEALTH, PUT, GET, EXISTS, DELETE, LIST = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {AUTH: "AUTH", HEALTH: "HEALTH", PUT: "PUT", GET: "GET", EXISTS: "EXISTS", DELETE: "DELETE", LIST: "LIST"}
+# statuses
+OK, NOT_FOUND, ERROR, FATAL = 0, 1, 2, 3
+STATUS_NAMES = {OK: "OK", NOT_FOUND: "NOT_FOUND", ERROR: "ERROR", FATAL: "FATAL"}
+# flags
+MORE = 1
+
+MAX_KEY = 4096
+MAX_TOKEN = 4096
+#: LIST pages hold at most this many entries
+LIST_PAGE = 1000
+#: queued responses are sent once this many bytes wait (or before the server waits for input)
+FLUSH_BYTES = 4 << 20
+DEFAULT_MAX_VALUE = 1 << 30
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_PORT = 7171
+_ENTRY = struct.Struct("<HQ")
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol; the connection that carried it is closed."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    op: int
+    status: int
+    flags: int
+    seq: int
+    key_len: int
+    value_len: int
+
+
+# ----------------------------------------------------------------- encoding
+def pack_header(op: int, seq: int, key: bytes = b"", value_len: int = 0, *, status: int = 0, flags: int = 0) -> bytes:
+    """The header of a frame whose key is ``key`` and whose value is ``value_len`` bytes."""
+    return HEADER.pack(MAGIC, VERSION, op, status, flags, seq & 0xFFFFFFFF, len(key), value_len)
+
+
+def encode(op: int, seq: int, key: bytes = b"", value: bytes | bytearray | memoryview = b"", *,
+           status: int = 0, flags: int = 0) -> bytes:
+    """One whole frame as bytes (small frames; large values go out as separate buffers)."""
+    return pack_header(op, seq, key, len(value), status=status, flags=flags) + key + bytes(value)
+
+
+def parse_header(data: bytes | bytearray | memoryview, max_value: int) -> Frame:
+    """Check a 24-byte header; raise :class:`ProtocolError` saying what is wrong.
+
+    Checks only what needs no knowledge of the direction: magic, version and lengths."""
+    magic, version, op, status, flags, seq, klen, vlen = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}; not an lmcache server frame")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if klen > MAX_KEY:
+        raise ProtocolError(f"key of {klen} bytes exceeds the limit of {MAX_KEY}")
+    if vlen > max_value:
+        raise ProtocolError(f"value of {vlen} bytes exceeds the limit of {max_value}")
+    return Frame(op, status, flags, seq, klen, vlen)
+
+
+def check_request(f: Frame) -> None:
+    """The per-op rules of a request (checked before its value is read)."""
+    if f.op not in OP_NAMES:
+        raise ProtocolError(f"unknown op {f.op}")
+    if f.status or f.flags:
+        raise ProtocolError("a request has status and flags 0")
+    if f.op in (HEALTH, GET, EXISTS, DELETE, LIST) and f.value_len:
+        raise ProtocolError(f"{OP_NAMES[f.op]} carries no value (got {f.value_len} bytes)")
+    if f.op in (PUT, GET, EXISTS, DELETE) and not f.key_len:
+        raise ProtocolError(f"{OP_NAMES[f.op]} needs a key")
+    if f.op == AUTH and (f.key_len or f.value_len > MAX_TOKEN):
+        raise ProtocolError("AUTH carries only a token of at most 4096 bytes")
+
+
+def encode_list_page(entries: Sequence[tuple[bytes, int]]) -> bytes:
+    """A LIST page: for each entry u16 key length, u64 stored size, key bytes."""
+    out = bytearray()
+    for k, size in entries:
+        out += _ENTRY.pack(len(k), size)
+        out += k
+    return bytes(out)
+
+
+def decode_list_page(data: bytes | bytearray | memoryview) -> list[tuple[str, int]]:
+    mv = memoryview(data)
+    out: list[tuple[str, int]] = []
+    i = 0
+    while i < len(mv):
+        if i + _ENTRY.size > len(mv):
+            raise ProtocolError("truncated LIST page")
+        klen, size = _ENTRY.unpack_from(mv, i)
+        i += _ENTRY.size
+        if i + klen > len(mv):
+            raise ProtocolError("truncated LIST page")
+        try:
+            out.append((bytes(mv[i : i + klen]).decode(), size))
+        except UnicodeDecodeError:
+            raise ProtocolError("LIST page holds a key that is not UTF-8") from None
+        i += klen
+    return out
+
+
+#: values at least this large are received into memory that is not zero-filled first
+LAZY_ALLOC = 64 << 10
+
+
+def alloc(n: int) -> "bytearray | memoryview":
+    """A writable buffer of ``n`` bytes. Large ones are not zero-filled (numpy ``empty``):
+    their pages are committed only as received bytes land in them, so a peer that
+    declares a large value and then sends little of it costs little memory, and a large
+    value is not written twice."""
+    if n < LAZY_ALLOC:
+        return bytearray(n)
+    import numpy as np
+
+    return memoryview(np.empty(n, dtype=np.uint8))
+
+
+def recv_exact(sock: socket.socket, n: int) -> "bytearray | memoryview":
+    """Exactly ``n`` bytes, or :class:`ConnectionError` when the peer closes first."""
+    buf = alloc(n)
+    recv_into_exact(sock, memoryview(buf))
+    return buf
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += r
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send the concatenation of ``buffers`` without joining them (``sendmsg`` until all
+    of it is out)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views[:512])
+        while sent:
+            first = views[0]
+            if sent >= len(first):
+                sent -= len(first)
+                views.pop(0)
+            else:
+                views[0] = first[sent:]
+                sent = 0
+
+
+# ------------------------------------------------------------------- store
+class ByteStore:
+    """Opaque values under string keys, within a byte capacity; ``policy`` (an
+    :class:`lmcache.policies.EvictionPolicy`) picks what goes when a put needs room.
+
+    Stored buffers are never changed after they are stored (a put replaces the object),
+    so a response can send one while another thread replaces or deletes its key."""
+
+    def __init__(self, capacity: int, policy: Any):
+        self.capacity = capacity
+        self.policy = policy
+        self._data: dict[str, bytearray | memoryview] = {}
+        self.used = 0
+        self.evictions = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, value: bytearray | memoryview) -> bool:
+        """Store ``value``; False when it is larger than the whole capacity."""
+        n = len(value)
+        if n > self.capacity:
+            return False
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.used -= len(old)
+                self.policy.on_remove(key)
+            while self.used + n > self.capacity:
+                victim = self.policy.victim(lambda k: False)
+                if victim is None:  # pragma: no cover - the policy lost track of a key
+                    break
+                self.policy.on_remove(victim)
+                gone = self._data.pop(victim, None)
+                if gone is not None:
+                    self.used -= len(gone)
+                    self.evictions += 1
+            self._data[key] = value
+            self.used += n
+            self.policy.on_insert(key)
+        return True
+
+    def get(self, key: str) -> bytearray | memoryview | None:
+        with self._lock:
+            v = self._data.get(key)
+            if v is not None:
+                self.policy.on_access(key)
+            return v
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            v = self._data.pop(key, None)
+            if v is None:
+                return False
+            self.used -= len(v)
+            self.policy.on_remove(key)
+            return True
+
+    def snapshot(self, prefix: str = "") -> list[tuple[str, int]]:
+        with self._lock:
+            return [(k, len(v)) for k, v in self._data.items() if k.startswith(prefix)]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"used_bytes": self.used, "capacity_bytes": self.capacity, "entries": len(self._data),
+                    "evictions": self.evictions}
+
+
+def load_policy(name: str) -> Any:
+    from .plugin_manager import get_registries
+
+    return get_registries().policies.load(name)()
+
+
+class _ConnIO:
+    """Buffered reads and coalesced writes on one server connection.
+
+    Why: a pipelined batch of small requests would otherwise cost two or three ``recv``
+    calls and one ``sendmsg`` per request. Requests are parsed out of one receive buffer
+    (values at least :data:`LAZY_ALLOC` large are received straight into their own
+    buffer), and responses are queued (references to stored values, never copies) and
+    sent together just before the connection would wait for more input, or once
+    :data:`FLUSH_BYTES` are queued."""
+
+    BUF = 256 << 10
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray(self.BUF)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+        self.out: list[Any] = []
+        self.out_bytes = 0
+
+    def _fill(self) -> int:
+        """Receive more input (flushing queued responses first: we may wait)."""
+        self.flush()
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):  # compact
+            n = self.end - self.start
+            self.buf[:n] = self.buf[self.start : self.end]
+            self.start, self.end = 0, n
+        r = self.sock.recv_into(self.view[self.end :])
+        self.end += r
+        return r
+
+    def wait(self, n: int) -> bool:
+        """Until ``n`` (<= BUF) bytes are buffered; False on EOF with nothing buffered."""
+        while self.end - self.start < n:
+            if self._fill() == 0:
+                if self.end == self.start:
+                    return False
+                raise ConnectionError("connection closed in the middle of a frame")
+        return True
+
+    def take(self, n: int) -> "bytearray | memoryview":
+        """The next ``n`` bytes as a buffer of their own."""
+        have = self.end - self.start
+        if n >= LAZY_ALLOC or n > self.BUF:
+            out = alloc(n)
+            mv = memoryview(out)
+            k = min(have, n)
+            mv[:k] = self.view[self.start : self.start + k]
+            self.start += k
+            if k < n:
+                self.flush()
+                recv_into_exact(self.sock, mv[k:])
+            return out
+        if not self.wait(n):
+            raise ConnectionError("connection closed in the middle of a frame")
+        out = bytearray(self.view[self.start : self.start + n])
+        self.start += n
+        return out
+
+    def send(self, *bufs: Any) -> None:
+        for b in bufs:
+            self.out.append(b)
+            self.out_bytes += len(b)
+        if self.out_bytes >= FLUSH_BYTES or len(self.out) >= 256:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.out:
+            out, self.out, self.out_bytes = self.out, [], 0
+            send_buffers(self.sock, out)
+
+
+# ------------------------------------------------------------------ server
+class CacheServer:
+    """The server: one thread per connection, requests answered in order.
+
+    ``port=0`` picks a free port (see :attr:`address` after :meth:`bind`). ``token``
+    (optional) must be the value of each connection's first frame, AUTH.
+    ``max_value_size`` bounds every frame's value, so what one connection can make the
+    server allocate is bounded; ``max_connections`` bounds the connections (one more is
+    answered FATAL and closed)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        capacity: int = 4 << 30,
+        policy: str = "lru",
+        token: str | None = None,
+        max_value_size: int = DEFAULT_MAX_VALUE,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ):
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if max_value_size < 1:
+            raise ValueError(f"max value size must be positive, got {max_value_size}")
+        if max_connections < 1:
+            raise ValueError(f"max connections must be positive, got {max_connections}")
+        self.host, self.port = host, port
+        self.store = ByteStore(capacity, load_policy(policy))
+        self.policy_name = policy
+        self.token = token.encode() if token else None
+        self.max_value_size = max_value_size
+        self.max_connections = max_connections
+        self.started = time.time()
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.protocol_errors = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._sock is not None, "bind() first"
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    def bind(self) -> "CacheServer":
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(128)
+        self._sock = s
+        return self
+
+    def serve_forever(self) -> None:
+        if self._sock is None:
+            self.bind()
+        assert self._sock is not None
+        self._sock.settimeout(0.2)  # to notice close()
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    break
+                raise
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._conns_lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._fatal(conn, 0, 0, f"too many connections (limit {self.max_connections})")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="lmcache-server-conn").start()
+
+    def start(self) -> "CacheServer":
+        """Serve in a background thread (tests, embedding)."""
+        if self._sock is None:
+            self.bind()
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True, name="lmcache-server")
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._sock is not None:
+            self._sock.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "CacheServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- one connection
+    def _fatal(self, conn: socket.socket, op: int, seq: int, message: str) -> None:
+        """Best effort: tell the peer why its connection is being closed."""
+        msg = message.encode()[:1024]
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(encode(op, seq, b"", msg, status=FATAL))
+        except OSError:
+            pass
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            self._loop(conn)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            log.info("lmcache server: closing a connection: %s", exc)
+        except (ConnectionError, OSError):
+            pass
+        except Exception:  # pragma: no cover - never let one connection take the server down
+            log.exception("lmcache server: unexpected error on a connection")
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _loop(self, conn: socket.socket) -> None:
+        authed = self.token is None
+        io = _ConnIO(conn)
+        while True:
+            # the first byte may take forever (an idle pooled connection); EOF here is a clean close
+            if not io.wait(HEADER_SIZE):
+                return
+            hdr = io.take(HEADER_SIZE)
+            try:
+                f = parse_header(hdr, self.max_value_size)
+                check_request(f)
+            except ProtocolError as exc:
+                op, seq = (hdr[5], struct.unpack_from("<I", hdr, 8)[0]) if hdr[:4] == MAGIC else (0, 0)
+                io.flush()
+                self._fatal(conn, op, seq, str(exc))
+                raise
+            key_b = io.take(f.key_len) if f.key_len else b""
+            try:
+                key = bytes(key_b).decode()
+            except UnicodeDecodeError:
+                io.flush()
+                self._fatal(conn, f.op, f.seq, "key is not UTF-8")
+                raise ProtocolError("key is not UTF-8") from None
+            value = io.take(f.value_len) if f.value_len else bytearray()
+            if not authed:
+                if f.op == AUTH and self.token is not None and hmac.compare_digest(bytes(value), self.token):
+                    authed = True
+                    io.send(pack_header(AUTH, f.seq))
+                    continue
+                why = "wrong token" if f.op == AUTH else "authentication required: the first frame must be AUTH"
+                io.flush()
+                self._fatal(conn, f.op, f.seq, why)
+                raise ProtocolError(why)
+            self._handle(io, f, key, value)
+
+    def _handle(self, io: "_ConnIO", f: Frame, key: str, value: bytearray | memoryview) -> None:
+        op, seq = f.op, f.seq
+        if op == GET:
+            v = self.store.get(key)
+            if v is None:
+                io.send(pack_header(GET, seq, status=NOT_FOUND))
+            else:
+                io.send(pack_header(GET, seq, b"", len(v)), v)
+        elif op == PUT:
+            if self.store.put(key, value):
+                io.send(pack_header(PUT, seq))
+            else:
+                msg = f"value of {len(value)} bytes is larger than the server's capacity ({self.store.capacity})"
+                io.send(encode(PUT, seq, b"", msg.encode(), status=ERROR))
+        elif op == EXISTS:
+            io.send(pack_header(EXISTS, seq, status=OK if self.store.exists(key) else NOT_FOUND))
+        elif op == DELETE:
+            io.send(pack_header(DELETE, seq, status=OK if self.store.delete(key) else NOT_FOUND))
+        elif op == LIST:
+            entries = self.store.snapshot(key)
+            for i in range(0, max(len(entries), 1), LIST_PAGE):
+                part = entries[i : i + LIST_PAGE]
+                page = encode_list_page([(k.encode(), n) for k, n in part])
+                more = MORE if i + LIST_PAGE < len(entries) else 0
+                io.send(pack_header(LIST, seq, b"", len(page), flags=more), page)
+        elif op == HEALTH:
+            body = json.dumps(self.health(), separators=(",", ":")).encode()
+            io.send(encode(HEALTH, seq, b"", body))
+        elif op == AUTH:  # no token configured, or already authenticated: nothing to check
+            io.send(pack_header(AUTH, seq))
+
+    def health(self) -> dict[str, Any]:
+        with self._conns_lock:
+            n = len(self._conns)
+        return {
+            "status": "ok",
+            "protocol": VERSION,
+            "policy": self.policy_name,
+            **self.store.stats(),
+            "max_value_size": self.max_value_size,
+            "connections": n,
+            "protocol_errors": self.protocol_errors,
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+
+
+# ------------------------------------------------------------- entry point
+def run(
+    host: str,
+    port: int,
+    *,
+    capacity: int,
+    policy: str,
+    token: str | None,
+    max_value_size: int,
+    max_connections: int,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """Bind, print ``LISTENING host:port`` once ready, serve until SIGTERM or SIGINT."""
+    server = CacheServer(host, port, capacity=capacity, policy=policy, token=token,
+                         max_value_size=max_value_size, max_connections=max_connections).bind()
+
+    def stop(signum: int, frame: Any) -> None:
+        server._stop.set()
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        h, p = server.address
+        announce(f"LISTENING {h}:{p}")
+        server.serve_forever()
+    finally:
+        server.close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lmcache.server``: the same server as ``lmcache server`` without the CLI
+    (what the loopback launcher starts)."""
+    from .units import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m lmcache.server", description="lmcache cache server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ap.add_argument("--capacity", default="4GiB")
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--token", default=None, help="or LMCACHE_SERVER_TOKEN")
+    ap.add_argument("--max-value-size", default="1GiB")
+    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="lmcache server: %(message)s")
+    try:
+        capacity, max_value = parse_size(a.capacity), parse_size(a.max_value_size)
+        token = a.token or os.environ.get("LMCACHE_SERVER_TOKEN") or None
+        run(a.host, a.port, capacity=capacity, policy=a.policy, token=token, max_value_size=max_value,
+            max_connections=a.max_connections, announce=lambda s: print(s, flush=True))
+    except Exception as exc:  # one line, as the CLI does
+        sys.stderr.write(f"lmcache server: error: {exc}\n")
+        return 1
+    return 0
+
+
+def iter_frames(data: bytes, max_value: int = DEFAULT_MAX_VALUE) -> Iterator[tuple[Frame, bytes, bytes]]:
+    """Parse complete frames out of ``data`` (tests and tools)."""
+    i = 0
+    while i + HEADER_SIZE <= len(data):
+        f = parse_header(data[i : i + HEADER_SIZE], max_value)
+        end = i + HEADER_SIZE + f.key_len + f.value_len
+        if end > len(data):
+            return
+        k = data[i + HEADER_SIZE : i + HEADER_SIZE + f.key_len]
+        yield f, k, data[i + HEADER_SIZE + f.key_len : end]
+        i = end
+
+
+if __name__ == "__main__":
+    sys.exit(main())
