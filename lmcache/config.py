@@ -38,6 +38,8 @@ _ENV_NOT_KEYS = {
     "MODEL_CACHE",
     "API_TOKEN",  # read as api.token by load_config; also the CLI's --token
     "API_URL",  # the CLI's --url
+    "CONTROLLER_TOKEN",  # read as controller.token by load_config; also `lmcache controller --token`
+    "CONTROLLER_URL",  # `lmcache controller --url`
 }
 
 
@@ -127,6 +129,27 @@ class ApiConfig:
 
 
 @dataclass
+class ControllerConfig:
+    """The controller worker (see :mod:`lmcache.controller.worker`): off unless ``url``
+    is set.
+
+    The worker registers this instance with the controller at ``url``, heartbeats every
+    ``heartbeat_interval`` seconds and reports admit/evict events in batches of at most
+    ``batch_size`` (queued up to ``queue_size``; beyond that, or while the controller is
+    down, events are dropped and a full snapshot follows when it answers again).
+    ``timeout`` bounds every call. ``instance_id`` defaults to ``<host>-<pid>-<random>``.
+    """
+
+    url: str | None = None
+    token: str | None = None
+    instance_id: str | None = None
+    heartbeat_interval: float = 2.0
+    timeout: float = 2.0
+    batch_size: int = 1000
+    queue_size: int = 100_000
+
+
+@dataclass
 class Config:
     """Validated lmcache configuration. Build it with :func:`load_config`.
 
@@ -150,6 +173,7 @@ class Config:
     lookup_pin_timeout: float = 30.0
     kv_spec: KVSpec | None = None
     api: ApiConfig = field(default_factory=ApiConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
     source: str | None = field(default=None, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -175,6 +199,8 @@ class Config:
             t.update(t.pop("options"))
         if mask_secrets and d["api"]["token"] is not None:
             d["api"]["token"] = "***"
+        if mask_secrets and d["controller"]["token"] is not None:
+            d["controller"]["token"] = "***"
         return d
 
 
@@ -274,7 +300,7 @@ _SCALARS = {
     "write_queue_size": lambda k, v, s: _int(k, v, s, 1),
     "lookup_pin_timeout": lambda k, v, s: _positive_float(k, v, s),
 }
-KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api")
+KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api", "controller")
 
 
 def _positive_float(key: str, v: Any, src: str | None) -> float:
@@ -335,6 +361,62 @@ def _api(raw: Any, base: ApiConfig, src: str | None) -> ApiConfig:
     return api
 
 
+_CONTROLLER_FIELDS = {f.name for f in dataclasses.fields(ControllerConfig)}
+
+
+def _controller(raw: Any, base: ControllerConfig, src: str | None) -> ControllerConfig:
+    """Validate a ``controller`` mapping; keys it does not set keep their value in ``base``.
+    A bare string is short for ``{url: ...}``."""
+    if isinstance(raw, ControllerConfig):
+        return dataclasses.replace(raw)
+    if raw is None:
+        raw = {}
+    if isinstance(raw, str):
+        raw = {"url": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            "controller", f"expected a mapping such as {{url: 'http://127.0.0.1:9000'}}, got {raw!r}", src
+        )
+    for k in raw:
+        if k not in _CONTROLLER_FIELDS:
+            raise ConfigError(
+                f"controller.{k}", f"unknown key; known keys: {', '.join(sorted(_CONTROLLER_FIELDS))}", src
+            )
+    c = dataclasses.replace(base)
+    if "url" in raw:
+        url = raw["url"]
+        if url is not None:
+            from urllib.parse import urlsplit
+
+            parts = urlsplit(url) if isinstance(url, str) else None
+            try:
+                ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+                ok = ok and (parts.port or 0) >= 0  # type: ignore[union-attr]
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigError("controller.url", f"expected http://HOST:PORT or null, got {url!r}", src)
+            url = url.rstrip("/")
+        c.url = url
+    if "token" in raw:
+        tok = raw["token"]
+        if tok is not None and (not isinstance(tok, str) or not tok or tok != tok.strip()):
+            raise ConfigError(
+                "controller.token", "expected a non-empty string without surrounding spaces, or null", src
+            )
+        c.token = tok
+    if "instance_id" in raw:
+        iid = raw["instance_id"]
+        c.instance_id = None if iid is None else _name("controller.instance_id", iid, src)
+    for k in ("heartbeat_interval", "timeout"):
+        if k in raw:
+            setattr(c, k, _positive_float(f"controller.{k}", raw[k], src))
+    for k in ("batch_size", "queue_size"):
+        if k in raw:
+            setattr(c, k, _int(f"controller.{k}", raw[k], src, 1))
+    return c
+
+
 def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | None = None) -> None:
     """Validate and set each key of ``data``; ``origin`` is what ``cfg.sources`` records."""
     for key, value in data.items():
@@ -346,6 +428,14 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
                     fields_ = ["enabled"] if isinstance(value, bool) else sorted(_API_FIELDS)
                 for f in fields_:
                     cfg.sources[f"api.{f}"] = origin
+            elif key == "controller":
+                if isinstance(value, Mapping):
+                    fields_ = [k for k in value if k in _CONTROLLER_FIELDS]
+                else:
+                    fields_ = ["url"] if isinstance(value, str) else sorted(_CONTROLLER_FIELDS)
+                for f in fields_:
+                    cfg.sources[f"controller.{f}"] = origin
+                cfg.sources["controller"] = origin  # what `lmcache config` shows for the section
             else:
                 cfg.sources[key] = origin
         if key in _SCALARS:
@@ -365,6 +455,8 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
             cfg.kv_spec = _kv_spec(value, src)
         elif key == "api":
             cfg.api = _api(value, cfg.api, src)
+        elif key == "controller":
+            cfg.controller = _controller(value, cfg.controller, src)
         else:
             import difflib
 
@@ -425,6 +517,7 @@ def load_config(
             source,
             tiers=[dataclasses.replace(t, options=dict(t.options)) for t in source.tiers],
             api=dataclasses.replace(source.api),
+            controller=dataclasses.replace(source.controller),
             sources=dict(source.sources),
         )
     else:
@@ -441,5 +534,10 @@ def load_config(
         _apply(cfg, {key: value}, f"$LMCACHE_{key.upper()}", f"env:LMCACHE_{key.upper()}")
     if environ.get("LMCACHE_API_TOKEN"):  # a secret: taken verbatim, never parsed as YAML
         _apply(cfg, {"api": {"token": environ["LMCACHE_API_TOKEN"]}}, "$LMCACHE_API_TOKEN", "env:LMCACHE_API_TOKEN")
+    if environ.get("LMCACHE_CONTROLLER_TOKEN"):  # a secret, like LMCACHE_API_TOKEN
+        _apply(
+            cfg, {"controller": {"token": environ["LMCACHE_CONTROLLER_TOKEN"]}},
+            "$LMCACHE_CONTROLLER_TOKEN", "env:LMCACHE_CONTROLLER_TOKEN",
+        )
     _apply(cfg, overrides, None, "override")
     return cfg

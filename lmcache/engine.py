@@ -72,12 +72,25 @@ class CacheEngine:
         self._closed = False
         self._admin = None
         self.api = None
+        self.controller_worker = None
+        #: this instance's name in the controller (``controller.instance_id`` or a generated one)
+        self.instance_id: str = config.controller.instance_id or _default_instance_id()
         if config.api.enabled:
             from .api import ApiServer
 
             try:
                 self.api = ApiServer(self.admin, config.api)
             except BaseException:
+                self.hierarchy.close()
+                raise
+        if config.controller.url:
+            from .controller.worker import ControllerWorker
+
+            try:
+                self.controller_worker = ControllerWorker(self, config.controller)
+            except BaseException:
+                if self.api is not None:
+                    self.api.close()
                 self.hierarchy.close()
                 raise
 
@@ -311,6 +324,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        if self.controller_worker is not None:
+            self.controller_worker.close()
         if self.api is not None:
             self.api.close()
         self.hierarchy.close()
@@ -435,6 +450,14 @@ class _KV:
         for i, (k, v) in enumerate(self.layers):  # type: ignore[union-attr]
             out[i, 0].copy_(k[start:end])
             out[i, 1].copy_(v[start:end])
+
+
+def _default_instance_id() -> str:
+    import socket
+    import uuid
+
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname()) or "host"
+    return f"{host.lstrip('._-') or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 def _length(tokens: Any) -> int:

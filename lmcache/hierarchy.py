@@ -92,6 +92,10 @@ class Tier:
         self._health = _Health()
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
+        #: called as ``listener(op, tier name, key)`` with op ``"admit"`` when this tier
+        #: stored a key and ``"evict"`` when it dropped one (the controller worker's
+        #: event feed); called with the tier's lock held, so it must not block
+        self.listener: Callable[[str, str, str], None] | None = None
         if not backend.shared:
             try:
                 for key, size in backend.keys():
@@ -200,6 +204,8 @@ class Tier:
                     if not present and key in self._index:
                         self.used -= self._index.pop(key)
                         self.policy.on_remove(key)
+                        if self.listener is not None:
+                            self.listener("evict", self.name, key)
         return out
 
     def get(self, key: str) -> MemoryObj | None:
@@ -230,6 +236,8 @@ class Tier:
                     if size is not None:
                         self.used -= size
                         self.policy.on_remove(key)
+                        if self.listener is not None:
+                            self.listener("evict", self.name, key)
                     continue
                 self.stats.hits += 1
                 self.stats.hit_bytes += obj.nbytes
@@ -262,6 +270,8 @@ class Tier:
         self.used -= size
         self.policy.on_remove(key)
         self.stats.evictions += 1
+        if self.listener is not None:
+            self.listener("evict", self.name, key)
         if demote is not None:
             self.on_evict(key, demote)  # takes over the reference
 
@@ -312,6 +322,8 @@ class Tier:
             old = self._index.get(key)
             if old is None:
                 self.policy.on_insert(key)
+                if self.listener is not None:
+                    self.listener("admit", self.name, key)
             self._index[key] = stored
             self.used += stored - (old or 0)
             if stored > need:  # a backend that under-reserved: settle at once
@@ -334,6 +346,8 @@ class Tier:
                 if size is not None:
                     self.used -= size
                     self.policy.on_remove(k)
+                    if self.listener is not None:
+                        self.listener("evict", self.name, k)
                 n += bool(removed or size is not None)
         return n
 
@@ -402,10 +416,14 @@ class Tier:
             for key in [k for k in self._index if k not in present]:
                 self.used -= self._index.pop(key)
                 self.policy.on_remove(key)
+                if self.listener is not None:
+                    self.listener("evict", self.name, key)
             for key, size in listed:
                 old = self._index.get(key)
                 if old is None:
                     self.policy.on_insert(key)
+                    if self.listener is not None:
+                        self.listener("admit", self.name, key)
                 self._index[key] = size
                 self.used += size - (old or 0)
 
@@ -417,6 +435,13 @@ class Tier:
 
     def size_of(self, key: str) -> int | None:
         return self._index.get(key)
+
+    def key_list(self) -> list[str]:
+        """The keys this tier accounts for, copied under its lock (a consistent
+        snapshot for the controller worker: events after it arrive through
+        :attr:`listener`)."""
+        with self._lock:
+            return list(self._index)
 
     def evict_keys(self, keys: Sequence[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
         """Evict these entries now (an operator's request: nothing is demoted to the
@@ -446,6 +471,8 @@ class Tier:
                 self.used -= size
                 self.policy.on_remove(key)
                 self.stats.evictions += 1
+                if self.listener is not None:
+                    self.listener("evict", self.name, key)
                 done.append((key, size))
         return done, skipped
 
@@ -904,6 +931,12 @@ class StorageHierarchy:
 
     def pending_writes(self) -> int:
         return self._queue.qsize()
+
+    def set_listener(self, listener: Callable[[str, str, str], None] | None) -> None:
+        """Call ``listener(op, tier, key)`` whenever a tier admits (``"admit"``) or
+        drops (``"evict"``) a key; ``None`` stops it. See :attr:`Tier.listener`."""
+        for t in self.tiers:
+            t.listener = listener
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

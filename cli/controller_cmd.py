@@ -1,0 +1,319 @@
+"""``lmcache controller``: run the controller service and talk to it.
+
+``serve`` runs the service in the foreground (its URL on stdout, logs on stderr); the
+other commands call a running controller (``--url``, default ``$LMCACHE_CONTROLLER_URL``
+or ``http://127.0.0.1:9000``) with ``--token`` (default ``$LMCACHE_CONTROLLER_TOKEN``).
+Tokens are given as ``--tokens 1,2,3`` or ``--tokens-file FILE`` (a JSON list, or ids
+separated by commas or spaces; ``-`` reads stdin).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ._util import LMCacheGroup, note, out, print_json
+
+app = typer.Typer(
+    name="controller", add_completion=False, no_args_is_help=True,
+    help="The controller: a global index of cached chunks for KV-aware routing, and admin commands to instances.",
+)
+
+DEFAULT_URL = "http://127.0.0.1:9000"
+
+CtlUrlOpt = Annotated[
+    str, typer.Option("--url", envvar="LMCACHE_CONTROLLER_URL", metavar="URL", show_envvar=False,
+                      help="The controller (default: $LMCACHE_CONTROLLER_URL or http://127.0.0.1:9000).")
+]
+CtlTokenOpt = Annotated[
+    str | None, typer.Option("--token", envvar="LMCACHE_CONTROLLER_TOKEN", metavar="TOKEN", show_default=False,
+                             show_envvar=False, help="The controller's bearer token (default: $LMCACHE_CONTROLLER_TOKEN).")
+]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.05, metavar="SECONDS", help="Seconds to wait for the answer.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+TokensOpt = Annotated[
+    str | None, typer.Option("--tokens", metavar="IDS", show_default=False, help="Token ids, comma-separated.")
+]
+TokensFileOpt = Annotated[
+    Path | None, typer.Option("--tokens-file", metavar="FILE", show_default=False,
+                              help="Token ids from a file (JSON list, or separated by commas/spaces; '-' is stdin).")
+]
+KeysOpt = Annotated[
+    list[str] | None, typer.Option("--key", metavar="KEY", show_default=False, help="A chunk key (repeatable).")
+]
+InstanceArg = Annotated[str, typer.Argument(metavar="INSTANCE", help="An instance id, as 'instances' lists it.")]
+TierOpt = Annotated[str | None, typer.Option("--tier", "-t", metavar="NAME", show_default=False, help="Only this tier.")]
+
+
+def _client(url: str, token: str | None, timeout: float):
+    from lmcache.controller.client import ControllerClient
+
+    return ControllerClient(url, token, timeout)
+
+
+def _parse_tokens(tokens: str | None, tokens_file: Path | None) -> list[int] | None:
+    if tokens is not None and tokens_file is not None:
+        raise typer.BadParameter("give --tokens or --tokens-file, not both", param_hint="'--tokens'")
+    if tokens is None and tokens_file is None:
+        return None
+    if tokens_file is not None:
+        text = sys.stdin.read() if str(tokens_file) == "-" else tokens_file.read_text()
+        hint = "'--tokens-file'"
+    else:
+        text, hint = tokens or "", "'--tokens'"
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            ids = json.loads(text)
+            if not isinstance(ids, list):
+                raise ValueError("not a list")
+        else:
+            ids = [int(t) for t in text.replace(",", " ").split()]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("token ids must be non-negative integers")
+    except ValueError as exc:
+        raise typer.BadParameter(f"not a list of token ids: {exc}", param_hint=hint) from None
+    if not ids:
+        raise typer.BadParameter("no token ids given", param_hint=hint)
+    return ids
+
+
+@app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback unless you say otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0 picks a free one).")] = 9000,
+    token: CtlTokenOpt = None,
+    instance_timeout: Annotated[
+        float, typer.Option("--instance-timeout", min=0.1, metavar="SECONDS",
+                            help="An instance without a heartbeat for this long drops out of lookups.")
+    ] = 10.0,
+    expire_after: Annotated[
+        float | None, typer.Option("--expire-after", min=1.0, metavar="SECONDS", show_default=False,
+                                   help="Forget a silent instance's keys after this long (default: max(300, 6 x timeout)).")
+    ] = None,
+    dispatch_timeout: Annotated[
+        float, typer.Option("--dispatch-timeout", min=0.1, metavar="SECONDS",
+                            help="Seconds to wait for an instance to answer a command.")
+    ] = 30.0,
+    write_openapi: Annotated[
+        Path | None, typer.Option("--write-openapi", metavar="FILE", show_default=False,
+                                  help="Write the OpenAPI document to FILE and exit.")
+    ] = None,
+) -> None:
+    """Run the controller service until SIGTERM or Ctrl-C; its URL is printed on stdout."""
+    from lmcache.controller.service import ControllerServer, openapi
+
+    if write_openapi is not None:
+        write_openapi.write_text(json.dumps(openapi(), indent=2) + "\n")
+        note(f"wrote {write_openapi}")
+        return
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+        note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
+    server = ControllerServer(host, port, token=token, instance_timeout=instance_timeout,
+                              expire_after=expire_after, dispatch_timeout=dispatch_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sys.stdout.write(server.url + "\n")
+    sys.stdout.flush()
+    try:
+        stop.wait()
+    finally:
+        server.close()
+
+
+@app.command("instances")
+def instances(url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 5.0,
+              as_json: JsonOpt = False) -> None:
+    """List registered instances: healthy or not, last heartbeat, tiers, keys indexed."""
+    with _client(url, token, timeout) as c:
+        rows = c.instances()
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        note("no instances registered")
+        return
+    from rich.table import Table
+
+    t = Table()
+    for col in ("instance", "healthy", "last heartbeat", "api", "model", "tiers", "keys"):
+        t.add_column(col, no_wrap=True)
+    for r in rows:
+        t.add_row(r["instance_id"], "yes" if r["healthy"] else "NO", f"{r['last_heartbeat_age_s']:.1f}s ago",
+                  r["api_url"] or "-", r["model"], ", ".join(r["tiers"]), str(r["keys"]))
+    out().print(t)
+
+
+@app.command("lookup")
+def lookup(
+    tokens: TokensOpt = None,
+    tokens_file: TokensFileOpt = None,
+    hashes: Annotated[str | None, typer.Option("--hashes", metavar="HEX,...", show_default=False,
+                                               help="Chunk hashes instead of tokens, comma-separated.")] = None,
+    namespace: Annotated[str | None, typer.Option("--namespace", show_default=False, help="Only instances of this namespace.")] = None,
+    model: Annotated[str | None, typer.Option("--model", show_default=False, help="Only instances of this model.")] = None,
+    url: CtlUrlOpt = DEFAULT_URL,
+    token: CtlTokenOpt = None,
+    timeout: TimeoutOpt = 5.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which instances hold the longest cached prefix of these tokens (best first)."""
+    ids = _parse_tokens(tokens, tokens_file)
+    if (ids is None) == (hashes is None):
+        raise typer.BadParameter("give --tokens, --tokens-file or --hashes", param_hint="'--tokens'")
+    with _client(url, token, timeout) as c:
+        r = c.lookup(ids, chunk_hashes=hashes.split(",") if hashes else None, namespace=namespace, model=model)
+    if as_json:
+        print_json(r)
+        return
+    if not r["results"]:
+        note(f"no instance holds a prefix ({r['instances_considered']} healthy instances considered)")
+        return
+    for row in r["results"]:
+        tiers = ", ".join(f"{k} {v}" for k, v in row["tiers"].items())
+        out().print(f"{row['instance_id']}\t{row['hit_tokens']} tokens\t(tiers: {tiers})")
+
+
+def _command(name: str, url: str, token: str | None, timeout: float, as_json: bool, **fields: Any) -> None:
+    with _client(url, token, timeout) as c:
+        r = c.command(name, **fields)
+    if as_json:
+        print_json(r)
+        return
+    res = r["result"]
+    if name == "clear":
+        out().print(f"{r['instance']}: evicted {len(res['evicted'])} entries ({res['bytes']} bytes), skipped {len(res['skipped'])}")
+    elif name in ("pin", "unpin"):
+        out().print(f"{r['instance']}: {name}ned {len(res[name + 'ned'])} keys, skipped {len(res['skipped'])}")
+    else:
+        out().print(f"{r['instance']}: re-encoded {len(res['recoded'])} entries of {r['tier']} with {res['codec']} "
+                    f"({res['bytes_before']} -> {res['bytes_after']} bytes), skipped {len(res['skipped'])}")
+
+
+@app.command("clear")
+def clear(instance: InstanceArg, tier: TierOpt = None, tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
+          key: KeysOpt = None, url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 30.0,
+          yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+          as_json: JsonOpt = False) -> None:
+    """Evict an instance's entries: all (of --tier), or only the chunks of --tokens / --key."""
+    from ._util import confirm
+
+    ids = _parse_tokens(tokens, tokens_file)
+    if ids is None and not key:
+        confirm(f"Evict every entry of {instance}{f' tier {tier}' if tier else ''}?", yes=yes,
+                what=f"clear {instance}")
+    _command("clear", url, token, timeout, as_json, instance=instance, tier=tier, tokens=ids, keys=key or None)
+
+
+@app.command("pin")
+def pin(instance: InstanceArg, tier: TierOpt = None, tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
+        key: KeysOpt = None, url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 30.0,
+        as_json: JsonOpt = False) -> None:
+    """Pin the chunks of --tokens (or --key) in an instance so they are never evicted."""
+    _command("pin", url, token, timeout, as_json, instance=instance, tier=tier,
+             tokens=_parse_tokens(tokens, tokens_file), keys=key or None)
+
+
+@app.command("unpin")
+def unpin(instance: InstanceArg, tier: TierOpt = None, tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
+          key: KeysOpt = None, url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 30.0,
+          as_json: JsonOpt = False) -> None:
+    """Unpin the chunks of --tokens (or --key) in an instance."""
+    _command("unpin", url, token, timeout, as_json, instance=instance, tier=tier,
+             tokens=_parse_tokens(tokens, tokens_file), keys=key or None)
+
+
+@app.command("compress")
+def compress(instance: InstanceArg, tier: Annotated[str, typer.Option("--tier", "-t", metavar="NAME", help="A byte tier (disk, ...).")],
+             codec: Annotated[str, typer.Option("--codec", metavar="NAME", help="Codec name or a+b chain.")] = "zstd",
+             tokens: TokensOpt = None, tokens_file: TokensFileOpt = None, key: KeysOpt = None,
+             url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 120.0,
+             as_json: JsonOpt = False) -> None:
+    """Re-encode an instance's entries of a byte tier with a codec (all, or the chunks of --tokens)."""
+    _command("compress", url, token, timeout, as_json, instance=instance, tier=tier, codec=codec,
+             tokens=_parse_tokens(tokens, tokens_file), keys=key or None)
+
+
+@app.command("decompress")
+def decompress(instance: InstanceArg, tier: Annotated[str, typer.Option("--tier", "-t", metavar="NAME", help="A byte tier (disk, ...).")],
+               tokens: TokensOpt = None, tokens_file: TokensFileOpt = None, key: KeysOpt = None,
+               url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 120.0,
+               as_json: JsonOpt = False) -> None:
+    """Re-encode an instance's entries of a byte tier without compression (codec raw)."""
+    _command("decompress", url, token, timeout, as_json, instance=instance, tier=tier,
+             tokens=_parse_tokens(tokens, tokens_file), keys=key or None)
+
+
+@app.command("move")
+def move(src_instance: Annotated[str, typer.Argument(metavar="SRC_INSTANCE")],
+         src_tier: Annotated[str, typer.Argument(metavar="SRC_TIER")],
+         dst_instance: Annotated[str, typer.Argument(metavar="DST_INSTANCE")],
+         dst_tier: Annotated[str, typer.Argument(metavar="DST_TIER")],
+         tokens: TokensOpt = None, tokens_file: TokensFileOpt = None, key: KeysOpt = None,
+         url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 120.0,
+         as_json: JsonOpt = False) -> None:
+    """Move the chunks of --tokens between tiers/instances (not implemented yet: needs the P2P transfer)."""
+    ids = _parse_tokens(tokens, tokens_file)
+    if ids is None and not key:
+        raise typer.BadParameter("give --tokens, --tokens-file or --key", param_hint="'--tokens'")
+    with _client(url, token, timeout) as c:
+        r = c.command("move", src_instance=src_instance, src_tier=src_tier, dst_instance=dst_instance,
+                      dst_tier=dst_tier, tokens=ids, keys=key or None)
+    print_json(r) if as_json else out().print(json.dumps(r))
+
+
+@app.command("bench-lookup", hidden=True)
+def bench_lookup(
+    tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
+    count: Annotated[int, typer.Option("--count", min=1)] = 200,
+    url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 5.0,
+) -> None:
+    """Time COUNT lookups of the given tokens (one HTTP call each); prints p50/p99 in ms."""
+    ids = _parse_tokens(tokens, tokens_file)
+    if ids is None:
+        raise typer.BadParameter("give --tokens or --tokens-file", param_hint="'--tokens'")
+    print_json(measure_lookup(url, token, ids, count, timeout))
+
+
+def measure_lookup(url: str, token: str | None, ids: list[int], count: int, timeout: float = 5.0) -> dict[str, Any]:
+    """Latency of ``count`` lookups of ``ids`` (after 5 untimed ones), as a client sees it."""
+    with _client(url, token, timeout) as c:
+        for _ in range(5):
+            last = c.lookup(ids)
+        times = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            last = c.lookup(ids)
+            times.append(time.perf_counter() - t0)
+    times.sort()
+
+    def pct(p: float) -> float:
+        return round(times[min(len(times) - 1, int(p * len(times)))] * 1000, 3)
+
+    return {"lookups": count, "num_tokens": len(ids), "instances_hit": len(last["results"]),
+            "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": round(times[-1] * 1000, 3)}
+
+
+def _standalone() -> None:
+    """``python -m lmcache.cli.controller_cmd ...``: the sub-app on its own (same error
+    handling as ``lmcache controller``)."""
+    root = typer.Typer(cls=LMCacheGroup, add_completion=False, pretty_exceptions_enable=False)
+    root.add_typer(app)
+    root(prog_name="lmcache", args=["controller", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    _standalone()
+
+

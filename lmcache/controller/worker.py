@@ -1,0 +1,240 @@
+"""The controller worker: the part of a cache engine that keeps the controller's index
+of this instance true.
+
+Started by :class:`~lmcache.engine.CacheEngine` when the config has
+``controller: {url: ...}``. It registers the instance (id, API URL and token, namespace,
+model, kv signature, chunking, tiers), heartbeats on a daemon thread, and reports what
+the tiers admit and drop as batched events, fed by the hierarchy's listener
+(:meth:`~lmcache.hierarchy.StorageHierarchy.set_listener`).
+
+Why it is shaped like this: the engine must never wait for the controller. The listener
+only appends to a bounded queue (it runs under a tier's lock, on the engine's path); one
+thread does all the talking, with a timeout on every call. Events that cannot be
+delivered (the queue is full, or the controller is down or restarted and forgot us) are
+dropped and counted, and the index is then healed the only way that cannot drift: the
+worker re-registers (the controller forgets what it knew of this instance) and sends a
+full snapshot of its keys. Events queued after the snapshot was taken are sent after
+it; admit/evict are idempotent set operations, so replaying them in order converges to
+the tiers' real state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..config import ControllerConfig
+from ..errors import AdminError, AuthError, NotFoundError
+from .client import ControllerClient
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import CacheEngine
+
+log = logging.getLogger(__name__)
+
+#: how often the sending thread wakes to ship queued events (seconds)
+FLUSH_INTERVAL = 0.05
+
+
+class ControllerWorker:
+    """Registers ``engine`` with the controller and keeps its index up to date until
+    :meth:`close`."""
+
+    def __init__(self, engine: "CacheEngine", cfg: ControllerConfig):
+        assert cfg.url, "the worker needs controller.url"
+        self.engine = engine
+        self.cfg = cfg
+        self.instance_id = engine.instance_id
+        self.client = ControllerClient(cfg.url, cfg.token, cfg.timeout)
+        self._queue: queue.Queue[tuple[str, str, str]] = queue.Queue(maxsize=cfg.queue_size)
+        self._session: str | None = None  # None: not registered
+        #: set when an event could not be queued: the index missed it, so resync (a flag,
+        #: not ``_session = None``, so that a resync in progress cannot clear it)
+        self._need_resync = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._down_since: float | None = None
+        #: counters (``stats()``): events sent, dropped (queue full or undeliverable),
+        #: registrations (each with a snapshot) and failed calls
+        self.sent_events = 0
+        self.dropped_events = 0
+        self.registrations = 0
+        self.failed_calls = 0
+        engine.hierarchy.set_listener(self._on_event)
+        self._thread = threading.Thread(target=self._run, name="lmcache-controller-worker", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the engine's side
+    def _on_event(self, op: str, tier: str, key: str) -> None:
+        """Called by a tier under its lock: never blocks."""
+        try:
+            self._queue.put_nowait((op, tier, key))
+        except queue.Full:
+            self.dropped_events += 1
+            self._need_resync = True
+        if self._queue.qsize() >= self.cfg.batch_size:
+            self._wake.set()
+
+    @property
+    def registered(self) -> bool:
+        return self._session is not None and not self._need_resync
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "controller": self.cfg.url,
+            "registered": self.registered,
+            "queued_events": self._queue.qsize(),
+            "sent_events": self.sent_events,
+            "dropped_events": self.dropped_events,
+            "registrations": self.registrations,
+            "failed_calls": self.failed_calls,
+        }
+
+    # ------------------------------------------------------------ the thread
+    def _info(self) -> dict[str, Any]:
+        from .. import __version__
+
+        e = self.engine
+        c = e.config
+        return {
+            "instance_id": self.instance_id,
+            "api_url": e.api_url,
+            "api_token": c.api.token if e.api is not None else None,
+            "namespace": c.namespace,
+            "model": c.model,
+            "kv_signature": e.kv_spec.signature if e.kv_spec is not None else None,
+            "chunk_size": c.chunk_size,
+            "hash_algorithm": c.hash_algorithm,
+            "save_unfull_chunk": c.save_unfull_chunk,
+            "tiers": [t.name for t in e.hierarchy.tiers],
+            "heartbeat_interval": self.cfg.heartbeat_interval,
+            "pid": os.getpid(),
+            "version": __version__,
+        }
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        retry_at = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if self._session is None or self._need_resync:
+                    if now >= retry_at:
+                        self._resync()
+                        next_beat = time.monotonic() + self.cfg.heartbeat_interval
+                else:
+                    self._send_events()
+                    if now >= next_beat:
+                        self._heartbeat()
+                        next_beat = now + self.cfg.heartbeat_interval
+                if self._down_since is not None and self._session is not None:
+                    log.warning(
+                        "controller %s: registered again as %s after %.1fs; index resynced (%d events dropped so far)",
+                        self.cfg.url, self.instance_id, time.monotonic() - self._down_since, self.dropped_events,
+                    )
+                    self._down_since = None
+            except (AdminError, OSError, ValueError) as exc:
+                self._failed(exc)
+                retry_at = time.monotonic() + self.cfg.heartbeat_interval
+            except Exception:  # never let the worker die
+                log.exception("controller worker: unexpected error")
+                self._session = None
+                retry_at = time.monotonic() + self.cfg.heartbeat_interval
+            wait = FLUSH_INTERVAL if self._session is not None else max(0.0, retry_at - time.monotonic())
+            self._wake.wait(min(wait, self.cfg.heartbeat_interval))
+            self._wake.clear()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failed_calls += 1
+        self._session = None
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            if isinstance(exc, AuthError):
+                log.error("controller %s refused this instance's token: %s", self.cfg.url, exc)
+            else:
+                log.warning(
+                    "controller %s: %s; dropping events and retrying every %gs, then resending a snapshot",
+                    self.cfg.url, exc, self.cfg.heartbeat_interval,
+                )
+        else:
+            log.debug("controller %s still failing: %s", self.cfg.url, exc)
+
+    def _resync(self) -> None:
+        """Register (the controller forgets what it knew of us) and send every key."""
+        self._need_resync = False  # before the snapshot: a drop after this point resyncs again
+        dropped = 0
+        while True:  # events before the snapshot are in the snapshot
+            try:
+                self._queue.get_nowait()
+                dropped += 1
+            except queue.Empty:
+                break
+        if self.registrations:
+            self.dropped_events += dropped
+        snapshot = [["admit", t.name, k] for t in self.engine.hierarchy.tiers for k in t.key_list()]
+        r = self.client.register(self._info())
+        session = r.get("session") if isinstance(r, dict) else None
+        if not isinstance(session, str):
+            raise AdminError(f"controller {self.cfg.url} answered register without a session: {r!r}")
+        for i in range(0, len(snapshot), self.cfg.batch_size):
+            self.client.events(self.instance_id, session, snapshot[i : i + self.cfg.batch_size])
+        self.sent_events += len(snapshot)
+        self.registrations += 1
+        self._session = session
+        log.info("registered %s with controller %s (%d keys)", self.instance_id, self.cfg.url, len(snapshot))
+
+    def _send_events(self) -> None:
+        while self._session is not None:
+            batch: list[list[str]] = []
+            while len(batch) < self.cfg.batch_size:
+                try:
+                    batch.append(list(self._queue.get_nowait()))
+                except queue.Empty:
+                    break
+            if not batch:
+                return
+            try:
+                self.client.events(self.instance_id, self._session, batch)
+            except (AdminError, OSError, ValueError):
+                self.dropped_events += len(batch)
+                raise
+            self.sent_events += len(batch)
+
+    def _heartbeat(self) -> None:
+        assert self._session is not None
+        spec = self.engine.kv_spec
+        try:
+            self.client.heartbeat(
+                self.instance_id, self._session,
+                kv_signature=spec.signature if spec is not None else None,
+                dropped_events=self.dropped_events,
+            )
+        except NotFoundError:  # the controller restarted or expired us: register again
+            self._session = None
+            raise
+
+    # ------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop the thread, ship what is queued (one try) and deregister, so that the
+        instance leaves lookups at once rather than after the heartbeat timeout."""
+        self.engine.hierarchy.set_listener(None)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=self.cfg.timeout * 3 + 1)
+        session = self._session
+        if session is None:
+            return
+        try:
+            self._send_events()
+            self.client.deregister(self.instance_id, session)
+        except (AdminError, OSError, ValueError) as exc:
+            log.debug("controller %s: deregister failed: %s", self.cfg.url, exc)
+        self._session = None
+
+
+__all__ = ["ControllerWorker"]
