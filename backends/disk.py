@@ -209,10 +209,14 @@ class DiskBackend(BytesBackend):
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, final)
+        try:  # the payload's own codec: a re-encoded entry (lmcache compress) has another
+            codec = payload.parse_header(buffers[0]).codec
+        except CorruptPayloadError:
+            codec = self.context.codec.name
         with self._lock:
             old = self._index.pop(key, None)  # re-inserted last: the newest entry
             self._index[key] = total
-            self._meta[key] = (self.context.codec.name, time.time())
+            self._meta[key] = (codec, time.time())
             self._used += total - (old or 0)
 
     def _write_file(self, tmp: Path, buffers: Sequence[bytes | memoryview], total: int) -> None:

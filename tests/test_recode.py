@@ -123,6 +123,8 @@ def test_recode_through_the_live_api(tmp_path):
         with ApiClient(e.api_url, timeout=10) as c:
             r = c.recode("disk", "zstd")
             assert len(r["recoded"]) == 4 and r["codec"] == "zstd"
+            listed = c.keys(tier="disk")["entries"]  # the listing tells the entries' new codec
+            assert len(listed) == 4 and {e["codec"] for e in listed} == {"zstd"}
             with pytest.raises(lmcache.errors.AdminError, match="in memory"):
                 c.recode("cpu", "zstd")
             with pytest.raises(lmcache.errors.AdminError) as ei:
