@@ -11,3 +11,9 @@ def lmcache_register_connectors(registry):
         extra="hf",
         description="a Hugging Face causal LM (CPU or GPU)",
     )
+    registry.add(
+        "sglang",
+        "lmcache.plugins.connectors.sglang:LMCacheHiCacheStorage",
+        extra="sglang",
+        description="SGLang HiCache storage backend (--hicache-storage-backend dynamic)",
+    )
