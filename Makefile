@@ -8,8 +8,13 @@ PIP    := $(PY) -m pip
 # The exact CPU build of PyTorch; a looser spec would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.lmcache-installed
+# vLLM and SGLang pin other versions of shared packages (transformers, ...): each gets a
+# virtualenv of its own that chains .venv (torch and lmcache come from there) and holds only
+# the engine and its pins (requirements/<engine>.txt); tests/engines run there.
+VLLM_VENV   := .venv-vllm
+SGLANG_VENV := .venv-sglang
 
-.PHONY: install demo test clean
+.PHONY: install engines demo test test-engines clean
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,14 +34,30 @@ $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 
 install: $(STAMP)
 
+$(VLLM_VENV)/.installed: $(STAMP) requirements/vllm.txt requirements/setup-vllm.sh
+	bash requirements/setup-vllm.sh $(VLLM_VENV) $(VENV)
+	touch $@
+
+$(SGLANG_VENV)/.installed: $(STAMP) requirements/sglang.txt requirements/setup-sglang.sh
+	bash requirements/setup-sglang.sh $(SGLANG_VENV) $(VENV)
+	touch $@
+
+engines: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
+
 # the demo keeps its cache in .cache/demo (fresh each run) so that the CLI can inspect it:
 #   .venv/bin/lmcache tiers --config .cache/demo/lmcache.yaml
 demo: $(STAMP)
 	rm -rf .cache/demo
 	$(VENV)/bin/lmcache demo --dir .cache/demo
 
-test: $(STAMP)
+test: $(STAMP) engines
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-engines
+
+# the connectors against the real vLLM and SGLang packages, in their own virtualenvs
+test-engines: engines
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py
+	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .hypothesis

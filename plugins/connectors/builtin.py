@@ -12,6 +12,12 @@ def lmcache_register_connectors(registry):
         description="a Hugging Face causal LM (CPU or GPU)",
     )
     registry.add(
+        "vllm",
+        "lmcache.plugins.connectors.vllm:LMCacheConnector",
+        extra="vllm",
+        description="vLLM v1 KV connector (--kv-transfer-config kv_connector_module_path)",
+    )
+    registry.add(
         "sglang",
         "lmcache.plugins.connectors.sglang:LMCacheHiCacheStorage",
         extra="sglang",

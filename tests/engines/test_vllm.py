@@ -1,0 +1,407 @@
+"""The vLLM v1 connector against the real vLLM classes (vllm==0.33.0, CPU only).
+
+The scheduler role runs inside vLLM's own ``Scheduler`` (built from a real ``VllmConfig``
+with a tiny hand-written Llama config, no download), which calls
+``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``build_connector_meta`` /
+``request_finished`` itself. The worker role gets the ``SchedulerOutput``'s connector
+metadata and is called in the model runner's order (bind, ``start_load_kv``, per layer
+``wait_for_layer_load`` + ``save_kv_layer``, ``wait_for_save``,
+``get_block_ids_with_load_errors``) on CPU tensors in vLLM's paged layouts. Forward passes
+are simulated by writing random KV into the request's slots.
+
+Run: LMCACHE_ENGINE_TESTS=1 .venv-vllm/bin/python -m pytest tests/engines/test_vllm.py -q
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _missing import missing  # noqa: E402
+
+INSTALL = "bash requirements/setup-vllm.sh .venv-vllm .venv  (vllm==0.33.0 with --no-deps, see requirements/vllm.txt)"
+
+try:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+except ImportError as exc:  # pragma: no cover
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+BLOCK = 16
+CHUNK = 64
+NUM_BLOCKS = 64
+HEADS, HEAD = 2, 16
+LATENT = 24
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    if _IMPORT_ERROR is not None:
+        missing(f"vllm is not importable ({_IMPORT_ERROR}); install it with: {INSTALL}")
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+        "num_hidden_layers": len(LAYERS), "vocab_size": 1000, "max_position_embeddings": 2048,
+        "torch_dtype": "float32", "head_dim": HEAD,
+    }))  # fmt: skip
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=2048)
+
+
+def make_config(model_config, policy: str = "recompute", **extra) -> "VllmConfig":
+    extra.setdefault("lmcache.chunk_size", CHUNK)
+    extra.setdefault("lmcache.namespace", f"t{next(_ids)}")  # a fresh cache engine per test
+    vc = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=2048, is_encoder_decoder=False
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCacheConnector",
+            kv_connector_module_path="lmcache.plugins.connectors.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=extra,
+        ),
+    )
+    vc.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return vc
+
+
+def kv_cache_config(mla: bool, dtype=torch.float32) -> "KVCacheConfig":
+    if mla:
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=dtype)
+    else:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=dtype)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+
+
+# ------------------------------------------------------------------ paged layouts
+def alloc(layout: str, dtype=torch.float32) -> list[torch.Tensor]:
+    """One zeroed tensor per layer in a vLLM layout."""
+    out = []
+    for _ in LAYERS:
+        if layout == "flash_attn":  # vLLM <= 0.2x FlashAttention
+            t = torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD, dtype=dtype)
+        elif layout == "blocks_first":  # vLLM <= 0.2x FlashInfer
+            t = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD, dtype=dtype)
+        elif layout == "std_nhd":  # vLLM 0.33 standardized [B, H, N, 2D], physically NHD (LBNHC)
+            t = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=dtype).permute(0, 2, 1, 3)
+        elif layout == "mla":  # (B, N, latent)
+            t = torch.zeros(NUM_BLOCKS, BLOCK, LATENT, dtype=dtype)
+        elif layout == "std_mla":  # vLLM 0.33 [B, 1, N, latent]
+            t = torch.zeros(NUM_BLOCKS, 1, BLOCK, LATENT, dtype=dtype)
+        else:
+            raise AssertionError(layout)
+        out.append(t)
+    return out
+
+
+def token(t: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
+    """Every element of one token's KV, read directly (independent of the kernels)."""
+    b, o = divmod(slot, BLOCK)
+    return {
+        "flash_attn": lambda: t[:, b, o],
+        "blocks_first": lambda: t[b, :, o],
+        "std_nhd": lambda: t[b, :, o],
+        "mla": lambda: t[b, o],
+        "std_mla": lambda: t[b, 0, o],
+    }[layout]()
+
+
+def slots_of(block_ids: list[int], n: int) -> list[int]:
+    return [block_ids[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)]
+
+
+def forward(layers, layout, block_ids, start, end, gen) -> None:
+    """Stand-in for the model: random KV for tokens [start, end) of the request."""
+    for t in layers:
+        for s in slots_of(block_ids, end)[start:]:
+            v = token(t, layout, s)
+            v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+
+
+def same(a_layers, la, a_slots, b_layers, lb, b_slots) -> bool:
+    return all(
+        torch.equal(token(ta, la, sa), token(tb, lb, sb))
+        for ta, tb in zip(a_layers, b_layers)
+        for sa, sb in zip(a_slots, b_slots)
+    )
+
+
+def is_zero(layers, layout, slots) -> bool:
+    return all(not token(t, layout, s).any() for t in layers for s in slots)
+
+
+# ------------------------------------------------------------------ vLLM drivers
+class Engine:
+    """vLLM's real Scheduler plus worker-role connectors called like the model runner."""
+
+    def __init__(self, vc, kcc):
+        self.vc, self.kcc = vc, kcc
+        self.sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=False)
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.workers = []
+
+    def worker(self, layers):
+        from lmcache.plugins.connectors.vllm import LMCacheConnector
+
+        w = LMCacheConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        w.register_kv_caches(dict(zip(LAYERS, layers)))
+        self.workers.append(w)
+        return w
+
+    def submit(self, req_id: str, prompt: list[int]) -> "Request":
+        r = Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=self.hasher)
+        self.sched.add_request(r)
+        return r
+
+    def step(self, worker, layers, layout, gen, *, layerwise=False, before_load=None):
+        """One engine step: schedule, the worker connector around a simulated forward, then
+        the scheduler's ``update_from_output``; returns (scheduler output, invalid blocks)."""
+        out = self.sched.schedule()
+        if before_load is not None:
+            before_load(out)
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for new in out.scheduled_new_reqs:  # the forward computes what was scheduled
+            n = out.num_scheduled_tokens[new.req_id]
+            forward(layers, layout, new.block_ids[0], new.num_computed_tokens, new.num_computed_tokens + n, gen)
+        for name, t in zip(LAYERS, layers):
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, t, None)
+        worker.wait_for_save()
+        invalid = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        self.last = self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[42] for _ in ids],
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=set(invalid)),
+        ))  # fmt: skip
+        return out, invalid
+
+    def finish(self, *req_ids):
+        self.sched.finish_requests(list(req_ids), RequestStatus.FINISHED_ABORTED)
+
+    def close(self):
+        for w in self.workers:
+            w.shutdown()
+        self.sched.shutdown()
+
+
+def new_req(out, req_id):
+    return next(r for r in out.scheduled_new_reqs if r.req_id == req_id)
+
+
+LAYOUTS = {"flash_attn": False, "blocks_first": False, "std_nhd": False, "mla": True, "std_mla": True}
+
+
+# ------------------------------------------------------------------ tests
+def test_factory_loads_the_connector_in_both_roles(model_config):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from lmcache.plugins.connectors.vllm import LMCacheConnector
+
+    vc, kcc = make_config(model_config), kv_cache_config(False)
+    conns = [KVConnectorFactory.create_connector(vc, role, kcc) for role in KVConnectorRole]
+    try:
+        assert all(type(c) is LMCacheConnector for c in conns)
+        assert conns[0].engine is conns[1].engine  # one process, one config: one cache engine
+        assert conns[0].engine.config.chunk_size == CHUNK
+        assert conns[0].kv_spec.signature == "float32-L2-H2-D16-lt2hd-tp0of1"
+    finally:
+        for c in conns:
+            c.shutdown()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
+def test_store_then_load_into_other_blocks(model_config, layout, layerwise):
+    mla = LAYOUTS[layout]
+    dtype = torch.bfloat16 if mla else torch.float32
+    eng = Engine(make_config(model_config, **{"lmcache.vllm.layerwise": layerwise}), kv_cache_config(mla, dtype))
+    gen = torch.Generator().manual_seed(1)
+    try:
+        a_layers, b_layers = alloc(layout, dtype), alloc(layout, dtype)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, invalid = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
+        a_blocks = new_req(out, "a").block_ids[0]
+        assert invalid == set() and out.kv_connector_metadata.saves[0].token_ids == prompt
+        assert wa.engine.lookup(prompt) == 200  # 3 full chunks + the unfull tail
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()  # vLLM forgets; lmcache remembers
+        eng.submit("filler", [7] * 40)  # takes blocks so "b" lands elsewhere
+        eng.step(wb, b_layers, layout, gen)
+        eng.submit("b", prompt + list(range(500, 520)))
+        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
+        b = new_req(out, "b")
+        assert b.num_computed_tokens == 192  # chunks [0,192) hit; b's 4th chunk differs from a's tail
+        assert out.num_scheduled_tokens["b"] == 220 - 192
+        assert invalid == set()
+        assert b.block_ids[0][:12] != a_blocks[:12]
+        assert same(a_layers, layout, slots_of(a_blocks, 192), b_layers, layout, slots_of(b.block_ids[0], 192))
+        # "b" then stored its own full prompt; the chunks it shares with "a" were skipped
+        assert wb.engine.lookup(prompt + list(range(500, 520))) == 220
+    finally:
+        eng.close()
+
+
+def test_vllm_prefix_cache_hit_is_skipped(model_config):
+    layout = "std_nhd"
+    eng = Engine(make_config(model_config), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(2)
+    try:
+        a_layers = alloc(layout)
+        w = eng.worker(a_layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, _ = eng.step(w, a_layers, layout, gen)
+        a_blocks = new_req(out, "a").block_ids[0]
+        a_kv = [t.clone() for t in a_layers]
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("c", prompt[:48] + [999] * 20)  # vLLM now caches blocks 0..2 of the prompt
+        out, _ = eng.step(w, a_layers, layout, gen)
+        c_blocks = new_req(out, "c").block_ids[0]
+        eng.finish("c")
+        before = [t.clone() for t in a_layers]
+        eng.submit("b", prompt + [5] * 10)
+        out, invalid = eng.step(w, a_layers, layout, gen)
+        b = new_req(out, "b")
+        load = out.kv_connector_metadata.loads[0]
+        assert b.num_computed_tokens == 192 and load.skip == 48 and load.load_end == 192
+        assert b.block_ids[0][:3] == c_blocks[:3]  # vLLM's own cached blocks
+        assert invalid == set()
+        # the connector left vLLM's cached tokens alone and loaded 48..192
+        assert same(before, layout, slots_of(c_blocks, 48), a_layers, layout, slots_of(b.block_ids[0], 48))
+        b_slots = slots_of(b.block_ids[0], 192)
+        assert same(a_kv, layout, slots_of(a_blocks, 192)[48:], a_layers, layout, b_slots[48:])
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("unfull", [True, False])
+def test_unfull_chunk(model_config, unfull):
+    layout = "flash_attn"
+    eng = Engine(make_config(model_config, **{"lmcache.save_unfull_chunk": unfull}), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(3)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 251))  # 3 full chunks + 58 tokens
+        eng.submit("a", prompt)
+        out, _ = eng.step(wa, a_layers, layout, gen)
+        a_blocks = new_req(out, "a").block_ids[0]
+        assert wa.engine.lookup(prompt) == (250 if unfull else 192)
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("b", prompt)  # the same prompt: all but its last token may be loaded
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        b = new_req(out, "b")
+        want = 240 if unfull else 192  # block aligned, never the last prompt token
+        assert b.num_computed_tokens == want and invalid == set()
+        assert same(a_layers, layout, slots_of(a_blocks, want), b_layers, layout, slots_of(b.block_ids[0], want))
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
+def test_failed_load_reports_blocks(model_config, layerwise):
+    layout = "blocks_first"
+    eng = Engine(make_config(model_config, **{"lmcache.vllm.layerwise": layerwise}), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(4)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, _ = eng.step(wa, a_layers, layout, gen)
+        a_blocks = new_req(out, "a").block_ids[0]
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("b", prompt + [3] * 20)
+
+        def evict(out):  # the scheduler promised 192 tokens, then chunk [64, 128) vanished
+            assert new_req(out, "b").num_computed_tokens == 192
+            _, keys = wb.engine.chunk_keys(prompt[:192])
+            for tier in wb.engine.hierarchy.tiers:
+                tier.remove([keys[1]])
+
+        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise, before_load=evict)
+        b = new_req(out, "b")
+        assert invalid == set(b.block_ids[0][4:12])  # tokens 64..191 must be recomputed
+        assert same(a_layers, layout, slots_of(a_blocks, 64), b_layers, layout, slots_of(b.block_ids[0], 64))
+        # vLLM took the report: "b" goes back to token 64 and recomputes the rest
+        assert eng.last == {} or all(o.finish_reason is None for o in eng.last[0].outputs)
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        i = out.scheduled_cached_reqs.req_ids.index("b")
+        assert out.scheduled_cached_reqs.num_computed_tokens[i] == 64 and invalid == set()
+        assert out.num_scheduled_tokens["b"] == 220 - 64
+        assert wb.get_block_ids_with_load_errors() == set()  # reported once
+    finally:
+        eng.close()
+
+
+def test_tier_error_reports_every_promised_block(model_config, monkeypatch):
+    """A tier that errors: every promised block is reported; under vLLM's default
+    ``kv_load_failure_policy="fail"`` the request then ends with an error, never with garbage."""
+    layout = "std_nhd"
+    eng = Engine(make_config(model_config, policy="fail"), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(5)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        eng.step(wa, a_layers, layout, gen)
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("b", prompt + [3] * 20)
+
+        def broken(*a, **k):
+            raise OSError("tier down")
+
+        monkeypatch.setattr(wb.engine, "retrieve", broken)
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        b = new_req(out, "b")
+        assert b.num_computed_tokens == 192
+        assert invalid == set(b.block_ids[0][:12])
+        assert is_zero(b_layers, layout, slots_of(b.block_ids[0], 192))
+        (o,) = eng.last[0].outputs
+        assert o.request_id == "b" and o.finish_reason == FinishReason.ERROR
+    finally:
+        eng.close()
+
+
+def test_unknown_connector_key_is_refused(model_config):
+    from lmcache.plugins.connectors.vllm import LMCacheConnector
+
+    with pytest.raises(ValueError, match="lmcache.vllm.bogus"):
+        LMCacheConnector(make_config(model_config, **{"lmcache.vllm.bogus": 1}), KVConnectorRole.WORKER, kv_cache_config(False))
