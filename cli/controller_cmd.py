@@ -261,16 +261,23 @@ def move(src_instance: Annotated[str, typer.Argument(metavar="SRC_INSTANCE")],
          dst_instance: Annotated[str, typer.Argument(metavar="DST_INSTANCE")],
          dst_tier: Annotated[str, typer.Argument(metavar="DST_TIER")],
          tokens: TokensOpt = None, tokens_file: TokensFileOpt = None, key: KeysOpt = None,
+         remove_source: Annotated[bool, typer.Option("--remove-source", help="Evict the sent chunks from SRC_TIER afterwards.")] = False,
          url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 120.0,
          as_json: JsonOpt = False) -> None:
-    """Move the chunks of --tokens between tiers/instances (not implemented yet: needs the P2P transfer)."""
+    """Copy the chunks of --tokens (or --key) from an instance's tier into another instance's tier
+    over the peer protocol (--remove-source: move them). Both need p2p enabled; the source its API."""
     ids = _parse_tokens(tokens, tokens_file)
     if ids is None and not key:
         raise typer.BadParameter("give --tokens, --tokens-file or --key", param_hint="'--tokens'")
     with _client(url, token, timeout) as c:
         r = c.command("move", src_instance=src_instance, src_tier=src_tier, dst_instance=dst_instance,
-                      dst_tier=dst_tier, tokens=ids, keys=key or None)
-    print_json(r) if as_json else out().print(json.dumps(r))
+                      dst_tier=dst_tier, tokens=ids, keys=key or None, remove_source=remove_source or None)
+    if as_json:
+        print_json(r)
+        return
+    res = r["result"]
+    out().print(f"{r['src_instance']}/{r['src_tier']} -> {r['dst_instance']}/{r['dst_tier']}: sent {len(res['pushed'])} "
+                f"chunks ({res['bytes']} bytes), missing {len(res['missing'])}, removed from source {len(res['removed'])}")
 
 
 @app.command("bench-lookup", hidden=True)

@@ -369,6 +369,9 @@ class Admin:
                 self.tier(tname).unpin(key)
                 self._pins.discard((tname, key))
         result = self.evict(tier, all=True)
+        pub = getattr(self.engine, "kv_events", None)
+        if pub is not None and tier is None and not result.get("skipped"):
+            pub.cleared()  # every tier is empty now: AllBlocksCleared for KV-event consumers
         return result
 
     # ------------------------------------------------------------ re-encoding
@@ -422,6 +425,42 @@ class Admin:
             "bytes_after": sum(b for _, _, b in done),
             "dry_run": False,
         }
+
+    # ------------------------------------------------------------ push (p2p)
+    def push(self, target: str, *, tokens: Sequence[int] | None = None, keys: Sequence[str] | None = None,
+             tier: str | None = None, target_tier: str | None = None, remove_source: bool | None = False) -> dict[str, Any]:
+        """Send entries to another instance's peer endpoint (``target``: ``lm://host:port``
+        or an instance id): the cached prefix of ``tokens``, or ``keys``, from ``tier``
+        (default: whichever tier has them) into the target's ``target_tier``; with
+        ``remove_source`` they are then evicted here. Answered when the target stored
+        them (see :meth:`lmcache.engine.CacheEngine.push`)."""
+        self._need_live("push")
+        engine = self.engine
+        assert engine is not None
+        if engine.p2p is None:
+            raise AdminError("push needs the peer-to-peer part: this instance runs with p2p.enabled false")
+        if (tokens is None) == (keys is None):
+            raise AdminError("give the field 'tokens' or 'keys' (one of them)")
+        if tokens is not None:
+            for i, t in enumerate(tokens):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 1 << 63:
+                    raise AdminError(f"field 'tokens'[{i}] must be a non-negative integer token id, got {t!r}")
+        if keys is not None:
+            for k in keys:
+                parse_key(k)
+        if tier is not None:
+            self.tier(tier)
+        from .errors import BackendError
+
+        try:
+            return engine.push(tokens, target, keys=keys, tier=tier, target_tier=target_tier,
+                               remove_source=bool(remove_source))
+        except ValueError as exc:  # an unknown or unresolvable target
+            raise AdminError(str(exc)) from None
+        except BackendError as exc:  # the target refused or did not answer
+            err = AdminError(str(exc))
+            err.status = 502  # type: ignore[attr-defined]
+            raise err from None
 
     # ------------------------------------------------------------ pins
     def _need_live(self, what: str) -> None:

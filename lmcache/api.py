@@ -20,6 +20,7 @@ POST     /v1/clear         ``{tier}``: every entry (of the tier), pins dropped
 POST     /v1/pin           ``{key, tier}``
 POST     /v1/unpin         ``{key, tier}``
 POST     /v1/recode        ``{tier, codec, keys, namespace, model, dry_run}``: re-encode in place
+POST     /v1/push          ``{target, tokens | keys, tier, target_tier, remove_source}``: send entries to a peer
 GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 =======  ================  ==================================================
 
@@ -70,6 +71,11 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
         {"tier": (str,), "codec": (str,), "keys": (list,), "namespace": (str,), "model": (str,),
          "codec_options": (dict,), "dry_run": (bool,)},
         ("tier", "codec"),
+    ),
+    "/v1/push": (
+        {"target": (str,), "tokens": (list,), "keys": (list,), "tier": (str,), "target_tier": (str,),
+         "remove_source": (bool,)},
+        ("target",),
     ),
 }
 _QUERIES = {
@@ -209,6 +215,9 @@ class ApiServer:
         if path == "/v1/recode":
             body = dict(body)
             return a.recode(body.pop("tier"), body.pop("codec"), **body)
+        if path == "/v1/push":
+            body = dict(body)
+            return a.push(body.pop("target"), **body)
         raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
 
 

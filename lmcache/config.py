@@ -40,6 +40,7 @@ _ENV_NOT_KEYS = {
     "API_URL",  # the CLI's --url
     "CONTROLLER_TOKEN",  # read as controller.token by load_config; also `lmcache controller --token`
     "CONTROLLER_URL",  # `lmcache controller --url`
+    "P2P_TOKEN",  # read as p2p.token by load_config
 }
 
 
@@ -149,6 +150,149 @@ class ControllerConfig:
     queue_size: int = 100_000
 
 
+# ---------------------------------------------------------------- p2p (peer endpoint, fetch on miss)
+@dataclass
+class P2PConfig:
+    """Peer-to-peer transfer (see :mod:`lmcache.p2p`).
+
+    ``enabled`` runs this instance's peer endpoint: an ``lmcache server`` on
+    ``host:port`` (``port: 0`` picks a free one) whose store is this engine's own tiers,
+    so peers fetch chunks from it and prefill instances push KV into it. ``fetch``: on a
+    local miss, ask the controller (``controller.url``) who holds the missing chunks and
+    fetch them from that peer's endpoint. ``token`` is the cluster's shared peer token:
+    required by this endpoint and sent to peers. ``timeout`` bounds every peer call and
+    the controller lookup; any failure is a miss.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    timeout: float = 2.0
+    fetch: bool = True
+
+
+_P2P_FIELDS = ("enabled", "host", "port", "token", "timeout", "fetch")
+
+
+def _section(name: str, raw: Any, base: Any, src: str | None, example: str, shorthand: str = "enabled") -> tuple[Mapping, Any]:
+    """The common start of a section's validation (``api``, ``controller``, ``p2p``,
+    ``kv_events``): ``None`` is ``{}``; a bare value is short for ``{shorthand: value}``
+    (``api: true``, ``controller: http://...``); anything else must be a mapping of known
+    keys. Returns the mapping and a copy of ``base`` to fill in."""
+    if raw is None:
+        raw = {}
+    if isinstance(raw, bool if shorthand == "enabled" else str):
+        raw = {shorthand: raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, f"expected a mapping such as {example}, got {raw!r}", src)
+    fields = {f.name for f in dataclasses.fields(base)}
+    for k in raw:
+        if k not in fields:
+            raise ConfigError(f"{name}.{k}", f"unknown key; known keys: {', '.join(sorted(fields))}", src)
+    return raw, dataclasses.replace(base)
+
+
+def _port(key: str, v: Any, src: str | None) -> int:
+    port = _int(key, v, src, 0)
+    if port > 65535:
+        raise ConfigError(key, f"must be <= 65535, got {port}", src)
+    return port
+
+
+def _token(key: str, tok: Any, src: str | None) -> str | None:
+    if tok is not None and (not isinstance(tok, str) or not tok or tok != tok.strip() or len(tok) > 4096):
+        raise ConfigError(key, "expected a non-empty string without surrounding spaces, or null", src)
+    return tok
+
+
+def _p2p(raw: Any, base: P2PConfig, src: str | None) -> P2PConfig:
+    """Validate a ``p2p`` mapping (``p2p: true`` is ``{enabled: true}``); keys it does
+    not set keep their value in ``base``."""
+    if isinstance(raw, P2PConfig):
+        return dataclasses.replace(raw)
+    raw, c = _section("p2p", raw, base, src, "{enabled: true, port: 7200}")
+    for k in ("enabled", "fetch"):
+        if k in raw:
+            setattr(c, k, _bool(f"p2p.{k}", raw[k], src))
+    if "host" in raw:
+        c.host = _str("p2p.host", raw["host"], src)
+    if "port" in raw:
+        c.port = _port("p2p.port", raw["port"], src)
+    if "token" in raw:
+        c.token = _token("p2p.token", raw["token"], src)
+    if "timeout" in raw:
+        c.timeout = _positive_float("p2p.timeout", raw["timeout"], src)
+    return c
+# ---------------------------------------------------------------- end p2p
+
+
+# ---------------------------------------------------------------- kv events (vLLM-compatible ZMQ feed)
+@dataclass
+class KVEventsConfig:
+    """vLLM-compatible KV events (see :mod:`lmcache.events`): off unless ``enabled``.
+
+    ``endpoint`` is the ZMQ PUB address, bound (``tcp://127.0.0.1:0`` picks a free
+    port) or, with ``bind: false``, connected to a router that binds a SUB socket.
+    Every message is published under ``topic``. ``replay_endpoint``, when set, is a
+    ROUTER socket where a subscriber can ask for the last ``buffer_steps`` batches
+    again. ``queue_size`` bounds the events waiting to be sent (beyond it they are
+    dropped and counted) and ``hwm`` the messages ZMQ holds per subscriber.
+    ``block_hash_format``: ``int`` (the low 64 bits of the chunk hash, vLLM's default
+    form) or ``bytes`` (the 16 hash bytes).
+    """
+
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"
+    bind: bool = True
+    topic: str = "kv-events"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    queue_size: int = 100_000
+    block_hash_format: str = "int"
+
+
+
+
+def _zmq_endpoint(key: str, v: Any, src: str | None) -> str:
+    ok = isinstance(v, str) and (
+        (v.startswith("tcp://") and v.rpartition(":")[2].isdigit() and len(v.rpartition(":")[0]) > len("tcp://"))
+        or (v.startswith(("ipc://", "inproc://")) and len(v.split("://", 1)[1]) > 0)
+    )
+    if not ok:
+        raise ConfigError(key, f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {v!r}", src)
+    return v
+
+
+def _kv_events(raw: Any, base: KVEventsConfig, src: str | None) -> KVEventsConfig:
+    """Validate a ``kv_events`` mapping (``kv_events: true`` is ``{enabled: true}``);
+    keys it does not set keep their value in ``base``."""
+    if isinstance(raw, KVEventsConfig):
+        return dataclasses.replace(raw)
+    raw, c = _section("kv_events", raw, base, src, "{enabled: true, endpoint: 'tcp://127.0.0.1:5557'}")
+    for k in ("enabled", "bind"):
+        if k in raw:
+            setattr(c, k, _bool(f"kv_events.{k}", raw[k], src))
+    if "endpoint" in raw:
+        c.endpoint = _zmq_endpoint("kv_events.endpoint", raw["endpoint"], src)
+    if "replay_endpoint" in raw:
+        r = raw["replay_endpoint"]
+        c.replay_endpoint = None if r is None else _zmq_endpoint("kv_events.replay_endpoint", r, src)
+    if "topic" in raw:
+        t = raw["topic"]
+        if not isinstance(t, str) or len(t) > 256:
+            raise ConfigError("kv_events.topic", f"expected a string of at most 256 characters, got {t!r}", src)
+        c.topic = t
+    for k in ("buffer_steps", "hwm", "queue_size"):
+        if k in raw:
+            setattr(c, k, _int(f"kv_events.{k}", raw[k], src, 1))
+    if "block_hash_format" in raw:
+        c.block_hash_format = _choice("kv_events.block_hash_format", raw["block_hash_format"], ("int", "bytes"), src)
+    return c
+# ---------------------------------------------------------------- end kv events
+
+
 @dataclass
 class Config:
     """Validated lmcache configuration. Build it with :func:`load_config`.
@@ -174,6 +318,8 @@ class Config:
     kv_spec: KVSpec | None = None
     api: ApiConfig = field(default_factory=ApiConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # kv events
+    p2p: P2PConfig = field(default_factory=P2PConfig)
     source: str | None = field(default=None, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -201,6 +347,8 @@ class Config:
             d["api"]["token"] = "***"
         if mask_secrets and d["controller"]["token"] is not None:
             d["controller"]["token"] = "***"
+        if mask_secrets and d["p2p"]["token"] is not None:
+            d["p2p"]["token"] = "***"
         return d
 
 
@@ -300,7 +448,8 @@ _SCALARS = {
     "write_queue_size": lambda k, v, s: _int(k, v, s, 1),
     "lookup_pin_timeout": lambda k, v, s: _positive_float(k, v, s),
 }
-KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api", "controller")
+KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api", "controller", "p2p")
+KEYS = KEYS + ("kv_events",)  # kv events
 
 
 def _positive_float(key: str, v: Any, src: str | None) -> float:
@@ -333,29 +482,15 @@ def _api(raw: Any, base: ApiConfig, src: str | None) -> ApiConfig:
     """Validate an ``api`` mapping; keys it does not set keep their value in ``base``."""
     if isinstance(raw, ApiConfig):
         return dataclasses.replace(raw)
-    if raw is None:
-        raw = {}
-    if isinstance(raw, bool):  # `api: true` is short for `api: {enabled: true}`
-        raw = {"enabled": raw}
-    if not isinstance(raw, Mapping):
-        raise ConfigError("api", f"expected a mapping such as {{enabled: true, port: 8000}}, got {raw!r}", src)
-    for k in raw:
-        if k not in _API_FIELDS:
-            raise ConfigError(f"api.{k}", f"unknown key; known keys: {', '.join(sorted(_API_FIELDS))}", src)
-    api = dataclasses.replace(base)
+    raw, api = _section("api", raw, base, src, "{enabled: true, port: 8000}")
     if "enabled" in raw:
         api.enabled = _bool("api.enabled", raw["enabled"], src)
     if "host" in raw:
         api.host = _str("api.host", raw["host"], src)
     if "port" in raw:
-        api.port = _int("api.port", raw["port"], src, 0)
-        if api.port > 65535:
-            raise ConfigError("api.port", f"must be <= 65535, got {api.port}", src)
+        api.port = _port("api.port", raw["port"], src)
     if "token" in raw:
-        tok = raw["token"]
-        if tok is not None and (not isinstance(tok, str) or not tok or tok != tok.strip()):
-            raise ConfigError("api.token", "expected a non-empty string without surrounding spaces, or null", src)
-        api.token = tok
+        api.token = _token("api.token", raw["token"], src)
     if "timeout" in raw:
         api.timeout = _positive_float("api.timeout", raw["timeout"], src)
     return api
@@ -369,20 +504,7 @@ def _controller(raw: Any, base: ControllerConfig, src: str | None) -> Controller
     A bare string is short for ``{url: ...}``."""
     if isinstance(raw, ControllerConfig):
         return dataclasses.replace(raw)
-    if raw is None:
-        raw = {}
-    if isinstance(raw, str):
-        raw = {"url": raw}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(
-            "controller", f"expected a mapping such as {{url: 'http://127.0.0.1:9000'}}, got {raw!r}", src
-        )
-    for k in raw:
-        if k not in _CONTROLLER_FIELDS:
-            raise ConfigError(
-                f"controller.{k}", f"unknown key; known keys: {', '.join(sorted(_CONTROLLER_FIELDS))}", src
-            )
-    c = dataclasses.replace(base)
+    raw, c = _section("controller", raw, base, src, "{url: 'http://127.0.0.1:9000'}", shorthand="url")
     if "url" in raw:
         url = raw["url"]
         if url is not None:
@@ -436,6 +558,11 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
                 for f in fields_:
                     cfg.sources[f"controller.{f}"] = origin
                 cfg.sources["controller"] = origin  # what `lmcache config` shows for the section
+            elif key == "p2p":
+                fields_ = [k for k in value if k in _P2P_FIELDS] if isinstance(value, Mapping) else list(_P2P_FIELDS)
+                for f in fields_:
+                    cfg.sources[f"p2p.{f}"] = origin
+                cfg.sources["p2p"] = origin
             else:
                 cfg.sources[key] = origin
         if key in _SCALARS:
@@ -457,6 +584,10 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
             cfg.api = _api(value, cfg.api, src)
         elif key == "controller":
             cfg.controller = _controller(value, cfg.controller, src)
+        elif key == "p2p":
+            cfg.p2p = _p2p(value, cfg.p2p, src)
+        elif key == "kv_events":  # kv events
+            cfg.kv_events = _kv_events(value, cfg.kv_events, src)
         else:
             import difflib
 
@@ -518,6 +649,8 @@ def load_config(
             tiers=[dataclasses.replace(t, options=dict(t.options)) for t in source.tiers],
             api=dataclasses.replace(source.api),
             controller=dataclasses.replace(source.controller),
+            kv_events=dataclasses.replace(source.kv_events),  # kv events
+            p2p=dataclasses.replace(source.p2p),
             sources=dict(source.sources),
         )
     else:
@@ -539,5 +672,7 @@ def load_config(
             cfg, {"controller": {"token": environ["LMCACHE_CONTROLLER_TOKEN"]}},
             "$LMCACHE_CONTROLLER_TOKEN", "env:LMCACHE_CONTROLLER_TOKEN",
         )
+    if environ.get("LMCACHE_P2P_TOKEN"):  # a secret, like LMCACHE_API_TOKEN
+        _apply(cfg, {"p2p": {"token": environ["LMCACHE_P2P_TOKEN"]}}, "$LMCACHE_P2P_TOKEN", "env:LMCACHE_P2P_TOKEN")
     _apply(cfg, overrides, None, "override")
     return cfg

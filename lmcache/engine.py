@@ -71,8 +71,10 @@ class CacheEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._admin = None
+        self.kv_events = None  # kv events: set by _start_kv_events
         self.api = None
         self.controller_worker = None
+        self.p2p = None  # p2p: the peer endpoint, fetch on miss and push (lmcache.p2p)
         #: this instance's name in the controller (``controller.instance_id`` or a generated one)
         self.instance_id: str = config.controller.instance_id or _default_instance_id()
         if config.api.enabled:
@@ -83,16 +85,34 @@ class CacheEngine:
             except BaseException:
                 self.hierarchy.close()
                 raise
+        # ---- p2p: started before the controller worker, which registers its address
+        if config.p2p.enabled:
+            from .p2p import P2P
+
+            try:
+                self.p2p = P2P(self, config.p2p)
+            except BaseException:
+                if self.api is not None:
+                    self.api.close()
+                self.hierarchy.close()
+                raise
+        # ---- end p2p
         if config.controller.url:
             from .controller.worker import ControllerWorker
 
             try:
                 self.controller_worker = ControllerWorker(self, config.controller)
             except BaseException:
+                if self.p2p is not None:  # p2p
+                    self.p2p.close()
                 if self.api is not None:
                     self.api.close()
                 self.hierarchy.close()
                 raise
+        # ---- kv events: vLLM-compatible BlockStored/BlockRemoved/AllBlocksCleared on ZMQ
+        if config.kv_events.enabled:
+            self._start_kv_events()
+        # ---- end kv events
 
     @classmethod
     def from_config(
@@ -151,6 +171,9 @@ class CacheEngine:
             return 0, []
         chunks, keys = self.chunk_keys(tokens)
         tiers = self.hierarchy.contains_prefix(keys)
+        if self.p2p is not None and len(tiers) < len(keys) and self.p2p.fetching:  # p2p: fetch the rest from a peer
+            if self.p2p.fill(chunks, keys, len(tiers)):
+                tiers = self.hierarchy.contains_prefix(keys)
         if pin:
             for key, tname in zip(keys, tiers):
                 self.hierarchy.tier(tname).lease(key, self.config.lookup_pin_timeout)
@@ -170,6 +193,8 @@ class CacheEngine:
         chunks, keys = self.chunk_keys(tokens)
         if src.num_tokens != _length(tokens):
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
+        if self.kv_events is not None:  # kv events: token ids for BlockStored
+            self.kv_events.remember(tokens, chunks, keys)
         present = self.hierarchy.contains_any(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         stored = skipped = dropped = 0
@@ -203,7 +228,10 @@ class CacheEngine:
             return RetrieveResult(0, out)
         spec = self.kv_spec
         chunks, keys = self.chunk_keys(tokens)
+        if self.kv_events is not None:  # kv events: promotions are BlockStored too
+            self.kv_events.remember(tokens, chunks, keys)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
+        self._p2p_fill(chunks, keys)  # p2p
         try:
             with self.hierarchy.pinned(keys):
                 got = self._fetch(chunks, keys, spec)
@@ -243,6 +271,9 @@ class CacheEngine:
             return LayerwiseRetrieval([], 0, out, 0, None, timeout)
         spec = self.kv_spec
         chunks, keys = self.chunk_keys(tokens)
+        if self.kv_events is not None:  # kv events: promotions are BlockStored too
+            self.kv_events.remember(tokens, chunks, keys)
+        self._p2p_fill(chunks, keys)  # p2p
         with self.hierarchy.pinned(keys):
             got = self._fetch(chunks, keys, spec)
         n = got[-1][0].end if got else 0
@@ -280,6 +311,43 @@ class CacheEngine:
                     r[0].unref()
         return got
 
+    # --------------------------------------------------------------- p2p (see lmcache.p2p)
+    def _p2p_fill(self, chunks: list[Chunk], keys: list[str]) -> None:
+        """Before a retrieve: chunks missing after the local prefix come from a peer
+        (usually a no-op: the lookup before it already fetched them)."""
+        if self.p2p is None or not self.p2p.fetching or not keys:
+            return
+        have = len(self.hierarchy.contains_prefix(keys))
+        if have < len(keys):
+            self.p2p.fill(chunks, keys, have)
+
+    @property
+    def peer_url(self) -> str | None:
+        """``lm://host:port`` of this instance's peer endpoint, or ``None`` (``p2p.enabled``)."""
+        return self.p2p.url if self.p2p is not None else None
+
+    def push(self, tokens: Any = None, target: str = "", *, keys: Sequence[str] | None = None,
+             tier: str | None = None, target_tier: str | None = None, remove_source: bool = False) -> dict[str, Any]:
+        """Send the cached KV of ``tokens`` (its cached prefix), or of ``keys``, to
+        another instance's peer endpoint: ``target`` is ``lm://host:port`` or an
+        instance id (resolved through the controller). The target stores the chunks in
+        ``target_tier`` (default: its top tier) and serves them as local hits, e.g. a
+        decode instance after a prefill instance pushed a request's KV. With
+        ``remove_source`` the sent entries are evicted here (from ``tier``, else from
+        every tier): a move. Raises ``BackendError`` when the target fails."""
+        self._check_open()
+        if self.p2p is None:
+            raise RuntimeError("push needs the peer-to-peer part: set p2p: {enabled: true}")
+        if (tokens is None) == (keys is None):
+            raise ValueError("give tokens or keys, not both")
+        if keys is None:
+            if self.kv_spec is None:
+                return {"target": target, "pushed": [], "missing": [], "bytes": 0, "removed": [], "skipped": []}
+            keys = self.chunk_keys(tokens)[1]
+        return self.p2p.push(list(keys), target, tier=tier, target_tier=target_tier, remove_source=remove_source,
+                             prefix_only=tokens is not None)
+    # ---- end p2p
+
     # --------------------------------------------------------------- admin
     def flush(self) -> None:
         """Wait for queued lower-tier writes."""
@@ -304,7 +372,7 @@ class CacheEngine:
         """Counters and usage: per tier (:meth:`lmcache.hierarchy.Tier.info`: hits,
         misses, hit_rate, bytes_in, bytes_out, evictions, used_bytes, capacity_bytes,
         entries, ...), the memory pool and the hierarchy's write queue."""
-        return {
+        out = {
             "tiers": {t.name: t.info() for t in self.hierarchy.tiers},
             "pool": {"capacity": self.pool.capacity, "used": self.pool.used, "live": self.pool.live},
             "hierarchy": {
@@ -314,6 +382,11 @@ class CacheEngine:
                 "pending_writes": self.hierarchy.pending_writes(),
             },
         }
+        if self.p2p is not None:  # p2p
+            out["p2p"] = self.p2p.info()
+        if self.kv_events is not None:  # kv events
+            out["kv_events"] = self.kv_events.stats()
+        return out
 
     def _check_open(self) -> None:
         if self._closed:
@@ -326,9 +399,36 @@ class CacheEngine:
         self._closed = True
         if self.controller_worker is not None:
             self.controller_worker.close()
+        if self.p2p is not None:  # p2p
+            self.p2p.close()
         if self.api is not None:
             self.api.close()
         self.hierarchy.close()
+        if self.kv_events is not None:  # kv events: after the last queued tier writes were admitted
+            self.kv_events.close()
+
+    # ---- kv events (see lmcache.events)
+    def _start_kv_events(self) -> None:
+        """Start the publisher and chain it after the hierarchy's current listener (the
+        controller worker's, if any). A publisher that cannot start only logs why."""
+        from .events import KVEventPublisher
+
+        pub = KVEventPublisher(self.config.kv_events, namespace=self.config.namespace, model=self.config.model)
+        self.kv_events = pub
+        if not pub.enabled:
+            return
+        prev = self.hierarchy.tiers[0].listener if self.hierarchy.tiers else None
+        if prev is None:
+            listener = pub.on_tier_event
+        else:
+
+            def listener(op: str, tier: str, key: str) -> None:
+                prev(op, tier, key)
+                pub.on_tier_event(op, tier, key)
+
+        self.hierarchy.set_listener(listener)
+
+    # ---- end kv events
 
     def __enter__(self) -> "CacheEngine":
         return self

@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,27 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
 
 
 # ------------------------------------------------------------------- store
+class Store(Protocol):
+    """What a :class:`CacheServer` serves. :class:`ByteStore` keeps opaque bytes; a cache
+    engine's peer endpoint (:mod:`lmcache.p2p`) serves its own tiers through the same
+    frames. Called from the connection threads, so implementations are thread-safe.
+
+    ``get`` returns one buffer, or a sequence of buffers sent back to back (a payload's
+    header and body, never joined); ``release(value)``, when a store defines it, is
+    called once the buffers ``get`` returned have been sent (or the connection died),
+    so a store may hand out views of memory it must keep alive until then.
+    ``put`` returns True, or False after which ``refusal(value)`` says why (an ERROR
+    response; the connection stays open)."""
+
+    def put(self, key: str, value: "bytearray | memoryview") -> bool: ...
+    def refusal(self, value: "bytearray | memoryview") -> str: ...
+    def get(self, key: str) -> Any: ...
+    def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> bool: ...
+    def snapshot(self, prefix: str = "") -> list[tuple[str, int]]: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
 class ByteStore:
     """Opaque values under string keys, within a byte capacity; ``policy`` (an
     :class:`lmcache.policies.EvictionPolicy`) picks what goes when a put needs room.
@@ -257,6 +278,9 @@ class ByteStore:
             self.used += n
             self.policy.on_insert(key)
         return True
+
+    def refusal(self, value: bytearray | memoryview) -> str:
+        return f"value of {len(value)} bytes is larger than the server's capacity ({self.capacity})"
 
     def get(self, key: str) -> bytearray | memoryview | None:
         with self._lock:
@@ -313,6 +337,8 @@ class _ConnIO:
         self.start = self.end = 0
         self.out: list[Any] = []
         self.out_bytes = 0
+        #: called once the queued buffers are out (a store's ``release``)
+        self.after: list[Callable[[], None]] = []
 
     def _fill(self) -> int:
         """Receive more input (flushing queued responses first: we may wait)."""
@@ -355,17 +381,31 @@ class _ConnIO:
         self.start += n
         return out
 
-    def send(self, *bufs: Any) -> None:
+    def send(self, *bufs: Any, after: Callable[[], None] | None = None) -> None:
         for b in bufs:
             self.out.append(b)
             self.out_bytes += len(b)
+        if after is not None:
+            self.after.append(after)
         if self.out_bytes >= FLUSH_BYTES or len(self.out) >= 256:
             self.flush()
 
     def flush(self) -> None:
-        if self.out:
-            out, self.out, self.out_bytes = self.out, [], 0
-            send_buffers(self.sock, out)
+        try:
+            if self.out:
+                out, self.out, self.out_bytes = self.out, [], 0
+                send_buffers(self.sock, out)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Run the ``after`` callbacks (also when sending failed: the buffers are dropped)."""
+        while self.after:
+            fn = self.after.pop()
+            try:
+                fn()
+            except Exception:  # pragma: no cover - a store's bug must not kill the connection
+                log.exception("lmcache server: releasing a response buffer failed")
 
 
 # ------------------------------------------------------------------ server
@@ -388,7 +428,12 @@ class CacheServer:
         token: str | None = None,
         max_value_size: int = DEFAULT_MAX_VALUE,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        store: Store | None = None,
+        name: str = "lmcache server",
     ):
+        """``store``: serve this :class:`Store` instead of a new :class:`ByteStore` of
+        ``capacity`` bytes evicting with ``policy`` (a peer endpoint serves its engine's
+        tiers); ``name`` is how logs call this server."""
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if max_value_size < 1:
@@ -396,8 +441,9 @@ class CacheServer:
         if max_connections < 1:
             raise ValueError(f"max connections must be positive, got {max_connections}")
         self.host, self.port = host, port
-        self.store = ByteStore(capacity, load_policy(policy))
-        self.policy_name = policy
+        self.store: Store = store if store is not None else ByteStore(capacity, load_policy(policy))
+        self.policy_name = policy if store is None else None
+        self.name = name
         self.token = token.encode() if token else None
         self.max_value_size = max_value_size
         self.max_connections = max_connections
@@ -489,16 +535,18 @@ class CacheServer:
             pass
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        io = _ConnIO(conn)
         try:
-            self._loop(conn)
+            self._loop(conn, io)
         except ProtocolError as exc:
             self.protocol_errors += 1
-            log.info("lmcache server: closing a connection: %s", exc)
+            log.info("%s: closing a connection: %s", self.name, exc)
         except (ConnectionError, OSError):
             pass
         except Exception:  # pragma: no cover - never let one connection take the server down
-            log.exception("lmcache server: unexpected error on a connection")
+            log.exception("%s: unexpected error on a connection", self.name)
         finally:
+            io.release()
             with self._conns_lock:
                 self._conns.discard(conn)
             try:
@@ -506,9 +554,8 @@ class CacheServer:
             except OSError:
                 pass
 
-    def _loop(self, conn: socket.socket) -> None:
+    def _loop(self, conn: socket.socket, io: "_ConnIO") -> None:
         authed = self.token is None
-        io = _ConnIO(conn)
         while True:
             # the first byte may take forever (an idle pooled connection); EOF here is a clean close
             if not io.wait(HEADER_SIZE):
@@ -548,12 +595,15 @@ class CacheServer:
             if v is None:
                 io.send(pack_header(GET, seq, status=NOT_FOUND))
             else:
-                io.send(pack_header(GET, seq, b"", len(v)), v)
+                release = getattr(self.store, "release", None)
+                after = (lambda: release(v)) if release is not None else None
+                bufs = v if isinstance(v, (list, tuple)) else (v,)
+                io.send(pack_header(GET, seq, b"", sum(len(b) for b in bufs)), *bufs, after=after)
         elif op == PUT:
             if self.store.put(key, value):
                 io.send(pack_header(PUT, seq))
             else:
-                msg = f"value of {len(value)} bytes is larger than the server's capacity ({self.store.capacity})"
+                msg = self.store.refusal(value)[:4096]
                 io.send(encode(PUT, seq, b"", msg.encode(), status=ERROR))
         elif op == EXISTS:
             io.send(pack_header(EXISTS, seq, status=OK if self.store.exists(key) else NOT_FOUND))

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+
+from _procs import readline, stop, until
 
 ROOT = Path(__file__).resolve().parents[1]
 CTL_TOKEN = "ctl-secret"
@@ -39,30 +39,7 @@ HANG = 30.0  # a generous guard, not a timing assertion
 
 # ---------------------------------------------------------------- processes
 def _controller_cmd() -> list[str]:
-    """``lmcache controller`` through cli/main.py once it is wired there, else the sub-app."""
-    try:
-        from lmcache.cli import main
-
-        wired = any(getattr(g, "name", None) == "controller" or getattr(g.typer_instance.info, "name", None) == "controller"
-                    for g in main.app.registered_groups)
-    except Exception:
-        wired = False
-    if wired:
-        return [sys.executable, "-m", "lmcache.cli.main", "controller"]
-    return [sys.executable, "-m", "lmcache.cli.controller_cmd"]
-
-
-def _readline(proc: subprocess.Popen, timeout: float = HANG) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if r:
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"process {proc.args} printed nothing (exit code {proc.poll()})")
+    return [sys.executable, "-m", "lmcache.cli.main", "controller"]
 
 
 def start_controller(port: int = 0, *extra: str, token: str | None = CTL_TOKEN) -> tuple[subprocess.Popen, str]:
@@ -72,7 +49,7 @@ def start_controller(port: int = 0, *extra: str, token: str | None = CTL_TOKEN) 
     if token:
         env["LMCACHE_CONTROLLER_TOKEN"] = token
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
-    url = _readline(proc)
+    url = readline(proc)
     assert url.startswith("http://127.0.0.1:"), url
     return proc, url
 
@@ -93,19 +70,9 @@ def start_engine(tmp: Path, iid: str, ctl_url: str, n_tokens: int, prompt: list[
     path.write_text(json.dumps({"config": cfg, "tokens": prompt[:n_tokens]}))
     proc = subprocess.Popen([sys.executable, __file__, "engine", str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-    line = _readline(proc, 60)
+    line = readline(proc, 60)
     assert line.startswith("READY "), line
     return proc, line.split()[1]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ---------------------------------------------------------------- HTTP helpers
@@ -121,17 +88,6 @@ def call(url: str, method: str, path: str, body: Any = None, token: str | None =
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def until(fn: Callable[[], Any], what: str, timeout: float = HANG) -> Any:
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"not reached within {timeout}s: {what} (last: {last!r})")
 
 
 def lookup(url: str, tokens: list[int] = PROMPT) -> dict[str, Any]:
@@ -249,7 +205,7 @@ def test_wrong_or_missing_token_is_401(cluster):
      400, "'instance_id'"),
     ("/v1/move", {"src_instance": "eng-c", "src_tier": "cpu", "dst_instance": "eng-a"}, 400, "'dst_tier' is required"),
     ("/v1/move", {"src_instance": "eng-c", "src_tier": "cpu", "dst_instance": "eng-a", "dst_tier": "cpu",
-                  "tokens": PROMPT}, 501, "not implemented yet"),
+                  "tokens": PROMPT}, 409, "runs no peer endpoint"),
     ("/v1/nothing", {}, 404, "no such endpoint"),
 ])
 def test_bad_requests_name_the_field(cluster, path, body, status, needle):
@@ -332,7 +288,7 @@ def test_cli_against_the_controller(cluster):
     assert r.returncode == 1 and r.stderr.startswith("lmcache: error:") and "token" in r.stderr
     r = subprocess.run([*_controller_cmd(), "move", "eng-c", "cpu", "eng-a", "cpu", "--tokens", "1,2"],
                        capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 1 and "not implemented yet" in r.stderr
+    assert r.returncode == 1 and "runs no peer endpoint" in r.stderr
 
 
 def test_killed_instance_drops_out_of_lookups(cluster):

@@ -17,7 +17,10 @@ registers again, which resets what the controller knew of it, and resends a snap
 
 Commands (``clear``, ``pin``, ``unpin``, ``compress``, ``decompress``) go to the
 instance's own API with the token the worker registered, and are answered when the
-instance answered. ``move`` needs the peer-to-peer transfer and answers 501 for now.
+instance answered. ``move`` tells the source instance (through its API's ``/v1/push``)
+to send the chunks to the destination's peer endpoint (``peer_url``, registered by
+instances with ``p2p.enabled``) and answers when the source answered, i.e. when the
+destination has stored them; the source tier keeps them unless ``remove_source``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/register": (
         {"instance_id": _S, "api_url": _S, "api_token": _S, "namespace": _S, "model": _S, "kv_signature": _S,
          "chunk_size": _I, "hash_algorithm": _S, "save_unfull_chunk": _B, "tiers": _L,
-         "heartbeat_interval": (int, float), "pid": _I, "version": _S},
+         "heartbeat_interval": (int, float), "pid": _I, "version": _S, "peer_url": _S},
         ("instance_id", "namespace", "model", "chunk_size", "tiers"),
     ),
     "/v1/heartbeat": (
@@ -64,7 +67,8 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
         (),
     ),
     "/v1/move": (
-        {"src_instance": _S, "src_tier": _S, "dst_instance": _S, "dst_tier": _S, "tokens": _L, "keys": _L},
+        {"src_instance": _S, "src_tier": _S, "dst_instance": _S, "dst_tier": _S, "tokens": _L, "keys": _L,
+         "remove_source": _B},
         ("src_instance", "src_tier", "dst_instance", "dst_tier"),
     ),
     "/v1/clear": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L}, ("instance",)),
@@ -100,6 +104,7 @@ class Instance:
     last_seen_wall: float
     events: int = 0
     dropped_events: int = 0
+    peer_url: str | None = None  # lm://host:port of its peer endpoint (p2p), if it runs one
     keys: dict[str, set[str]] = field(default_factory=dict)  # key -> tiers holding it
 
     def key_prefix(self) -> str | None:
@@ -116,6 +121,7 @@ class Instance:
             "last_heartbeat_age_s": round(age, 3),
             "registered_at": self.registered_at,
             "api_url": self.api_url,
+            "peer_url": self.peer_url,
             "namespace": self.namespace,
             "model": self.model,
             "kv_signature": self.kv_signature,
@@ -165,13 +171,16 @@ class Index:
         api_url = body.get("api_url")
         if api_url is not None:
             _check_url("api_url", api_url)
+        peer = body.get("peer_url")
+        if peer is not None:
+            _check_url("peer_url", peer, ("lm",))
         now, wall = self.clock(), self.wall_clock()
         inst = Instance(
             instance_id=iid, session=secrets.token_hex(8), api_url=api_url, api_token=body.get("api_token"),
             namespace=body["namespace"], model=body["model"], kv_signature=sig, chunk_size=body["chunk_size"],
             hash_algorithm=algo, save_unfull_chunk=body.get("save_unfull_chunk", True), tiers=list(tiers),
             heartbeat_interval=body.get("heartbeat_interval"), pid=body.get("pid"), version=body.get("version"),
-            registered_at=wall, last_seen=now, last_seen_wall=wall,
+            registered_at=wall, last_seen=now, last_seen_wall=wall, peer_url=peer,
         )
         with self.lock:
             old = self.instances.pop(iid, None)
@@ -354,6 +363,7 @@ class Index:
                         "tier": inst.tiers[worst] if worst < len(inst.tiers) else None,
                         "tiers": per_tier,
                         "api_url": inst.api_url,
+                        "peer_url": inst.peer_url,
                         "_rank": worst,
                     })
         rows.sort(key=lambda r: (-r["hit_tokens"], r["_rank"], r["instance_id"]))
@@ -391,14 +401,15 @@ def _check_name(name: str, v: str) -> None:
         raise HTTPError(400, f"field {name!r} may only contain letters, digits, '.', '_' and '-', got {v[:100]!r}")
 
 
-def _check_url(name: str, v: str) -> None:
+def _check_url(name: str, v: str, schemes: tuple[str, ...] = ("http", "https")) -> None:
     parts = urlsplit(v)
     try:
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+        ok = parts.scheme in schemes and bool(parts.hostname) and parts.port is not None
+        ok = ok and parts.path in ("", "/") and not parts.query and not parts.username
     except ValueError:
         ok = False
     if not ok:
-        raise HTTPError(400, f"field {name!r} must be http://HOST:PORT, got {v[:100]!r}")
+        raise HTTPError(400, f"field {name!r} must be {schemes[0]}://HOST:PORT, got {v[:100]!r}")
 
 
 def _token_array(tokens: list) -> Any:
@@ -517,11 +528,35 @@ class ControllerServer:
         for inst, f in ((src, "src_tier"), (dst, "dst_tier")):
             if body[f] not in inst.tiers:
                 raise HTTPError(404, f"instance {inst.instance_id!r} has no tier {body[f]!r} (field {f!r}); tiers: {', '.join(inst.tiers)}")
-        raise HTTPError(
-            501,
-            "not implemented yet: move needs the peer-to-peer transfer (the instance API can evict, pin and "
-            "re-encode, but cannot copy entries between tiers or instances)",
-        )
+        if src.api_url is None:
+            raise HTTPError(409, f"instance {src.instance_id!r} has no instance API: enable it with api: {{enabled: true}}")
+        if dst.peer_url is None:
+            raise HTTPError(409, f"instance {dst.instance_id!r} runs no peer endpoint: enable it with p2p: {{enabled: true}}")
+        if body.get("tokens") is not None and body.get("keys") is not None:
+            raise HTTPError(400, "give the field 'tokens' or 'keys', not both")
+        if body.get("keys") is not None:
+            keys = body["keys"]
+            for i, k in enumerate(keys):
+                if not isinstance(k, str) or not k or len(k) > MAX_KEY_LEN:
+                    raise HTTPError(400, f"field 'keys'[{i}] must be a key string")
+        else:
+            keys = self.index.keys_for(src, body["tokens"])
+        from ..api_client import ApiClient
+
+        req = {"target": dst.peer_url, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
+               "remove_source": bool(body.get("remove_source"))}
+        try:
+            with ApiClient(src.api_url, src.api_token, self.dispatch_timeout) as api:
+                result = api.request("POST", "/v1/push", body=req)
+        except UnreachableError as exc:
+            raise HTTPError(502, f"instance {src.instance_id!r} did not answer: {exc}") from None
+        except AdminError as exc:
+            status = getattr(exc, "status", 400)
+            if status == 401:
+                raise HTTPError(502, f"instance {src.instance_id!r} refused the controller: {exc}") from None
+            raise HTTPError(status if status in (400, 404, 409) else 502, f"instance {src.instance_id!r}: {exc}") from None
+        return {"src_instance": src.instance_id, "src_tier": body["src_tier"], "dst_instance": dst.instance_id,
+                "dst_tier": body["dst_tier"], "command": "move", "result": result}
 
     def command(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         inst = self.index.target(body["instance"])
@@ -619,7 +654,8 @@ _DOCS = {
     "/v1/events": "A worker's batch of [op, tier, key] events, op 'admit' or 'evict'; 404 means: register again.",
     "/v1/deregister": "A worker leaves (its instance drops out of lookups at once).",
     "/v1/lookup": "Which healthy instances hold the longest cached prefix of tokens (or chunk hashes, or keys).",
-    "/v1/move": "Move chunks between tiers/instances: 501 until the peer-to-peer transfer exists.",
+    "/v1/move": "Copy (or, with remove_source, move) chunks from an instance's tier into another instance's tier "
+                 "over the peer protocol; answered when the destination stored them.",
     "/v1/clear": "Evict an instance's entries (of a tier; of tokens' chunks) through its API.",
     "/v1/pin": "Pin the chunks of tokens (or keys) in an instance through its API.",
     "/v1/unpin": "Unpin the chunks of tokens (or keys) in an instance.",

@@ -71,6 +71,8 @@ class ControllerWorker:
     # ------------------------------------------------------------ the engine's side
     def _on_event(self, op: str, tier: str, key: str) -> None:
         """Called by a tier under its lock: never blocks."""
+        if self._stop.is_set():  # closing: other listeners chained after us still run
+            return
         try:
             self._queue.put_nowait((op, tier, key))
         except queue.Full:
@@ -105,6 +107,7 @@ class ControllerWorker:
             "instance_id": self.instance_id,
             "api_url": e.api_url,
             "api_token": c.api.token if e.api is not None else None,
+            "peer_url": getattr(e, "peer_url", None),  # p2p endpoint, when enabled
             "namespace": c.namespace,
             "model": c.model,
             "kv_signature": e.kv_spec.signature if e.kv_spec is not None else None,
@@ -221,8 +224,9 @@ class ControllerWorker:
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop the thread, ship what is queued (one try) and deregister, so that the
-        instance leaves lookups at once rather than after the heartbeat timeout."""
-        self.engine.hierarchy.set_listener(None)
+        instance leaves lookups at once rather than after the heartbeat timeout. The
+        hierarchy's listener stays in place (the KV-event publisher may be chained after
+        ours); ours ignores events from now on."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=self.cfg.timeout * 3 + 1)
