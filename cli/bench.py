@@ -858,6 +858,16 @@ def restart_check_cmd(
     print_json(restart_check(wl, directory, cap))
 
 
+def _register_distributed() -> None:
+    from . import bench_dist
+
+    app.command("lookup")(bench_dist.lookup_cmd)
+    app.command("p2p")(bench_dist.p2p_cmd)
+
+
+_register_distributed()
+
+
 @app.command("e2e")
 def e2e_cmd(
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens, comma-separated.")] = "1024,2048,4096",

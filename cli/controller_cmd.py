@@ -14,7 +14,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -278,38 +277,6 @@ def move(src_instance: Annotated[str, typer.Argument(metavar="SRC_INSTANCE")],
     res = r["result"]
     out().print(f"{r['src_instance']}/{r['src_tier']} -> {r['dst_instance']}/{r['dst_tier']}: sent {len(res['pushed'])} "
                 f"chunks ({res['bytes']} bytes), missing {len(res['missing'])}, removed from source {len(res['removed'])}")
-
-
-@app.command("bench-lookup", hidden=True)
-def bench_lookup(
-    tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
-    count: Annotated[int, typer.Option("--count", min=1)] = 200,
-    url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 5.0,
-) -> None:
-    """Time COUNT lookups of the given tokens (one HTTP call each); prints p50/p99 in ms."""
-    ids = _parse_tokens(tokens, tokens_file)
-    if ids is None:
-        raise typer.BadParameter("give --tokens or --tokens-file", param_hint="'--tokens'")
-    print_json(measure_lookup(url, token, ids, count, timeout))
-
-
-def measure_lookup(url: str, token: str | None, ids: list[int], count: int, timeout: float = 5.0) -> dict[str, Any]:
-    """Latency of ``count`` lookups of ``ids`` (after 5 untimed ones), as a client sees it."""
-    with _client(url, token, timeout) as c:
-        for _ in range(5):
-            last = c.lookup(ids)
-        times = []
-        for _ in range(count):
-            t0 = time.perf_counter()
-            last = c.lookup(ids)
-            times.append(time.perf_counter() - t0)
-    times.sort()
-
-    def pct(p: float) -> float:
-        return round(times[min(len(times) - 1, int(p * len(times)))] * 1000, 3)
-
-    return {"lookups": count, "num_tokens": len(ids), "instances_hit": len(last["results"]),
-            "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": round(times[-1] * 1000, 3)}
 
 
 def _standalone() -> None:

@@ -52,7 +52,7 @@ from rich.table import Table
 from lmcache.errors import LMCacheError
 from lmcache.units import format_size
 
-from . import bench
+from . import bench, demo_distributed
 from ._util import err, out, print_json, size_option
 from .demo_synthetic import synthetic
 
@@ -64,6 +64,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("synthetic")(synthetic)
+app.command("distributed")(demo_distributed.distributed_cmd)
 
 MODEL_KEY = "SmolLM2-135M-Instruct"  # the config's model name: part of every chunk key
 SYSTEM = "Answer the question using the handbook. Reply with a short answer."

@@ -1,49 +1,27 @@
-"""Child processes in multi-process tests: read their first line, wait for a condition,
-stop them. Bounds here are hang guards, not timing assertions."""
+"""Child processes in multi-process tests: :mod:`lmcache.procs` with the tests' default
+bound (a hang guard, not a timing assertion) and assertion errors instead of LMCacheError."""
 
 from __future__ import annotations
 
-import select
-import signal
 import subprocess
-import time
 from typing import Any, Callable
 
+from lmcache import procs
+from lmcache.errors import LMCacheError
+
 HANG = 60.0
+stop = procs.stop
 
 
 def readline(proc: subprocess.Popen, timeout: float = HANG) -> str:
-    """The next line ``proc`` prints (stripped); fails if it prints none within ``timeout``."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if r:
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
-        if proc.poll() is not None:
-            break
-    raise AssertionError(f"process {proc.args} printed nothing (exit code {proc.poll()})")
+    try:
+        return procs.readline(proc, timeout)
+    except LMCacheError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def until(fn: Callable[[], Any], what: str, timeout: float = HANG) -> Any:
-    """Poll ``fn`` until it returns something true; fail naming ``what`` otherwise."""
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"not reached within {timeout}s: {what} (last: {last!r})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        return procs.until(fn, what, timeout)
+    except LMCacheError as exc:
+        raise AssertionError(str(exc)) from None

@@ -13,15 +13,13 @@ the API) and exits.
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
-import threading
 from pathlib import Path
 
 import torch
 import yaml
 
 import lmcache
+from lmcache.procs import serve_until_stdin_closes
 
 CHUNK = 16
 TOKENS = 64
@@ -60,10 +58,6 @@ def main() -> None:
     path = args.dir / "lmcache.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
     with lmcache.CacheEngine.from_config(path) as engine:
         for i in range(args.prompts):
             toks = prompt(i)
@@ -73,18 +67,7 @@ def main() -> None:
             for _ in range(2):
                 engine.retrieve(prompt(0))
         engine.lookup(prompt(99))  # a miss past the shared chunk
-        print(f"URL {engine.api_url}", flush=True)
-
-        def wait_stdin() -> None:
-            try:
-                while sys.stdin.read(1):
-                    pass
-            except (OSError, ValueError):
-                pass
-            stop.set()
-
-        threading.Thread(target=wait_stdin, daemon=True).start()
-        stop.wait()
+        serve_until_stdin_closes(f"URL {engine.api_url}")
     print("closed", flush=True)
 
 

@@ -8,14 +8,13 @@ through the workers' events; commands dispatched through the controller take eff
 the instance (checked through the instance's own API); a killed instance drops out; a
 restarted controller is healed by the workers; tokens are enforced.
 
-    python tests/test_controller.py bench   # lookup latency: 8k-token prompt, 3 instances
+Lookup latency is measured by ``lmcache bench lookup`` (cli/bench_dist.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from _procs import readline, stop, until
+from lmcache.procs import serve_until_stdin_closes
 
 ROOT = Path(__file__).resolve().parents[1]
 CTL_TOKEN = "ctl-secret"
@@ -411,63 +411,22 @@ def test_hierarchy_listener_reports_admits_and_evictions():
 
 # ---------------------------------------------------------------- script modes
 def _engine_main(spec_path: str) -> None:
-    import threading
-
     import torch
 
     import lmcache
 
     spec = json.loads(Path(spec_path).read_text())
     tokens = spec["tokens"]
-    stop_ev = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_ev.set())
     with lmcache.CacheEngine.from_config(spec["config"]) as engine:
         s = engine.kv_spec
         kv = torch.randn(s.num_layers, 2, len(tokens), s.num_kv_heads, s.head_size)
         engine.store(tokens, kv)
         engine.flush()
-        print(f"READY {engine.api_url} {engine.instance_id}", flush=True)
-
-        def wait_stdin() -> None:
-            try:
-                while sys.stdin.read(1):
-                    pass
-            except (OSError, ValueError):
-                pass
-            stop_ev.set()
-
-        threading.Thread(target=wait_stdin, daemon=True).start()
-        stop_ev.wait()
-
-
-def _bench_main() -> None:
-    """Lookup latency for an 8k-token prompt (256-token chunks) held by 3 instances."""
-    import tempfile
-
-    sys.path.insert(0, str(ROOT))
-    from cli.controller_cmd import measure_lookup
-
-    prompt = [(i * 7919 + 13) % 30000 for i in range(8192)]
-    with tempfile.TemporaryDirectory() as d:
-        ctl, url = start_controller()
-        engines = []
-        try:
-            for i, n in enumerate((2048, 4096, 8192)):
-                engines.append(start_engine(Path(d), f"bench-{i}", url, n, prompt, chunk=256)[0])
-            os.environ.pop("LMCACHE_CONTROLLER_TOKEN", None)
-            until(lambda: len(lookup(url, prompt)["results"]) == 3, "3 instances indexed", 120)
-            print(json.dumps(measure_lookup(url, CTL_TOKEN, prompt, int(os.environ.get("COUNT", "200")))))
-        finally:
-            for p in engines:
-                stop(p)
-            stop(ctl)
+        serve_until_stdin_closes(f"READY {engine.api_url} {engine.instance_id}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["engine"]:
         _engine_main(sys.argv[2])
-    elif sys.argv[1:2] == ["bench"]:
-        _bench_main()
     else:
-        sys.exit(f"usage: {sys.argv[0]} engine SPEC.json | bench")
+        sys.exit(f"usage: {sys.argv[0]} engine SPEC.json")

@@ -8,7 +8,8 @@ without any cache. The synthetic tests (engines with random KV, in this process,
 with its own real endpoint, API and the controller on loopback) check move, a peer that
 is down or silent, and tokens.
 
-    python tests/test_p2p.py bench   # P2P fetch GB/s next to raw loopback TCP (16 x 32 MiB)
+Fetch throughput next to raw loopback TCP is measured by ``lmcache bench p2p``
+(cli/bench_dist.py, across two processes; tests/test_bench_dist.py runs it small).
 """
 
 from __future__ import annotations
@@ -307,57 +308,6 @@ def test_push_by_address_and_config_checks():
         assert ei.value.key == key
 
 
-def test_fetch_throughput_next_to_raw_tcp():
-    """The measurement of the bench, small: it runs and reports both numbers."""
-    r = measure(chunks=4, chunk_mib=4, repeat=1)
-    assert r["p2p_fetch_gbps"] > 0 and r["raw_tcp_get_gbps"] > 0
-
-
-# ====================================================================== measurement
-def measure(chunks: int = 16, chunk_mib: int = 32, repeat: int = 3) -> dict[str, Any]:
-    """P2P fetch of ``chunks`` chunks of ``chunk_mib`` MiB from a peer's endpoint into the
-    local hierarchy (checked, decoded into pool memory, cached), next to raw loopback TCP
-    of the same bytes (received into fresh buffers) in the same run; best of ``repeat``.
-    Both ends of both transfers are threads of this one process."""
-    import lmcache
-    from lmcache.backends.lm import raw_tcp_transfer
-
-    heads, head = 8, 128
-    layers = chunk_mib * (1 << 20) // (256 * 2 * heads * head * 2)  # float16, 256-token chunks
-    spec = {"num_layers": layers, "num_kv_heads": heads, "head_size": head, "dtype": "float16"}
-    n_tok = 256 * chunks
-    total = chunks * chunk_mib << 20
-    cap = f"{total * 2 // (1 << 20)}MiB"
-    base = {"chunk_size": 256, "kv_spec": spec, "tiers": [{"backend": "cpu", "capacity": cap}], "staging_size": "64MiB"}
-    tokens = list(range(n_tok))
-    peer = lmcache.CacheEngine.from_config({**base, "p2p": {"enabled": True, "token": P2P_TOKEN}})
-    me = lmcache.CacheEngine.from_config({**base, "p2p": {"enabled": True, "token": P2P_TOKEN}})
-    try:
-        kv = torch.randn(layers, 2, n_tok, heads, head, dtype=torch.float16)
-        peer.store(tokens, kv)
-        chunks_, keys = me.chunk_keys(tokens)
-        url = peer.peer_url
-        fetch_s = raw_get = float("inf")
-        for _ in range(repeat):  # best of: the machine is shared; the first run also pays page faults
-            me.admin.clear()
-            t0 = time.perf_counter()
-            got = me.p2p._fetch_from(url, chunks_, keys)
-            fetch_s = min(fetch_s, time.perf_counter() - t0)
-            assert got == chunks, got
-        assert torch.equal(me.retrieve(tokens).kv, kv)
-        del kv
-        values = [bytes(chunk_mib << 20) for _ in range(chunks)]
-        for _ in range(repeat):
-            raw_get = min(raw_get, raw_tcp_transfer(values, chunks)[1])
-    finally:
-        me.close()
-        peer.close()
-    gb = total / 1e9
-    return {"chunks": chunks, "chunk_mib": chunk_mib, "p2p_fetch_s": round(fetch_s, 4),
-            "p2p_fetch_gbps": round(gb / fetch_s, 2), "raw_tcp_get_s": round(raw_get, 4),
-            "raw_tcp_get_gbps": round(gb / raw_get, 2), "ratio": round(raw_get / fetch_s, 2)}
-
-
 # ====================================================================== script modes
 def _model_engine_main(spec_path: str) -> None:
     """Instance A: load the model, run the prompt (storing its KV), serve; on stdin
@@ -405,7 +355,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["model-engine"]:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         _model_engine_main(sys.argv[2])
-    elif sys.argv[1:2] == ["bench"]:
-        print(json.dumps(measure(int(os.environ.get("CHUNKS", "16")), int(os.environ.get("CHUNK_MIB", "32")))))
     else:
-        sys.exit(f"usage: {sys.argv[0]} model-engine SPEC.json | bench")
+        sys.exit(f"usage: {sys.argv[0]} model-engine SPEC.json")
