@@ -430,3 +430,15 @@ if __name__ == "__main__":
         _engine_main(sys.argv[2])
     else:
         sys.exit(f"usage: {sys.argv[0]} engine SPEC.json")
+
+
+def test_the_openapi_document_in_docs_is_current(tmp_path):
+    """docs/controller-openapi.json is what `lmcache controller serve --write-openapi` writes."""
+    out = tmp_path / "openapi.json"
+    r = subprocess.run(_controller_cmd() + ["serve", "--write-openapi", str(out)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    committed = json.loads((ROOT / "docs" / "controller-openapi.json").read_text())
+    assert json.loads(out.read_text()) == committed, (
+        "docs/controller-openapi.json is stale: regenerate it with "
+        "`lmcache controller serve --write-openapi docs/controller-openapi.json`")
