@@ -30,7 +30,6 @@ import json
 import os
 import queue
 import secrets
-import select
 import shlex
 import shutil
 import signal
@@ -421,8 +420,10 @@ def distributed_cmd(
             ctl = subprocess.Popen([sys.executable, "-m", "lmcache.cli.main", *args], stdout=subprocess.PIPE,
                                    stderr=log, text=True, env=env)
         assert ctl.stdout is not None
-        ready, _, _ = select.select([ctl.stdout], [], [], 60.0)  # a hang guard
-        ctl_url = ctl.stdout.readline().strip() if ready else ""
+        try:
+            ctl_url = procs.readline(ctl, 60.0)  # a hang guard
+        except LMCacheError:
+            ctl_url = ""
         if not ctl_url.startswith("http"):
             raise LMCacheError(f"the controller did not start (exit {ctl.poll()}); see {work / 'controller.log'}")
         w.say(ctl_url)

@@ -36,6 +36,7 @@ import hmac
 import json
 import logging
 import threading
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs, urlsplit
@@ -251,6 +252,27 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         for k, v in (headers or {}).items():
             self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line or header, a request line
+        or header over its limits, a method with no handler) answered as JSON like every
+        other error, not as an HTML page; a method with no handler is 405, not 501."""
+        if code == 501:
+            code, message = 405, f"method {self.command!r} is not allowed"
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "error"
+        body = (json.dumps({"error": message or phrase, "status": code}) + "\n").encode()
+        self.log_error("code %d, message %s", code, message)
+        self.close_connection = True
+        self.send_response(code, phrase)
+        self.send_header("Content-Type", JSON_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import queue
 import threading
@@ -313,6 +314,12 @@ class Tier:
         except Exception as exc:
             with self._lock:
                 self._reserved -= need
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # a full device: this chunk does not fit, but the tier still serves what it
+                # holds; skip the put instead of treating the tier as down
+                self.stats.skipped_puts += 1
+                self.stats.last_error = f"put: {exc}"
+                return False
             self._failed("put", exc)
             return False
         self._ok()
@@ -684,7 +691,11 @@ class StorageHierarchy:
             for i, t in enumerate(self.tiers[:-1]):
                 t.on_evict = self._demoter(i + 1)
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.write_queue_size)
-        self._inflight: dict[str, list] = {}  # key -> [obj, queued writes, target tier]
+        # key -> (the objects of its queued writes, oldest first; the tier they go to). Two
+        # writes of one key may carry different objects (two threads stored the same chunk):
+        # each stays listed until its own write is done, so a reader is never handed an
+        # object that a finished write released.
+        self._inflight: dict[str, tuple[list[MemoryObj], int]] = {}
         self._closed = False
         self._worker = threading.Thread(target=self._run_writes, name="lmcache-tier-writer", daemon=True)
         self._worker.start()
@@ -756,7 +767,7 @@ class StorageHierarchy:
         for i in remaining:
             entry = self._inflight.get(keys[i])
             if entry is not None:
-                found[i] = self.tiers[entry[2]].name
+                found[i] = self.tiers[entry[1]].name
         out = []
         for name in found:
             if name is None:
@@ -859,9 +870,9 @@ class StorageHierarchy:
             w.obj.writer_refs += 1
             entry = self._inflight.get(w.key)
             if entry is None:
-                self._inflight[w.key] = [w.obj, 1, w.tier]
+                self._inflight[w.key] = ([w.obj], w.tier)
             else:
-                entry[1] += 1
+                entry[0].append(w.obj)
         try:
             self._queue.put(w, block=block, timeout=1.0 if block else None)
         except queue.Full:
@@ -873,8 +884,12 @@ class StorageHierarchy:
             w.obj.writer_refs -= 1
             entry = self._inflight.get(w.key)
             if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
+                objs = entry[0]
+                for i, o in enumerate(objs):
+                    if o is w.obj:
+                        del objs[i]
+                        break
+                if not objs:
                     del self._inflight[w.key]
         w.obj.unref()
 
@@ -884,7 +899,7 @@ class StorageHierarchy:
             entry = self._inflight.get(key)
             if entry is None:
                 return None
-            return entry[0].ref(), entry[2]
+            return entry[0][-1].ref(), entry[1]  # the newest queued object: still referenced
 
     def _run_writes(self) -> None:
         while True:

@@ -5,12 +5,13 @@ timing claim."""
 
 from __future__ import annotations
 
-import select
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from .errors import LMCacheError
@@ -18,17 +19,44 @@ from .errors import LMCacheError
 
 def readline(proc: subprocess.Popen, timeout: float) -> str:
     """The next line ``proc`` prints on stdout (stripped); :class:`LMCacheError` if it
-    prints none within ``timeout`` seconds or exits first."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if r:
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
-        if proc.poll() is not None:
-            break
-    raise LMCacheError(f"process {proc.args} printed nothing within {timeout:g}s (exit code {proc.poll()})")
+    prints none within ``timeout`` seconds or exits first.
+
+    A reader thread per process moves its lines into a queue: waiting on the pipe with
+    ``select`` would miss lines the text stream has already buffered."""
+    lines = _lines(proc)
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        line = None
+    else:
+        if line is None:  # the process closed its stdout: so will every later wait see
+            lines.put(None)
+    if line is None:
+        raise LMCacheError(f"process {proc.args} printed nothing within {timeout:g}s (exit code {proc.poll()})")
+    return line.strip()
+
+
+_readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
+_readers_lock = threading.Lock()
+
+
+def _lines(proc: subprocess.Popen) -> "queue.Queue[str | None]":
+    with _readers_lock:
+        q = _readers.get(proc)
+        if q is None:
+            q = _readers[proc] = queue.Queue()
+            stream = proc.stdout
+
+            def pump() -> None:
+                try:
+                    for line in stream:
+                        q.put(line)
+                except (OSError, ValueError):
+                    pass
+                q.put(None)  # end of output
+
+            threading.Thread(target=pump, name=f"lmcache-readline-{proc.pid}", daemon=True).start()
+        return q
 
 
 def until(fn: Callable[[], Any], what: str, timeout: float) -> Any:

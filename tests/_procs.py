@@ -3,7 +3,10 @@ bound (a hang guard, not a timing assertion) and assertion errors instead of LMC
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
+import time
 from typing import Any, Callable
 
 from lmcache import procs
@@ -25,3 +28,24 @@ def until(fn: Callable[[], Any], what: str, timeout: float = HANG) -> Any:
         return procs.until(fn, what, timeout)
     except LMCacheError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def talk(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
+    """Send ``data``, close our side, read until the server closes; (reply, closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        with contextlib.suppress(OSError):  # the server may close before it read everything
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        got = bytearray()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                return bytes(got), True
+            except socket.timeout:
+                return bytes(got), False
+            if not chunk:
+                return bytes(got), True
+            got += chunk
+        return bytes(got), False

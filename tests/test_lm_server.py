@@ -35,6 +35,7 @@ from lmcache.loopback.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
 from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from _procs import talk
 
 REGS = get_registries()
 LMBackend = REGS.backends.load("lm")
@@ -64,27 +65,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
-
-
-def talk(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
-    """Send ``data``, close our side, read until the server closes; (reply, closed)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        with contextlib.suppress(OSError):  # the server may close before it read everything
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
-        got = bytearray()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                return bytes(got), True
-            except socket.timeout:
-                return bytes(got), False
-            if not chunk:
-                return bytes(got), True
-            got += chunk
-        return bytes(got), False
 
 
 def frames(reply: bytes) -> list[tuple[proto.Frame, bytes]]:
