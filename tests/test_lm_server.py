@@ -8,14 +8,12 @@ Nothing is mocked: the frames go through real sockets to a real server process.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +32,7 @@ from lmcache.loopback import free_port
 from lmcache.loopback.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BackendTests, assert_rejects, assert_survives_outage, make_key, make_obj
 from _procs import talk
 
 REGS = get_registries()
@@ -399,60 +397,7 @@ def test_engine_serves_misses_while_the_server_is_down_and_hits_after_restart(ca
             assert e.locate(toks) == (64, ["lm"] * 4)
             assert torch.equal(e.retrieve(toks).kv, kv_for(toks))
 
-            errors: list[BaseException] = []
-            seen: list[int] = []
-            slowest = [0.0]
-            stop = threading.Event()
-
-            def workload():
-                i = 0
-                while not stop.is_set():
-                    i += 1
-                    other = list(range(1000 * i, 1000 * i + 32))
-                    t0 = time.monotonic()
-                    try:
-                        e.store(other, kv_for(other))
-                        seen.append(e.lookup(toks))
-                        e.retrieve(toks)
-                    except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
-                        errors.append(exc)
-                    slowest[0] = max(slowest[0], time.monotonic() - t0)
-                    time.sleep(0.01)
-
-            worker = threading.Thread(target=workload)
-            worker.start()
-            try:
-                time.sleep(0.3)
-                caplog.clear()
-                with caplog.at_level(logging.WARNING, logger="lmcache.hierarchy"):
-                    s.kill()
-                    time.sleep(0.5)
-                    t0 = time.monotonic()
-                    assert e.lookup(toks) == 0
-                    assert e.retrieve(toks).num_tokens == 0
-                    e.store(list(range(5000, 5040)), kv_for(range(5000, 5040)))
-                    assert time.monotonic() - t0 < 5  # a hang guard (timeout 0.5 s)
-                    outage_logs = [r for r in caplog.records if "serving misses" in r.getMessage()]
-            finally:
-                stop.set()
-                worker.join(30)
-            assert not errors, errors
-            assert slowest[0] < 5
-            assert 0 in seen  # the workload saw misses, not exceptions
-            assert len(outage_logs) == 1, [r.getMessage() for r in outage_logs]  # once per outage
-
-            s.restart()
-            fresh_toks = list(range(10**6, 10**6 + 64))  # the server restarted empty: new chunks
-            deadline = time.monotonic() + 15
-            while True:
-                e.store(fresh_toks, kv_for(fresh_toks))
-                if e.lookup(fresh_toks) == 64:
-                    break
-                assert time.monotonic() < deadline, "hits did not resume within 15 s of the restart"
-                time.sleep(0.2)
-            res = e.retrieve(fresh_toks)
-            assert res.tiers == ["lm"] * 4 and torch.equal(res.kv, kv_for(fresh_toks))
-            assert e.stats()["tiers"]["lm"]["errors"] > 0
+            assert_survives_outage(e, s, "lm", toks, kv_for, caplog)
 
 
 # ------------------------------------------------------------------ sharing
