@@ -294,6 +294,30 @@ class PolicyTests:
         assert len(policy) == 0
 
 
+def assert_hang_times_out(backend, server, match: str) -> None:
+    """A networked backend whose ``server`` (a :class:`lmcache.loopback.LocalServer`)
+    hangs (SIGSTOP) fails ``get``/``contains`` with ``BackendError`` matching ``match``
+    within its timeout, and the same backend object serves again once the server
+    continues (key ``make_key(1)`` must be stored first)."""
+    import os
+    import signal
+    import time
+
+    from .errors import BackendError
+
+    pid = server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for call in (lambda: backend.get([make_key(1)]), lambda: backend.contains([make_key(1)])):
+            t0 = time.monotonic()
+            with pytest.raises(BackendError, match=match):
+                call()
+            assert time.monotonic() - t0 < 5  # a hang guard, not a performance bound
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert backend.contains([make_key(1)]) == [True]  # the same backend, reconnected
+
+
 def assert_survives_outage(e, store, tier: str, toks, kv_for, caplog) -> None:
     """The fault check of a networked backend: an engine ``e`` whose tier ``tier`` lives
     in ``store`` (a :class:`lmcache.loopback.Store`; the tier's timeout 0.5 s) and holds
