@@ -85,6 +85,27 @@ def _parse_tokens(tokens: str | None, tokens_file: Path | None) -> list[int] | N
     return ids
 
 
+def _read_tenants(path: Path | None) -> dict[str, tuple[str, ...]]:
+    """``--tenants-file``: a YAML (or JSON) mapping of namespace to token(s), checked."""
+    if path is None:
+        return {}
+    import yaml
+
+    from lmcache.auth import parse_tenants
+    from lmcache.errors import ConfigError
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="'--tenants-file'") from None
+    except yaml.YAMLError as exc:
+        raise typer.BadParameter(f"{path} is not YAML/JSON: {exc}", param_hint="'--tenants-file'") from None
+    try:
+        return parse_tenants("tenants", raw, str(path))
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--tenants-file'") from None
+
+
 @app.command("serve")
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback unless you say otherwise).")] = "127.0.0.1",
@@ -102,6 +123,12 @@ def serve(
         float, typer.Option("--dispatch-timeout", min=0.1, metavar="SECONDS",
                             help="Seconds to wait for an instance to answer a command.")
     ] = 30.0,
+    tenants_file: Annotated[
+        Path | None, typer.Option("--tenants-file", metavar="FILE", show_default=False,
+                                  help="Tenant tokens, YAML or JSON {namespace: token | [tokens]}: each token sees and "
+                                       "acts on its namespace's instances only (default: $LMCACHE_CONTROLLER_TENANTS_FILE).",
+                                  envvar="LMCACHE_CONTROLLER_TENANTS_FILE", show_envvar=False)
+    ] = None,
     write_openapi: Annotated[
         Path | None, typer.Option("--write-openapi", metavar="FILE", show_default=False,
                                   help="Write the OpenAPI document to FILE and exit.")
@@ -116,9 +143,10 @@ def serve(
         return
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+    tenants = _read_tenants(tenants_file)
+    if host not in ("127.0.0.1", "localhost", "::1") and not token and not tenants:
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
-    server = ControllerServer(host, port, token=token, instance_timeout=instance_timeout,
+    server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,
                               expire_after=expire_after, dispatch_timeout=dispatch_timeout)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

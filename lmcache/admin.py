@@ -181,12 +181,22 @@ class Admin:
             raise AdminError(f"tier must be a tier name, got {tier!r}")
         return [self.tier(tier)]
 
-    def tiers(self) -> list[dict[str, Any]]:
+    def tiers(self, *, namespace: str | None = None) -> list[dict[str, Any]]:
         """Per tier: backend, entries, bytes used and capacity, counters, hit rate (a
-        shared store is listed first, so the numbers cover all of it)."""
+        shared store is listed first, so the numbers cover all of it). With
+        ``namespace``: per tier its name, backend and that namespace's entries and bytes
+        only (what a tenant may see)."""
         for t in self._tiers:
             t.refresh()
-        return [t.info() for t in self._tiers]
+        if namespace is None:
+            return [t.info() for t in self._tiers]
+        match = _matcher(namespace, None)
+        rows = []
+        for t in self._tiers:
+            sizes = [e.size for e, _ in t.entries() if match(e.key)]
+            rows.append({"name": t.name, "backend": t.cfg.backend, "namespace": namespace,
+                         "entries": len(sizes), "bytes": sum(sizes)})
+        return rows
 
     def stats(self) -> dict[str, Any]:
         """``CacheEngine.stats()`` for a live engine; the same shape (tiers only) offline."""
@@ -359,18 +369,20 @@ class Admin:
             skipped += [{"tier": tname, "key": k, "reason": why} for k, why in no]
         return done, skipped
 
-    def clear(self, tier: str | None = None) -> dict[str, Any]:
-        """Empty the tier(s): drop the pins made through this admin, then evict every
-        entry (entries that a lookup leased or a reader holds stay, reported as skipped)."""
+    def clear(self, tier: str | None = None, *, namespace: str | None = None) -> dict[str, Any]:
+        """Empty the tier(s) (of one namespace's entries only, with ``namespace``): drop
+        the pins made through this admin, then evict every entry (entries that a lookup
+        leased or a reader holds stay, reported as skipped)."""
         tiers = self._select(tier)
         names = {t.name for t in tiers}
+        match = _matcher(namespace, None)
         with self._lock:
-            for tname, key in [p for p in self._pins if p[0] in names]:
+            for tname, key in [p for p in self._pins if p[0] in names and match(p[1])]:
                 self.tier(tname).unpin(key)
                 self._pins.discard((tname, key))
-        result = self.evict(tier, all=True)
+        result = self.evict(tier, all=True, namespace=namespace)
         pub = getattr(self.engine, "kv_events", None)
-        if pub is not None and tier is None and not result.get("skipped"):
+        if pub is not None and tier is None and namespace is None and not result.get("skipped"):
             pub.cleared()  # every tier is empty now: AllBlocksCleared for KV-event consumers
         return result
 

@@ -5,6 +5,11 @@ Off unless the config says ``api: {enabled: true}``; the engine starts it (a
 Bound to ``127.0.0.1`` by default; ``port: 0`` picks a free port
 (``CacheEngine.api_url``). With ``token`` set, every request must carry
 ``Authorization: Bearer <token>`` (compared in constant time), ``/metrics`` included.
+``tenants`` (``{namespace: token}``) adds tokens scoped to one namespace
+(:mod:`lmcache.auth`): with one, ``/v1/keys``, ``/v1/pins`` and ``/v1/tiers`` show that
+namespace's entries only, evict/clear/recode act on them only, a key or namespace of
+another tenant is refused with 403, and ``/v1/stats``, ``/v1/config`` and ``/metrics``
+(which cover every namespace) need the admin token.
 
 =======  ================  ==================================================
 method   path              what
@@ -16,7 +21,7 @@ GET      /v1/config        effective config and the source of each value
 GET      /v1/keys          entries, paged: ``?tier=&namespace=&model=&offset=&limit=``
 GET      /v1/pins          the pins made through the API
 POST     /v1/evict         ``{tier, keys | bytes | older_than | all, namespace, model, dry_run}``
-POST     /v1/clear         ``{tier}``: every entry (of the tier), pins dropped
+POST     /v1/clear         ``{tier, namespace}``: every entry (of the tier, of the namespace), pins dropped
 POST     /v1/pin           ``{key, tier}``
 POST     /v1/unpin         ``{key, tier}``
 POST     /v1/recode        ``{tier, codec, keys, namespace, model, dry_run}``: re-encode in place
@@ -25,14 +30,14 @@ GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 =======  ================  ==================================================
 
 Errors are JSON ``{"error": "...", "status": n}``: 400 for a malformed request (the
-message names the field), 401 for a missing or wrong token, 404 for an unknown path,
+message names the field), 401 for a missing or wrong token, 403 for what a tenant token
+may not reach, 404 for an unknown path,
 tier or key, 405 for a wrong method, 413 for a body over 1 MiB. A client that does not
 finish sending its request within ``api.timeout`` seconds is disconnected.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -41,6 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from .auth import ADMIN, Credentials, Unauthorized, foreign
 from .config import ApiConfig
 from .errors import AdminError, ConfigError
 
@@ -65,7 +71,7 @@ _EVICT_FIELDS = {
 }
 _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/evict": (_EVICT_FIELDS, ()),
-    "/v1/clear": ({"tier": (str,)}, ()),
+    "/v1/clear": ({"tier": (str,), "namespace": (str,)}, ()),
     "/v1/pin": ({"key": (str,), "tier": (str,)}, ("key",)),
     "/v1/unpin": ({"key": (str,), "tier": (str,)}, ("key",)),
     "/v1/recode": (
@@ -117,7 +123,7 @@ class ApiServer:
     def __init__(self, admin: "Admin", cfg: ApiConfig):
         self.admin = admin
         self.cfg = cfg
-        self._token = cfg.token.encode() if cfg.token else None
+        self.creds = Credentials(cfg.token, cfg.tenants)
         self._metrics: tuple[Any, Callable[[Any], bytes], str] | None = None
         self._metrics_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout})
@@ -147,15 +153,17 @@ class ApiServer:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------ helpers
-    def authorized(self, header: str | None) -> bool:
-        if self._token is None:
-            return True
-        if not header:
-            return False
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(value.strip().encode(), self._token)
+    def scope(self, header: str | None) -> str | None:
+        """The namespace the request's token is scoped to, ``None`` for the admin token
+        (or when no token is configured); :class:`HTTPError` 401 otherwise."""
+        try:
+            return self.creds.check(header)
+        except Unauthorized:
+            raise HTTPError(
+                401,
+                "missing or wrong token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": 'Bearer realm="lmcache"'},
+            ) from None
 
     def metrics(self) -> tuple[bytes, str]:
         with self._metrics_lock:
@@ -173,32 +181,37 @@ class ApiServer:
         return generate(registry), ctype
 
     # ------------------------------------------------------------ routes
-    def get(self, path: str, query: dict[str, str]) -> Any:
+    def get(self, path: str, query: dict[str, str], tenant: str | None = ADMIN) -> Any:
         a = self.admin
         if path == "/v1/health":
             from . import __version__
 
             return {"status": "ok", "version": __version__, "live": a.live}
         if path == "/v1/tiers":
-            return a.tiers()
+            return a.tiers() if tenant is ADMIN else a.tiers(namespace=tenant)
+        if path in ("/v1/stats", "/v1/config", "/metrics"):
+            _admin_only(tenant, path)
         if path == "/v1/stats":
             return a.stats()
         if path == "/v1/config":
             return a.config_report()
         if path == "/v1/pins":
-            return a.pins()
+            pins = a.pins()
+            return pins if tenant is ADMIN else [p for p in pins if _namespace_of(p["key"]) == tenant]
         if path == "/v1/keys":
             return a.keys(
                 query.get("tier"),
-                namespace=query.get("namespace"),
+                namespace=_narrow(tenant, query.get("namespace")),
                 model=query.get("model"),
                 offset=_int_param(query, "offset", 0),
                 limit=_int_param(query, "limit", 1000),
             )
         raise HTTPError(404, f"no such endpoint: GET {path}")  # pragma: no cover - routed before
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
+    def post(self, path: str, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         a = self.admin
+        if tenant is not ADMIN:
+            body = _scoped_body(path, body, tenant, a)
         if path == "/v1/evict":
             body = dict(body)
             tier = body.pop("tier", None)
@@ -208,7 +221,7 @@ class ApiServer:
                 body["all"] = False
             return a.evict(tier, dry_run=dry_run, **body)
         if path == "/v1/clear":
-            return a.clear(body.get("tier"))
+            return a.clear(body.get("tier"), namespace=body.get("namespace"))
         if path == "/v1/pin":
             return a.pin(body["key"], body.get("tier"))
         if path == "/v1/unpin":
@@ -220,6 +233,67 @@ class ApiServer:
             body = dict(body)
             return a.push(body.pop("target"), **body)
         raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
+
+
+# ---------------------------------------------------------------- tenant scoping
+def _admin_only(tenant: str | None, path: str) -> None:
+    if tenant is not ADMIN:
+        raise HTTPError(403, f"{path} needs the admin token: it covers every namespace, and this token is scoped to namespace {tenant!r}")
+
+
+def _namespace_of(key: str) -> str | None:
+    from .keys import CacheKey
+
+    try:
+        return CacheKey.parse(key).namespace
+    except ValueError:
+        return None
+
+
+def _narrow(tenant: str | None, namespace: str | None) -> str | None:
+    """The namespace a request may act on: the tenant's own (a different one named in
+    the request is refused), or what an admin request said."""
+    if tenant is ADMIN:
+        return namespace
+    if namespace is not None and namespace != tenant:
+        raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; namespace {namespace!r} is out of its reach")
+    return tenant
+
+
+def _own_keys(tenant: str, keys: Any, field_name: str) -> None:
+    from .admin import parse_key
+
+    items = [keys] if isinstance(keys, str) else keys
+    for i, k in enumerate(items):
+        ns = parse_key(k).namespace  # a malformed key: AdminError, 400
+        if foreign(tenant, ns):
+            where = field_name if isinstance(keys, str) else f"{field_name}[{i}]"
+            raise HTTPError(403, f"field {where!r}: a key of namespace {ns!r}; this token is scoped to namespace {tenant!r}")
+
+
+def _scoped_body(path: str, body: dict[str, Any], tenant: str, admin: "Admin") -> dict[str, Any]:
+    """A POST body as a tenant may send it: keys of its namespace only, and namespace
+    selections narrowed to its own."""
+    body = dict(body)
+    if path in ("/v1/pin", "/v1/unpin"):
+        _own_keys(tenant, body["key"], "key")
+    elif path == "/v1/clear":
+        body["namespace"] = _narrow(tenant, body.get("namespace"))
+    elif path in ("/v1/evict", "/v1/recode"):
+        if body.get("keys") is not None:
+            _own_keys(tenant, body["keys"], "keys")
+            _narrow(tenant, body.get("namespace"))  # a foreign namespace is refused even beside keys
+        else:
+            body["namespace"] = _narrow(tenant, body.get("namespace"))
+    elif path == "/v1/push":
+        if body.get("keys") is not None:
+            _own_keys(tenant, body["keys"], "keys")
+        if body.get("tokens") is not None:
+            engine = admin.engine
+            ns = engine.config.namespace if engine is not None else None
+            if foreign(tenant, ns):
+                raise HTTPError(403, f"this instance caches namespace {ns!r}; this token is scoped to namespace {tenant!r}")
+    return body
 
 
 def _int_param(query: dict[str, str], name: str, default: int) -> int:
@@ -301,27 +375,23 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             parts = urlsplit(self.path)
             path = parts.path.rstrip("/") or "/"
-            if not self.api.authorized(self.headers.get("Authorization")):
-                raise HTTPError(
-                    401,
-                    "missing or wrong token: send 'Authorization: Bearer <token>'",
-                    {"WWW-Authenticate": 'Bearer realm="lmcache"'},
-                )
+            tenant = self.api.scope(self.headers.get("Authorization"))
             if path in _QUERIES:
                 if method != "GET":
                     raise HTTPError(405, f"{path} takes GET, not {method}", {"Allow": "GET"})
                 query = self._query(parts.query, _QUERIES[path])
                 if path == "/metrics":
+                    _admin_only(tenant, path)
                     text, ctype = self.api.metrics()
                     self._send(200, text, ctype)
                     return
-                self._send(200, self.api.get(path, query))
+                self._send(200, self.api.get(path, query, tenant))
             elif path in _BODIES:
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST, not {method}", {"Allow": "POST"})
                 fields, required = _BODIES[path]
                 body = self._body(fields, required)
-                self._send(200, self.api.post(path, body))
+                self._send(200, self.api.post(path, body, tenant))
             else:
                 raise HTTPError(404, f"no such endpoint: {method} {path}")
         except HTTPError as exc:

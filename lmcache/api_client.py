@@ -163,8 +163,9 @@ class ApiClient:
             skipped += r["skipped"]
         return done, skipped
 
-    def clear(self, tier: str | None = None) -> dict[str, Any]:
-        return self.request("POST", "/v1/clear", body={"tier": tier} if tier else {})
+    def clear(self, tier: str | None = None, *, namespace: str | None = None) -> dict[str, Any]:
+        body = {"tier": tier, "namespace": namespace}
+        return self.request("POST", "/v1/clear", body={k: v for k, v in body.items() if v is not None})
 
     def pin(self, key: str, tier: str | None = None) -> dict[str, Any]:
         return self.request("POST", "/v1/pin", body={"key": key, **({"tier": tier} if tier else {})})

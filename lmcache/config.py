@@ -119,7 +119,8 @@ class ApiConfig:
 
     ``port: 0`` picks a free port (``CacheEngine.api_url`` tells which); ``token``, when
     set, must be sent as ``Authorization: Bearer <token>`` on every request; ``timeout``
-    bounds the time one request may take to arrive.
+    bounds the time one request may take to arrive. ``tenants`` (``{namespace: token |
+    [tokens]}``) adds tokens scoped to one namespace each (see :mod:`lmcache.auth`).
     """
 
     enabled: bool = False
@@ -127,6 +128,7 @@ class ApiConfig:
     port: int = 0
     token: str | None = None
     timeout: float = 10.0
+    tenants: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -345,6 +347,8 @@ class Config:
             t.update(t.pop("options"))
         if mask_secrets and d["api"]["token"] is not None:
             d["api"]["token"] = "***"
+        if mask_secrets and d["api"].get("tenants"):
+            d["api"]["tenants"] = {ns: ["***"] * len(toks) for ns, toks in d["api"]["tenants"].items()}
         if mask_secrets and d["controller"]["token"] is not None:
             d["controller"]["token"] = "***"
         if mask_secrets and d["p2p"]["token"] is not None:
@@ -493,6 +497,10 @@ def _api(raw: Any, base: ApiConfig, src: str | None) -> ApiConfig:
         api.token = _token("api.token", raw["token"], src)
     if "timeout" in raw:
         api.timeout = _positive_float("api.timeout", raw["timeout"], src)
+    if "tenants" in raw or ("token" in raw and api.tenants):
+        from .auth import parse_tenants
+
+        api.tenants = parse_tenants("api.tenants", raw.get("tenants", api.tenants), src, api.token)
     return api
 
 

@@ -4,7 +4,12 @@ A ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.api`, whose requ
 plumbing it shares: JSON bodies of at most 1 MiB, fields checked by name, a timeout for
 slow clients) bound to ``127.0.0.1`` unless told otherwise. With a token set, every
 call, the workers' included, must carry ``Authorization: Bearer <token>`` (compared in
-constant time). The OpenAPI document is served at ``/openapi.json``.
+constant time). Tenant tokens (``tenants``: ``{namespace: token}``, see
+:mod:`lmcache.auth`) are scoped to one namespace: instances, health counts and lookups
+cover that namespace's instances only, an instance of another namespace is answered as
+unknown (404), keys of another namespace are refused (403), a worker may register an
+instance of its own namespace only, and ``clear``/``compress`` without keys act on the
+tenant's entries only. The OpenAPI document is served at ``/openapi.json``.
 
 Why an index of events and not polling: a router asks on every request, so the answer
 must come from memory. Each instance's worker (:mod:`lmcache.controller.worker`)
@@ -37,6 +42,7 @@ from typing import Any, Callable
 from urllib.parse import quote, urlsplit
 
 from ..api import HTTPError, _Handler
+from ..auth import ADMIN, Credentials, Unauthorized, foreign
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from ..keys import KEY_PREFIX, TokenProcessor
 
@@ -151,10 +157,12 @@ class Index:
         self._processors: dict[tuple[int, str, bool], TokenProcessor] = {}
 
     # ------------------------------------------------------------ the workers' side
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def register(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         iid = body["instance_id"]
         _check_name("instance_id", iid)
         _check_name("namespace", body["namespace"])
+        if foreign(tenant, body["namespace"]):
+            raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; it cannot register an instance of namespace {body['namespace']!r}")
         if not body["model"]:
             raise HTTPError(400, "field 'model' must not be empty")
         if body["chunk_size"] <= 0:
@@ -183,7 +191,10 @@ class Index:
             registered_at=wall, last_seen=now, last_seen_wall=wall, peer_url=peer,
         )
         with self.lock:
-            old = self.instances.pop(iid, None)
+            old = self.instances.get(iid)
+            if old is not None and foreign(tenant, old.namespace):
+                raise HTTPError(409, f"instance id {iid!r} is taken by another namespace's instance")
+            self.instances.pop(iid, None)
             if old is not None:
                 self._forget_keys(old)
             self.instances[iid] = inst
@@ -191,29 +202,29 @@ class Index:
                  " again: its index was reset" if old is not None else "")
         return {"instance_id": iid, "session": inst.session, "instance_timeout": self.instance_timeout}
 
-    def _session(self, body: dict[str, Any]) -> Instance:
-        """The caller's instance, seen now; 404 if unknown or an older session (the
-        worker then registers again)."""
+    def _session(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Instance:
+        """The caller's instance, seen now; 404 if unknown, of another tenant or an
+        older session (the worker then registers again)."""
         inst = self.instances.get(body["instance_id"])
-        if inst is None or not hmac.compare_digest(inst.session, body["session"]):
+        if inst is None or foreign(tenant, inst.namespace) or not hmac.compare_digest(inst.session, body["session"]):
             raise HTTPError(404, f"unknown instance or session {body['instance_id']!r}: register again")
         inst.last_seen = self.clock()
         inst.last_seen_wall = self.wall_clock()
         return inst
 
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         sig = body.get("kv_signature")
         if sig is not None:
             _check_name("kv_signature", sig)
         with self.lock:
-            inst = self._session(body)
+            inst = self._session(body, tenant)
             if sig is not None:
                 inst.kv_signature = sig
             if body.get("dropped_events") is not None:
                 inst.dropped_events = body["dropped_events"]
         return {"ok": True}
 
-    def events(self, body: dict[str, Any]) -> dict[str, Any]:
+    def events(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         events = body["events"]
         for i, ev in enumerate(events):  # all checked before any is applied
             if not (isinstance(ev, list) and len(ev) == 3 and all(isinstance(x, str) for x in ev)):
@@ -222,8 +233,12 @@ class Index:
                 raise HTTPError(400, f"field 'events'[{i}]: op must be 'admit' or 'evict', got {ev[0]!r}")
             if not ev[2] or len(ev[2]) > MAX_KEY_LEN:
                 raise HTTPError(400, f"field 'events'[{i}]: key must be 1 to {MAX_KEY_LEN} characters")
+        ignored = 0
+        if tenant is not ADMIN:  # a tenant's worker reports its own namespace's keys only
+            kept = [ev for ev in events if _namespace_of(ev[2]) == tenant]
+            ignored, events = len(events) - len(kept), kept
         with self.lock:
-            inst = self._session(body)
+            inst = self._session(body, tenant)
             known = set(inst.tiers)
             for i, (_, tier, _) in enumerate(events):
                 if tier not in known:
@@ -241,11 +256,11 @@ class Index:
                     if not held:
                         self._drop(inst, key)
             inst.events += len(events)
-        return {"applied": len(events)}
+        return {"applied": len(events), "ignored": ignored} if ignored else {"applied": len(events)}
 
-    def deregister(self, body: dict[str, Any]) -> dict[str, Any]:
+    def deregister(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         with self.lock:
-            inst = self._session(body)
+            inst = self._session(body, tenant)
             del self.instances[inst.instance_id]
             self._forget_keys(inst)
         log.info("instance %s deregistered", inst.instance_id)
@@ -281,10 +296,12 @@ class Index:
     def healthy(self, inst: Instance, now: float) -> bool:
         return now - inst.last_seen <= self.instance_timeout
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every instance (of ``namespace`` only, if given), by id."""
         now = self.clock()
         with self.lock:
-            return [i.public(now, self.instance_timeout) for i in sorted(self.instances.values(), key=lambda i: i.instance_id)]
+            chosen = [i for i in self.instances.values() if namespace is None or i.namespace == namespace]
+            return [i.public(now, self.instance_timeout) for i in sorted(chosen, key=lambda i: i.instance_id)]
 
     def _processor(self, inst: Instance) -> TokenProcessor:
         k = (inst.chunk_size, inst.hash_algorithm, inst.save_unfull_chunk)
@@ -293,7 +310,7 @@ class Index:
             tp = self._processors[k] = TokenProcessor(k[0], save_unfull_chunk=k[2], hash_algorithm=k[1])
         return tp
 
-    def lookup(self, body: dict[str, Any]) -> dict[str, Any]:
+    def lookup(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         given = [f for f in ("tokens", "chunk_hashes", "keys") if body.get(f) is not None]
         if len(given) != 1:
             raise HTTPError(400, "give exactly one of the fields 'tokens', 'chunk_hashes' or 'keys'")
@@ -302,6 +319,10 @@ class Index:
         if num_tokens is not None and num_tokens < 0:
             raise HTTPError(400, f"field 'num_tokens' must be >= 0, got {num_tokens}")
         ns, model = body.get("namespace"), body.get("model")
+        if tenant is not ADMIN:
+            if ns is not None and ns != tenant:
+                raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; namespace {ns!r} is out of its reach")
+            ns = tenant
         tokens = hashes = keys = None
         if what == "tokens":
             tokens = _token_array(body["tokens"])
@@ -313,6 +334,8 @@ class Index:
             for i, k in enumerate(keys):
                 if not isinstance(k, str) or not k or len(k) > MAX_KEY_LEN:
                     raise HTTPError(400, f"field 'keys'[{i}] must be a key string, got {json.dumps(k)[:100]}")
+            if tenant is not ADMIN:
+                own_keys(tenant, keys)
         now = self.clock()
         with self.lock:
             candidates = [
@@ -377,11 +400,11 @@ class Index:
         }
 
     # ------------------------------------------------------------ dispatch support
-    def target(self, iid: str, field_name: str = "instance") -> Instance:
+    def target(self, iid: str, field_name: str = "instance", tenant: str | None = ADMIN) -> Instance:
         now = self.clock()
         with self.lock:
             inst = self.instances.get(iid)
-        if inst is None:
+        if inst is None or foreign(tenant, inst.namespace):  # another tenant's: as if unknown
             raise HTTPError(404, f"unknown instance {iid!r} (field {field_name!r})")
         if not self.healthy(inst, now):
             raise HTTPError(409, f"instance {iid!r} is not heartbeating (last seen {now - inst.last_seen:.1f}s ago)")
@@ -392,6 +415,25 @@ class Index:
         if prefix is None:
             raise HTTPError(409, f"instance {inst.instance_id!r} has stored nothing yet: its kv signature is unknown")
         return [prefix + c.chunk_hash for c in self._processor(inst).chunks(_token_array(tokens))]
+
+
+def _namespace_of(key: str) -> str | None:
+    from ..keys import CacheKey
+
+    try:
+        return CacheKey.parse(key).namespace
+    except ValueError:
+        return None
+
+
+def own_keys(tenant: str, keys: list) -> None:
+    """403 unless every key is of ``tenant``'s namespace (400 for one that is not a key)."""
+    for i, k in enumerate(keys):
+        ns = _namespace_of(k) if isinstance(k, str) else None
+        if ns is None:
+            raise HTTPError(400, f"field 'keys'[{i}] is not an lmcache key: {json.dumps(k)[:100]}")
+        if ns != tenant:
+            raise HTTPError(403, f"field 'keys'[{i}]: a key of namespace {ns!r}; this token is scoped to namespace {tenant!r}")
 
 
 def _check_name(name: str, v: str) -> None:
@@ -438,6 +480,7 @@ class ControllerServer:
         port: int = DEFAULT_PORT,
         *,
         token: str | None = None,
+        tenants: dict[str, tuple[str, ...]] | None = None,
         instance_timeout: float = 10.0,
         expire_after: float | None = None,
         dispatch_timeout: float = 30.0,
@@ -445,7 +488,7 @@ class ControllerServer:
     ):
         self.index = Index(instance_timeout, expire_after if expire_after is not None else max(300.0, 6 * instance_timeout))
         self.dispatch_timeout = dispatch_timeout
-        self._token = token.encode() if token else None
+        self.creds = Credentials(token, tenants)
         handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout})
         try:
             self.server = ThreadingHTTPServer((host, port), handler)
@@ -484,47 +527,50 @@ class ControllerServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def authorized(self, header: str | None) -> bool:
-        if self._token is None:
-            return True
-        if not header:
-            return False
-        scheme, _, value = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token)
+    def scope(self, header: str | None) -> str | None:
+        """The namespace the request's token is scoped to (``None``: the admin token, or
+        no token configured); 401 otherwise."""
+        try:
+            return self.creds.check(header)
+        except Unauthorized:
+            raise HTTPError(
+                401, "missing or wrong token: send 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": 'Bearer realm="lmcache-controller"'},
+            ) from None
 
     # ------------------------------------------------------------ routes
-    def get(self, path: str) -> Any:
+    def get(self, path: str, tenant: str | None = ADMIN) -> Any:
         if path == "/v1/health":
             from .. import __version__
 
-            inst = self.index.list()
+            inst = self.index.list(tenant)
             return {"status": "ok", "version": __version__, "instances": len(inst),
                     "healthy_instances": sum(1 for i in inst if i["healthy"])}
         if path == "/v1/instances":
-            return self.index.list()
+            return self.index.list(tenant)
         return openapi()
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
+    def post(self, path: str, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         ix = self.index
         if path == "/v1/register":
-            return ix.register(body)
+            return ix.register(body, tenant)
         if path == "/v1/heartbeat":
-            return ix.heartbeat(body)
+            return ix.heartbeat(body, tenant)
         if path == "/v1/events":
-            return ix.events(body)
+            return ix.events(body, tenant)
         if path == "/v1/deregister":
-            return ix.deregister(body)
+            return ix.deregister(body, tenant)
         if path == "/v1/lookup":
-            return ix.lookup(body)
+            return ix.lookup(body, tenant)
         if path == "/v1/move":
-            return self.move(body)
-        return self.command(path[len("/v1/"):], body)
+            return self.move(body, tenant)
+        return self.command(path[len("/v1/"):], body, tenant)
 
-    def move(self, body: dict[str, Any]) -> Any:
+    def move(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         if body.get("tokens") is None and body.get("keys") is None:
             raise HTTPError(400, "give one of the fields 'tokens' or 'keys'")
-        src = self.index.target(body["src_instance"], "src_instance")
-        dst = self.index.target(body["dst_instance"], "dst_instance")
+        src = self.index.target(body["src_instance"], "src_instance", tenant)
+        dst = self.index.target(body["dst_instance"], "dst_instance", tenant)
         for inst, f in ((src, "src_tier"), (dst, "dst_tier")):
             if body[f] not in inst.tiers:
                 raise HTTPError(404, f"instance {inst.instance_id!r} has no tier {body[f]!r} (field {f!r}); tiers: {', '.join(inst.tiers)}")
@@ -539,6 +585,8 @@ class ControllerServer:
             for i, k in enumerate(keys):
                 if not isinstance(k, str) or not k or len(k) > MAX_KEY_LEN:
                     raise HTTPError(400, f"field 'keys'[{i}] must be a key string")
+            if tenant is not ADMIN:
+                own_keys(tenant, keys)
         else:
             keys = self.index.keys_for(src, body["tokens"])
         from ..api_client import ApiClient
@@ -558,8 +606,8 @@ class ControllerServer:
         return {"src_instance": src.instance_id, "src_tier": body["src_tier"], "dst_instance": dst.instance_id,
                 "dst_tier": body["dst_tier"], "command": "move", "result": result}
 
-    def command(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        inst = self.index.target(body["instance"])
+    def command(self, name: str, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
+        inst = self.index.target(body["instance"], "instance", tenant)
         if inst.api_url is None:
             raise HTTPError(409, f"instance {inst.instance_id!r} has no instance API: enable it with api: {{enabled: true}}")
         tier = body.get("tier")
@@ -575,6 +623,8 @@ class ControllerServer:
             for i, k in enumerate(keys):
                 if not isinstance(k, str) or not k:
                     raise HTTPError(400, f"field 'keys'[{i}] must be a key string")
+            if tenant is not ADMIN:
+                own_keys(tenant, keys)
         if name in ("pin", "unpin") and not keys:
             raise HTTPError(400, f"{name} needs the field 'tokens' or 'keys'")
         from ..api_client import ApiClient
@@ -582,8 +632,8 @@ class ControllerServer:
         api = ApiClient(inst.api_url, inst.api_token, self.dispatch_timeout)
         try:
             if name == "clear":
-                if keys is None:
-                    result: Any = api.clear(tier)
+                if keys is None:  # a tenant clears its own namespace's entries only
+                    result: Any = api.clear(tier, namespace=tenant)
                 elif not keys:
                     result = {"evicted": [], "skipped": [], "bytes": 0, "dry_run": False}
                 else:
@@ -600,7 +650,7 @@ class ControllerServer:
                 result = {name + "ned": done, "skipped": skipped}
             else:  # compress / decompress
                 codec = body["codec"] if name == "compress" else "raw"
-                result = api.recode(tier, codec, **({"keys": keys} if keys else {}))
+                result = api.recode(tier, codec, **({"keys": keys} if keys else {"namespace": tenant}))
         except UnreachableError as exc:
             raise HTTPError(502, f"instance {inst.instance_id!r} did not answer: {exc}") from None
         except AdminError as exc:
@@ -620,22 +670,18 @@ class _ControllerHandler(_Handler):
     def _dispatch(self, method: str) -> None:
         try:
             path = urlsplit(self.path).path.rstrip("/") or "/"
-            if not self.ctl.authorized(self.headers.get("Authorization")):
-                raise HTTPError(
-                    401, "missing or wrong token: send 'Authorization: Bearer <token>'",
-                    {"WWW-Authenticate": 'Bearer realm="lmcache-controller"'},
-                )
+            tenant = self.ctl.scope(self.headers.get("Authorization"))
             if path in _GETS:
                 if method != "GET":
                     raise HTTPError(405, f"{path} takes GET, not {method}", {"Allow": "GET"})
                 if urlsplit(self.path).query:
                     raise HTTPError(400, f"{path} takes no query parameters")
-                self._send(200, self.ctl.get(path))
+                self._send(200, self.ctl.get(path, tenant))
             elif path in _BODIES:
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST, not {method}", {"Allow": "POST"})
                 fields, required = _BODIES[path]
-                self._send(200, self.ctl.post(path, self._body(fields, required)))
+                self._send(200, self.ctl.post(path, self._body(fields, required), tenant))
             else:
                 raise HTTPError(404, f"no such endpoint: {method} {path}")
         except HTTPError as exc:
@@ -686,7 +732,7 @@ def openapi() -> dict[str, Any]:
         paths[path] = {"post": {
             "summary": _DOCS[path],
             "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "responses": {"200": {"description": "done"}, "400": err, "401": err, "404": err, "409": err,
+            "responses": {"200": {"description": "done"}, "400": err, "401": err, "403": err, "404": err, "409": err,
                           "413": err, "501": err, "502": err},
         }}
     return {

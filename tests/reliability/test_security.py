@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +25,8 @@ from lmcache import server as proto
 from lmcache.config import ApiConfig, P2PConfig, load_config
 from lmcache.controller.service import ControllerServer
 from lmcache.loopback.lm import lm_store
+
+from _procs import readline, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ["lmcache", "backends", "plugins", "kernels", "cli"]
@@ -79,6 +85,13 @@ def shared_lm():
         yield s
 
 
+@pytest.fixture
+def fresh_lm():
+    """An empty shared store of its own, for tests that list everything in it."""
+    with lm_store(capacity="64MiB") as s:
+        yield s
+
+
 def test_engines_of_two_namespaces_on_one_store_never_hit_each_other(shared_lm, tmp_path):
     """Two engines (tenants t1, t2) on one shared lm server and one shared disk
     directory: the same prompt stored by t1 is a miss for t2 (and vice versa), and each
@@ -111,45 +124,277 @@ def test_engines_of_two_namespaces_on_one_store_never_hit_each_other(shared_lm, 
     print(f"tenants/engine: {checked} shared stores (lm, disk), 0 cross-namespace hits, each tenant got its own KV")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no tenant scoping on the instance API: one api.token per instance, and Admin.keys/evict/clear "
-    "(lmcache/admin.py) list and evict every namespace in a shared tier; a tenant-scoped token "
-    "(e.g. api.tenants: {token: namespace}) is not implemented"))
-def test_a_tenant_cannot_list_or_evict_another_namespace_through_the_instance_api(shared_lm):
-    """t2's instance API over a store shared with t1: what t2's operator can see and
-    evict through its API must be t2's entries only."""
-    tier = {"backend": "lm", "capacity": "32MiB", **shared_lm.options}
+ADMIN_TOKEN = "sec-admin"
+TENANTS = {"t1": "tok-t1", "t2": ["tok-t2", "tok-t2-next"]}
+
+
+def _ns_of(key: str) -> str:
+    return key.split(":")[1]
+
+
+def test_a_tenant_token_reaches_its_own_namespace_only_through_the_instance_api(fresh_lm):
+    """t2's instance API over a store shared with t1 (api.tenants): with t2's token the
+    listings, pins, tiers and every change cover t2's entries only; naming a t1 key or
+    namespace is 403; engine-wide endpoints need the admin token; the admin token sees
+    both; t1's entries survive everything t2 does."""
+    tier = {"backend": "lm", "capacity": "32MiB", **fresh_lm.options}
     a = _engine("t1", tier)
-    b = _engine("t2", tier, {"enabled": True, "token": TOKEN})
+    b = _engine("t2", tier, {"enabled": True, "token": ADMIN_TOKEN, "tenants": TENANTS})
+    refused = 0
     try:
-        toks = list(range(900, 932))
-        a.store(toks, kv_for(toks))
+        t1_toks, t2_toks = list(range(900, 964)), list(range(1900, 1932))
+        a.store(t1_toks, kv_for(t1_toks))
         a.flush()
-        status, page = http(b.api_url + "/v1/keys", token=TOKEN)
+        b.store(t2_toks, kv_for(t2_toks))
+        b.flush()
+        t1_keys, t2_keys = a.chunk_keys(t1_toks)[1], b.chunk_keys(t2_toks)[1]
+        assert len(t1_keys) == 4 and len(t2_keys) == 2
+        url = b.api_url
+
+        def keys_seen(token, query=""):
+            status, page = http(url + "/v1/keys" + query, token=token)
+            assert status == 200, page
+            return sorted(e["key"] for e in page["entries"])
+
+        # listings: the admin sees both namespaces, each tenant token its own
+        assert keys_seen(ADMIN_TOKEN) == sorted(t1_keys + t2_keys)
+        for tok in TENANTS["t2"]:
+            assert keys_seen(tok) == sorted(t2_keys)
+        assert keys_seen("tok-t1") == sorted(t1_keys)  # t1's token on t2's instance: t1's entries in the shared store
+        assert keys_seen("tok-t2", "?namespace=t2") == sorted(t2_keys)
+        status, tiers = http(url + "/v1/tiers", token="tok-t2")
+        assert status == 200 and tiers[0]["entries"] == 2 and tiers[0]["namespace"] == "t2", tiers
+        assert "hits" not in tiers[0] and "capacity" not in tiers[0]
+
+        # everything that names t1 (a key or the namespace) or covers all namespaces: 403
+        forbidden = [
+            ("GET", "/v1/keys?namespace=t1", None),
+            ("GET", "/v1/stats", None),
+            ("GET", "/v1/config", None),
+            ("GET", "/metrics", None),
+            ("POST", "/v1/evict", {"all": True, "namespace": "t1"}),
+            ("POST", "/v1/evict", {"keys": [t1_keys[0]]}),
+            ("POST", "/v1/evict", {"keys": [t2_keys[0], t1_keys[1]], "dry_run": True}),
+            ("POST", "/v1/clear", {"namespace": "t1"}),
+            ("POST", "/v1/pin", {"key": t1_keys[0]}),
+            ("POST", "/v1/unpin", {"key": t1_keys[0]}),
+            ("POST", "/v1/recode", {"tier": "lm", "codec": "zstd", "namespace": "t1"}),
+            ("POST", "/v1/recode", {"tier": "lm", "codec": "zstd", "keys": [t1_keys[0]]}),
+            ("POST", "/v1/push", {"target": "lm://127.0.0.1:1", "keys": [t1_keys[0]]}),
+        ]
+        for method, path, body in forbidden:
+            status, err = http(url + path, method, body, token="tok-t2")
+            assert status == 403 and "namespace" in err["error"] + path, (method, path, status, err)
+            refused += 1
+        status, _ = http(url + "/v1/health", token="tok-t2")
         assert status == 200
-        seen = [e["key"] for e in page["entries"]]
-        print(f"tenants/api: t2's API lists {len(seen)} keys, {sum(':t1:' in k for k in seen)} of them t1's")
-        assert not any(":t1:" in k for k in seen), "t2's API lists t1's entries"
-        status, ev = http(b.api_url + "/v1/evict", "POST", {"all": True, "namespace": "t1"}, token=TOKEN)
-        assert status in (403, 404) or not ev.get("evicted"), "t2's API evicts t1's entries"
+
+        # what t2 may do acts on t2's entries only
+        status, pin = http(url + "/v1/pin", "POST", {"key": t2_keys[0]}, token="tok-t2")
+        assert status == 200 and pin["pinned"], pin
+        status, pins = http(url + "/v1/pins", token="tok-t2-next")
+        assert status == 200 and [p["key"] for p in pins] == [t2_keys[0]]
+        status, pins = http(url + "/v1/pins", token="tok-t1")
+        assert status == 200 and pins == []
+        status, ev = http(url + "/v1/evict", "POST", {"all": True, "dry_run": True}, token="tok-t2")
+        assert status == 200 and {_ns_of(v["key"]) for v in ev["evicted"]} == {"t2"}
+        status, cl = http(url + "/v1/clear", "POST", {}, token="tok-t2")
+        assert status == 200, cl
+        assert sorted(v["key"] for v in cl["evicted"]) == sorted(t2_keys)
+        assert keys_seen(ADMIN_TOKEN) == sorted(t1_keys)
+        assert b.lookup(t2_toks) == 0
+        for t in a.hierarchy.tiers:
+            t.refresh()
+        r = a.retrieve(t1_toks)
+        assert r.num_tokens == 64 and torch.equal(r.kv, kv_for(t1_toks)), "t2's clear touched t1's entries"
+
+        # tokens: none or a wrong one is 401 with tenants configured
+        for tok in (None, "", "tok-t", "tok-t2x", ADMIN_TOKEN + "x"):
+            assert http(url + "/v1/keys", token=tok)[0] == 401
+            refused += 1
+    finally:
+        a.close()
+        b.close()
+    print(f"tenants/api: t2's token saw {len(t2_keys)} of {len(t1_keys) + len(t2_keys)} keys, "
+          f"{refused} requests refused (403/401), its clear removed t2's {len(t2_keys)} entries and none of t1's")
+
+
+def test_a_tenant_token_reaches_its_own_namespace_only_through_the_controller(fresh_lm):
+    """A controller with tenant tokens and two engines whose workers use them (t1 and
+    t2, on one shared lm store): instances, health, lookups and commands with t2's token
+    cover t2's instance only; t1's instance is unknown to it; a t2 worker cannot
+    register as t1 or take t1's instance id, and its events about t1's keys are ignored;
+    a clear dispatched with t2's token leaves t1's entries in the shared store."""
+    tier = {"backend": "lm", "capacity": "32MiB", **fresh_lm.options}
+    tenants = {"t1": ("tok-t1",), "t2": ("tok-t2",)}
+    refused = 0
+    with ControllerServer("127.0.0.1", 0, token=ADMIN_TOKEN, tenants=tenants, instance_timeout=5) as ctl:
+        def eng(ns):
+            return lmcache.CacheEngine.from_config({
+                "chunk_size": 16, "namespace": ns, "model": "org/shared-model", "kv_spec": KV_SPEC, "tiers": [tier],
+                "api": {"enabled": True, "token": ADMIN_TOKEN},
+                "controller": {"url": ctl.url, "token": f"tok-{ns}", "instance_id": f"{ns}-inst",
+                               "heartbeat_interval": 0.1, "timeout": 2.0},
+            })
+
+        a, b = eng("t1"), eng("t2")
+        try:
+            toks = list(range(3000, 3064))
+            a.store(toks, kv_for(toks))
+            b.store(toks[:32], kv_for(toks[:32]))
+            a.flush()
+            b.flush()
+            t1_keys = a.chunk_keys(toks)[1]
+
+            def indexed():
+                status, inst = http(ctl.url + "/v1/instances", token=ADMIN_TOKEN)
+                return {i["instance_id"]: i["keys"] for i in inst} == {"t1-inst": 4, "t2-inst": 2} or None
+
+            deadline = time.monotonic() + HANG
+            while not indexed():
+                assert time.monotonic() < deadline, http(ctl.url + "/v1/instances", token=ADMIN_TOKEN)
+                time.sleep(0.05)
+
+            status, inst = http(ctl.url + "/v1/instances", token="tok-t2")
+            assert status == 200 and [i["instance_id"] for i in inst] == ["t2-inst"]
+            status, health = http(ctl.url + "/v1/health", token="tok-t2")
+            assert status == 200 and health["instances"] == 1
+            status, res = http(ctl.url + "/v1/lookup", "POST", {"tokens": toks}, token="tok-t2")
+            assert status == 200 and [r["instance_id"] for r in res["results"]] == ["t2-inst"], res
+            assert res["results"][0]["hit_tokens"] == 32 and res["instances_considered"] == 1
+            status, res = http(ctl.url + "/v1/lookup", "POST", {"tokens": toks}, token=ADMIN_TOKEN)
+            assert [r["instance_id"] for r in res["results"]] == ["t1-inst", "t2-inst"]
+
+            forbidden = [
+                ("/v1/lookup", {"tokens": toks, "namespace": "t1"}, 403),
+                ("/v1/lookup", {"keys": t1_keys}, 403),
+                ("/v1/clear", {"instance": "t1-inst"}, 404),
+                ("/v1/pin", {"instance": "t1-inst", "tokens": toks}, 404),
+                ("/v1/compress", {"instance": "t1-inst", "tier": "lm", "codec": "zstd"}, 404),
+                ("/v1/clear", {"instance": "t2-inst", "keys": [t1_keys[0]]}, 403),
+                ("/v1/move", {"src_instance": "t1-inst", "src_tier": "lm", "dst_instance": "t2-inst",
+                              "dst_tier": "lm", "tokens": toks}, 404),
+                ("/v1/register", {"instance_id": "t2-as-t1", "namespace": "t1", "model": "m", "chunk_size": 16,
+                                  "tiers": ["lm"]}, 403),
+                ("/v1/register", {"instance_id": "t1-inst", "namespace": "t2", "model": "m", "chunk_size": 16,
+                                  "tiers": ["lm"]}, 409),
+                ("/v1/heartbeat", {"instance_id": "t1-inst", "session": "0" * 16}, 404),
+            ]
+            for path, body, want in forbidden:
+                status, err = http(ctl.url + path, "POST", body, token="tok-t2")
+                assert status == want, (path, status, err)
+                refused += 1
+            # a t2 worker's events about t1's keys are ignored
+            status, reg = http(ctl.url + "/v1/register", "POST", {
+                "instance_id": "t2-extra", "namespace": "t2", "model": "org/shared-model", "chunk_size": 16,
+                "tiers": ["lm"]}, token="tok-t2")
+            assert status == 200
+            status, ev = http(ctl.url + "/v1/events", "POST", {
+                "instance_id": "t2-extra", "session": reg["session"], "events": [["admit", "lm", k] for k in t1_keys]},
+                token="tok-t2")
+            assert status == 200 and ev == {"applied": 0, "ignored": 4}, ev
+
+            # a clear with t2's token, dispatched to t2's instance over the shared store: t2's entries only
+            status, cl = http(ctl.url + "/v1/clear", "POST", {"instance": "t2-inst"}, token="tok-t2")
+            assert status == 200, cl
+            assert len(cl["result"]["evicted"]) == 2
+            assert all(_ns_of(v["key"]) == "t2" for v in cl["result"]["evicted"])
+            for t in a.hierarchy.tiers:
+                t.refresh()
+            r = a.retrieve(toks)
+            assert r.num_tokens == 64 and torch.equal(r.kv, kv_for(toks))
+            for tok in (None, "tok-t3", "tok-t2 "):
+                assert http(ctl.url + "/v1/instances", token=tok)[0] == (200 if tok == "tok-t2 " else 401)
+        finally:
+            a.close()
+            b.close()
+    print(f"tenants/controller: t2's token saw 1 of 2 instances, {refused} requests refused (403/404/409), "
+          "4 foreign events ignored, its clear kept t1's 4 entries")
+
+
+def test_a_tenant_token_through_the_cli(fresh_lm, tmp_path):
+    """`lmcache ls`/`evict` with a tenant's token list and evict that tenant's entries
+    only; `lmcache controller serve --tenants-file` scopes `controller instances`."""
+    tier = {"backend": "lm", "capacity": "32MiB", **fresh_lm.options}
+    a = _engine("t1", tier)
+    b = _engine("t2", tier, {"enabled": True, "token": ADMIN_TOKEN, "tenants": TENANTS})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+
+    def cli(*args, token):
+        p = subprocess.run([sys.executable, "-m", "lmcache.cli.main", *args], capture_output=True, text=True,
+                           env={**env, "LMCACHE_API_TOKEN": token, "LMCACHE_CONTROLLER_TOKEN": token}, timeout=60)
+        return p
+
+    try:
+        toks = list(range(4000, 4032))
+        a.store(toks, kv_for(toks))
+        b.store(toks, kv_for(toks))
+        a.flush()
+        b.flush()
+        p = cli("ls", "--url", b.api_url, "--json", token="tok-t2")
+        assert p.returncode == 0, p.stderr
+        assert {_ns_of(r["key"]) for r in json.loads(p.stdout)} == {"t2"}
+        p = cli("evict", "--url", b.api_url, "--namespace", "t1", "--all", "--yes", token="tok-t2")
+        assert p.returncode != 0 and "t2" in p.stderr, (p.stdout, p.stderr)
+        p = cli("evict", "--url", b.api_url, "--all", "--yes", "--json", token="tok-t2")
+        assert p.returncode == 0, p.stderr
+        assert {_ns_of(r["key"]) for r in json.loads(p.stdout)["evicted"]} == {"t2"}
+        p = cli("ls", "--url", b.api_url, "--json", token=ADMIN_TOKEN)
+        assert {_ns_of(r["key"]) for r in json.loads(p.stdout)} == {"t1"}
     finally:
         a.close()
         b.close()
 
+    tf = tmp_path / "tenants.yaml"
+    tf.write_text("t1: tok-t1\nt2: [tok-t2]\n")
+    ctl = subprocess.Popen([sys.executable, "-m", "lmcache.cli.main", "controller", "serve", "--port", "0",
+                            "--tenants-file", str(tf)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True, env={**env, "LMCACHE_CONTROLLER_TOKEN": ADMIN_TOKEN})
+    try:
+        url = readline(ctl)
+        for ns in ("t1", "t2"):
+            status, _ = http(url + "/v1/register", "POST", {"instance_id": f"{ns}-i", "namespace": ns, "model": "m",
+                                                             "chunk_size": 16, "tiers": ["cpu"]}, token=f"tok-{ns}")
+            assert status == 200
+        p = cli("controller", "instances", "--url", url, "--json", token="tok-t1")
+        assert p.returncode == 0, p.stderr
+        assert [i["instance_id"] for i in json.loads(p.stdout)] == ["t1-i"]
+        p = cli("controller", "instances", "--url", url, "--json", token="nope")
+        assert p.returncode != 0 and "token" in p.stderr
+    finally:
+        stop(ctl)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("t1: tok-x\nt2: tok-x\n")
+    p = cli("controller", "serve", "--port", "0", "--tenants-file", str(bad), token=ADMIN_TOKEN)
+    assert p.returncode != 0 and "each token serves one tenant" in p.stderr
+    print("tenants/cli: ls and evict with t2's token covered t2's entries only; controller instances with t1's token "
+          "listed t1's instance only; a token given to two tenants refused at start")
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no tenant scoping on the controller: one controller.token; /v1/lookup with keys or tokens and "
-    "/v1/instances answer across namespaces for any holder of it (lmcache/controller/service.py)"))
-def test_a_tenant_cannot_look_up_another_namespace_through_the_controller():
-    with ControllerServer("127.0.0.1", 0, token=TOKEN) as ctl:
-        status, reg = http(ctl.url + "/v1/register", "POST", {
-            "instance_id": "t1-inst", "api_url": "http://127.0.0.1:1", "namespace": "t1", "model": "m",
-            "chunk_size": 16, "tiers": [],
-        }, token=TOKEN)
-        assert status == 200, reg
-        status, inst = http(ctl.url + "/v1/instances", token=TOKEN)
-        # a tenant t2 credential distinct from the admin token does not exist: the only token sees t1
-        assert status == 200 and not any(i.get("namespace") == "t1" for i in inst)
+
+def test_tenant_config_is_checked_and_masked():
+    """api.tenants: a mapping of namespace to token(s); errors name the key; a token
+    serves one tenant and is never the admin token; `lmcache config` masks them."""
+    cases = [
+        ({"tenants": ["a"]}, "api.tenants"),
+        ({"tenants": {"bad ns": "x"}}, "api.tenants"),
+        ({"tenants": {"t1": ""}}, "api.tenants.t1"),
+        ({"tenants": {"t1": []}}, "api.tenants.t1"),
+        ({"tenants": {"t1": " x"}}, "api.tenants.t1"),
+        ({"tenants": {"t1": "x", "t2": ["y", "x"]}}, "api.tenants.t2"),
+        ({"token": "adm", "tenants": {"t1": "adm"}}, "api.tenants.t1"),
+    ]
+    for api, key in cases:
+        with pytest.raises(lmcache.ConfigError) as ei:
+            load_config({"api": api}, environ={})
+        assert ei.value.key == key, (api, ei.value)
+    cfg = load_config({"api": {"enabled": True, "token": "adm", "tenants": {"t1": "x", "t2": ["y", "z"]}}}, environ={})
+    assert cfg.api.tenants == {"t1": ("x",), "t2": ("y", "z")}
+    masked = cfg.to_dict(mask_secrets=True)["api"]
+    assert masked["tenants"] == {"t1": ["***"], "t2": ["***", "***"]} and masked["token"] == "***"
+    with pytest.raises(lmcache.ConfigError) as ei:  # the admin token set later (e.g. from the environment)
+        load_config({"api": {"tenants": {"t1": "adm"}}}, environ={"LMCACHE_API_TOKEN": "adm"})
+    assert ei.value.key == "api.tenants.t1"
+    print(f"tenants/config: {len(cases) + 1} bad tenant configs refused naming the key; tokens masked")
 
 
 # ================================================================ tokens
