@@ -493,6 +493,7 @@ class _Collector:
             ("puts", "puts", "Entries written into this tier"),
             ("skipped_puts", "skipped_puts", "Writes that did not fit into this tier"),
             ("errors", "errors", "Backend errors of this tier"),
+            ("corrupt", "corrupt", "Entries of this tier dropped because they failed their checks"),
         ]
         for field, name, doc in counters:
             m = CounterMetricFamily(f"lmcache_tier_{name}", doc, labels=["tier", "backend"])

@@ -298,6 +298,7 @@ class CacheEngine:
                 obj, tier = r
                 if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
                     log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
+                    tier.stats.corrupt += 1
                     tier.remove([key])
                     break
                 got.append((chunk, obj, tier))
@@ -379,6 +380,7 @@ class CacheEngine:
                 "dropped_writes": self.hierarchy.stats.dropped_writes,
                 "skipped_no_memory": self.hierarchy.stats.skipped_no_memory,
                 "promotions": self.hierarchy.stats.promotions,
+                "repairs": self.hierarchy.stats.repairs,
                 "pending_writes": self.hierarchy.pending_writes(),
             },
         }

@@ -50,6 +50,7 @@ class TierStats:
     evictions: int = 0
     skipped_puts: int = 0  # did not fit (everything pinned, or larger than the tier)
     errors: int = 0
+    corrupt: int = 0  # entries dropped by a check above the backend (the engine's shape/dtype check)
     last_error: str = ""
 
     def as_dict(self) -> dict:
@@ -93,6 +94,8 @@ class Tier:
         self._health = _Health()
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
+        #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
+        self.demote_if: Callable[[str], bool] | None = None
         #: called as ``listener(op, tier name, key)`` with op ``"admit"`` when this tier
         #: stored a key and ``"evict"`` when it dropped one (the controller worker's
         #: event feed); called with the tier's lock held, so it must not block
@@ -258,7 +261,7 @@ class Tier:
 
     def _evict(self, key: str) -> None:
         demote = None
-        if self.on_evict is not None:
+        if self.on_evict is not None and (self.demote_if is None or self.demote_if(key)):
             try:
                 demote = self.backend.get_one(key)
             except Exception as exc:  # the entry is lost to the lower tier, not to correctness
@@ -369,6 +372,8 @@ class Tier:
         it by hits; ``hit_rate`` is hits / (hits + misses), ``None`` before any get.
         """
         st = self.stats.as_dict()
+        integrity = getattr(self.backend, "integrity", None)  # a byte backend's checksum/header failures
+        st["corrupt"] += integrity.corrupt if integrity is not None else 0
         looked = st["hits"] + st["misses"]
         with self._lock:
             pinned = sum(1 for k in self._pins if k in self._index)
@@ -661,6 +666,7 @@ class HierarchyStats:
     dropped_writes: int = 0  # lower-tier writes dropped because the queue was full
     skipped_no_memory: int = 0  # store chunks skipped because the pool was exhausted
     promotions: int = 0
+    repairs: int = 0  # write-through: evicted chunks written down because no lower tier had them
     extra: dict = field(default_factory=dict)
 
 
@@ -687,9 +693,13 @@ class StorageHierarchy:
             for t in self.tiers:
                 t.backend.close()
             raise
-        if self.write_back:
-            for i, t in enumerate(self.tiers[:-1]):
-                t.on_evict = self._demoter(i + 1)
+        for i, t in enumerate(self.tiers[:-1]):
+            t.on_evict = self._demoter(i + 1)
+            if not self.write_back:
+                # write-through: the lower tiers got every chunk when it was stored, except
+                # those a tier skipped while its store was down (or whose write queue was
+                # full); such a chunk is written down when it leaves this tier, not lost
+                t.demote_if = self._missing_below(i + 1)
         self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.write_queue_size)
         # key -> (the objects of its queued writes, oldest first; the tier they go to). Two
         # writes of one key may carry different objects (two threads stored the same chunk):
@@ -857,9 +867,26 @@ class StorageHierarchy:
                 finally:
                     obj.unref()
             else:
-                self._enqueue(_Write(target, key, obj), block=True)
+                # write-back must not lose the chunk: wait for room in the queue; a
+                # write-through repair is best effort and never blocks the engine
+                self._enqueue(_Write(target, key, obj), block=self.write_back)
 
         return demote
+
+    def _missing_below(self, first: int) -> Callable[[str], bool]:
+        """Whether no tier from ``first`` down holds (or is about to hold) ``key``, and
+        one of them is up to take it: an evicted entry worth writing down."""
+        lower = self.tiers[first:]
+
+        def missing(key: str) -> bool:
+            if key in self._inflight:  # a write of it is queued
+                return False
+            if any(key in t._index for t in lower) or not any(t.available for t in lower):
+                return False
+            self.stats.repairs += 1
+            return True
+
+        return missing
 
     def _enqueue(self, w: _Write, block: bool) -> None:
         """Queue a lower-tier write; ``w.obj`` carries a reference the writer drops."""

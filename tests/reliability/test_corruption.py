@@ -224,6 +224,7 @@ def test_corrupt_entries_are_misses_and_removed(smollm2, reference, backend, tmp
                 assert bad != good
                 raw.put(victim, bad)
                 corrupt_before = bk.integrity.corrupt
+                counted_before = tier.info()["corrupt"]
                 # the engine reads the corrupt entry: a miss from it on, exact output, no exception
                 hit = conn.generate(ids, max_new_tokens=NEW_TOKENS, store=False)
                 rounds += 1
@@ -234,6 +235,8 @@ def test_corrupt_entries_are_misses_and_removed(smollm2, reference, backend, tmp
                     detected += 1
                 elif kind not in ("forge_shape", "forge_dtype"):  # the engine's shape check drops those
                     pytest.fail(f"{backend}/{kind}: corrupt entry not counted")
+                # every corrupt entry, whichever check caught it, counts in the tier's stats
+                assert tier.info()["corrupt"] == counted_before + 1, (backend, kind)
                 # ... and the corrupt entry is gone from the store
                 assert raw.get(victim) is None, (backend, kind)
                 assert not tier.contains([victim])[0]

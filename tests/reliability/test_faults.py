@@ -193,6 +193,51 @@ def test_networked_tier_killed_and_restarted_during_a_workload(backend):
 
 
 # ======================================================================= the controller
+def test_write_through_writes_down_what_a_tier_missed_during_its_outage():
+    """Write-through over cpu + lm: chunks stored while the lm server is down stay only
+    in the CPU tier; once it is back, those chunks are written to it when the CPU tier
+    evicts them (not lost), and are then served from it, exact."""
+    with loopback_store("lm") as st:
+        remote = {"backend": "lm", "capacity": "64MiB", **st.options, "timeout": 0.5}
+        cfg = {"chunk_size": CHUNK, "staging_size": "8MiB", "write_policy": "write-through",
+               "tiers": [{"backend": "cpu", "capacity": "64KiB"}, remote]}  # 16 chunks on the CPU tier
+        with lmcache.CacheEngine.from_config(cfg) as e:
+            lm_tier = e.hierarchy.tier("lm")
+            st.kill()
+            missed = prompt(3 * 10**6)
+            e.store(missed, kv_for(missed))
+            e.hierarchy.flush()
+            missed_keys = e.chunk_keys(missed)[1]
+            assert e.hierarchy.tier("cpu").contains(missed_keys) == [True] * 4
+            st.restart()
+            deadline = time.monotonic() + 30  # the backoff is at most 10 s
+            polls = 0
+            while True:  # until the lm tier takes writes again
+                polls += 1
+                probe = prompt(4 * 10**6 + polls)
+                e.store(probe, kv_for(probe))
+                e.hierarchy.flush()
+                if lm_tier.contains(e.chunk_keys(probe)[1]) == [True] * 4:
+                    break
+                assert time.monotonic() < deadline, "the lm tier did not take writes again within 30 s"
+                time.sleep(0.2)
+            assert lm_tier.contains(missed_keys) == [False] * 4, "the outage did not make the lm tier miss them"
+            repairs_before = e.stats()["hierarchy"]["repairs"]
+            for i in range(6):  # 24 new chunks through a 16-chunk CPU tier: the missed ones are evicted
+                churn = prompt(5 * 10**6 + i)
+                e.store(churn, kv_for(churn))
+            e.hierarchy.flush()
+            assert e.hierarchy.tier("cpu").contains(missed_keys) == [False] * 4
+            assert lm_tier.contains(missed_keys) == [True] * 4, "evicted chunks were lost instead of written down"
+            repairs = e.stats()["hierarchy"]["repairs"] - repairs_before
+            assert repairs >= 4
+            res = e.retrieve(missed)
+            assert res.num_tokens == PROMPT_TOKENS and res.tiers == ["lm"] * 4, res.tiers
+            assert torch.equal(res.kv, kv_for(missed))
+    print(f"[faults] write-through repair: 4 chunks missed by the lm tier during its outage were written down "
+          f"when the CPU tier evicted them ({repairs} repairs after {polls} recovery polls), then served exact from lm")
+
+
 def _start_controller(port: int = 0) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ)
     env.pop("LMCACHE_CONTROLLER_TOKEN", None)
