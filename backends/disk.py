@@ -219,6 +219,19 @@ class DiskBackend(BytesBackend):
             self._meta[key] = (codec, time.time())
             self._used += total - (old or 0)
 
+    def reserve_size(self, key: str, obj: MemoryObj) -> int:
+        size = super().reserve_size(key, obj)
+        return size + BLOCK if self.o_direct else size  # the header padded to a block
+
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        if not self.o_direct:
+            return super().put_one(key, obj)
+        # O_DIRECT: the header padded to a block, so that the body (pool memory, page
+        # aligned for large objects) is written from where it is
+        bufs = payload.encode(key, obj, self.context.codec, header_align=BLOCK)
+        self.write(key, bufs)
+        return sum(len(b) for b in bufs)
+
     def _write_file(self, tmp: Path, buffers: Sequence[bytes | memoryview], total: int) -> None:
         """Create ``tmp`` exclusively and fill it with the ``total`` bytes of ``buffers``.
 
@@ -230,7 +243,10 @@ class DiskBackend(BytesBackend):
             flags |= os.O_DIRECT
         fd = os.open(tmp, flags, 0o644)
         try:
-            if self.o_direct:
+            direct = self.o_direct and _direct_views(buffers)
+            if direct:
+                _write_all(fd, direct)
+            elif self.o_direct:
                 padded = (total + BLOCK - 1) // BLOCK * BLOCK
                 buf = mmap.mmap(-1, max(padded, BLOCK))
                 pos = 0
@@ -282,6 +298,9 @@ class DiskBackend(BytesBackend):
         try:
             size = os.fstat(fd).st_size
             if self.o_direct:
+                obj = self._load_direct(fd, size, key)
+                if obj is not None:
+                    return obj
                 buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
                 n = _read_all(fd, memoryview(buf))
                 data = memoryview(buf)[:n]
@@ -291,8 +310,67 @@ class DiskBackend(BytesBackend):
         finally:
             os.close(fd)
 
+    def _load_direct(self, fd: int, size: int, key: str) -> MemoryObj | None:
+        """An O_DIRECT file whose header fills whole blocks and whose ``raw`` body is whole
+        blocks: the body is read straight into page-aligned pool memory and checked
+        there. ``None`` when the file is not laid out so (the caller then reads it whole
+        into a bounce buffer)."""
+        if size < BLOCK or size % BLOCK:
+            return None
+        head = mmap.mmap(-1, BLOCK)
+        try:
+            if _pread_all(fd, memoryview(head), 0) != BLOCK:
+                return None
+            try:
+                h = payload.parse_header(memoryview(head))
+            except CorruptPayloadError:
+                if size <= payload.HEADER_READ_HINT:
+                    raise
+                return None  # the header runs past the first block: not laid out for this path
+        finally:
+            head.close()
+        if h.header_len % BLOCK or h.codec != "raw" or h.body_len % BLOCK or h.body_len != h.nbytes:
+            return None
+        if h.key != key:
+            raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
+        if size != h.total_len:
+            raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
+        obj = self.context.allocate(h.shape, dtype_from_name(h.dtype))
+        try:
+            dst = memoryview(obj.byte_view().numpy())
+            if obj.byte_view().data_ptr() % BLOCK:
+                obj.unref()
+                return None
+            if _pread_all(fd, dst, h.header_len) != h.body_len:
+                raise CorruptPayloadError("file ended before its body")
+            if xxhash.xxh3_64_intdigest(dst) != h.body_xxh3:
+                raise CorruptPayloadError("body checksum mismatch")
+        except BaseException:
+            obj.unref()
+            raise
+        return obj
+
     def close(self) -> None:
         pass
+
+
+def _direct_views(buffers: Sequence[bytes | memoryview]) -> list[memoryview] | None:
+    """``buffers`` as they can go to an O_DIRECT write as they are (every one a whole
+    number of blocks at a block-aligned address, the header copied into an aligned
+    block first), or ``None``."""
+    if len(buffers) != 2 or len(buffers[0]) % BLOCK or len(buffers[1]) % BLOCK:
+        return None
+    body = memoryview(buffers[1]).cast("B")
+    if not body.contiguous or len(body) == 0:
+        return None
+    import numpy as np
+
+    addr = np.frombuffer(body, dtype=np.uint8).ctypes.data
+    if addr % BLOCK:
+        return None
+    head = mmap.mmap(-1, len(buffers[0]))
+    head[:] = buffers[0]
+    return [memoryview(head), body]
 
 
 def read_payload(

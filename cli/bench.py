@@ -749,10 +749,21 @@ def tiers_cmd(
     batch: Annotated[int, typer.Option("--batch", min=1, help="With --backend: chunks per put/get call.")] = 8,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="With --backend: rounds; the best counts.")] = 3,
     codec: Annotated[str, typer.Option("--codec", help="With --backend: the tier's codec.")] = "raw",
+    matrix: Annotated[bool, typer.Option("--matrix", help="Instead: each tier alone (cpu, disk, disk+odirect) per chunk shape and number of concurrent requests, next to memcpy / raw file I/O of the same bytes on the same threads.")] = False,
+    shapes: Annotated[str, typer.Option("--shapes", help="With --matrix: chunk shapes, comma-separated (llama3-8b: 32 MiB per 256 tokens; smollm2: 5.6 MiB).")] = "llama3-8b,smollm2",
+    concurrency: Annotated[str, typer.Option("--concurrency", help="With --matrix: numbers of concurrent requests, comma-separated.")] = "1,2,4,8",
+    matrix_tiers: Annotated[str, typer.Option("--tiers", help="With --matrix: the tiers, comma-separated (cpu, disk, disk+odirect).")] = "cpu,disk,disk+odirect",
+    total: Annotated[str, typer.Option("--total", help="With --matrix: KV bytes per cell (split across the concurrent requests).")] = "512MiB",
+    request_chunks: Annotated[int, typer.Option("--request-chunks", min=1, help="With --matrix: 256-token chunks per request.")] = 2,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="With --matrix: also plot the ratios into this PNG (needs matplotlib).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Throughput of the CPU and disk tiers next to memcpy and raw file I/O; with
-    --backend, one backend next to its raw client."""
+    --matrix, per tier, chunk shape and concurrency; with --backend, one backend next to
+    its raw client."""
+    if matrix:
+        _matrix(shapes, concurrency, matrix_tiers, total, request_chunks, repeats, directory, threads, plot, as_json)
+        return
     wl = build_workload(layers, kv_heads, head_size, dtype, prompts, tokens, prefix, chunk_size, seed)
     if backend is not None:
         _backend_bench(backend, option or [], store, wl, values, batch, repeats, codec, as_json)
@@ -788,6 +799,55 @@ def tiers_cmd(
     else:
         _print_report(data)
     if not ok:
+        raise LMCacheError("some retrieved KV differed from what was stored")
+
+
+def _csv(value: str, hint: str, choices: Any = None, conv: Callable[[str], Any] = str) -> list[Any]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        got = [conv(v) for v in items]
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list: {value!r}", param_hint=hint) from None
+    if not got:
+        raise typer.BadParameter("give at least one", param_hint=hint)
+    for v in got:
+        if choices is not None and v not in choices:
+            raise typer.BadParameter(f"{v!r} is not one of {', '.join(choices)}", param_hint=hint)
+        if conv is int and not 1 <= v <= 64:
+            raise typer.BadParameter(f"must be between 1 and 64, got {v}", param_hint=hint)
+    return got
+
+
+def _matrix(shapes: str, concurrency: str, tiers: str, total: str, request_chunks: int, repeats: int,
+            directory: Path | None, threads: int | None, plot: Path | None, as_json: bool) -> None:
+    from . import bench_matrix as bm
+
+    shape_list = _csv(shapes, "'--shapes'", tuple(bm.SHAPES))
+    conc = _csv(concurrency, "'--concurrency'", conv=int)
+    tier_list = _csv(tiers, "'--tiers'", bm.TIERS)
+    total_bytes = size_option(total, "--total", auto=False) or (512 << 20)
+    set_threads(threads)
+    wd = open_work_dir(directory, "lmcache-bench-")
+    e = err()
+    try:
+        warn_if_busy(machine_info())
+        t0 = time.perf_counter()
+        cells = bm.run_matrix(shape_list, conc, tier_list, wd.path, total_bytes, request_chunks, repeats,
+                              progress=lambda m: e.print(m + " ..."))
+        data = {"mode": "matrix", "repeats": repeats, "total_bytes": total_bytes, "request_chunks": request_chunks,
+                "seconds": time.perf_counter() - t0, "cells": [c.as_dict() for c in cells],
+                "exact": all(c.exact for c in cells), "machine": machine_info(wd.path)}
+    finally:
+        if wd.temporary:
+            shutil.rmtree(wd.path, ignore_errors=True)
+    if plot is not None:
+        bm.plot_matrix(data, plot)
+        data["plot"] = str(plot)
+    if as_json:
+        print_json(data)
+    else:
+        bm.print_matrix(data)
+    if not data["exact"]:
         raise LMCacheError("some retrieved KV differed from what was stored")
 
 

@@ -315,6 +315,7 @@ class Config:
     )
     memory_pool_size: int | None = None  # None: CPU tier capacities + staging_size
     staging_size: int = 256 << 20
+    memory_pool_prefault: bool = True  # map the pool's pages at start (see lmcache.memory)
     write_queue_size: int = 256
     lookup_pin_timeout: float = 30.0
     kv_spec: KVSpec | None = None
@@ -449,6 +450,7 @@ _SCALARS = {
     "hash_algorithm": lambda k, v, s: _choice(k, v, HASH_ALGORITHMS, s),
     "memory_pool_size": lambda k, v, s: None if v in (None, "auto") else _size(k, v, s),
     "staging_size": lambda k, v, s: _size(k, v, s, allow_zero=True),
+    "memory_pool_prefault": _bool,
     "write_queue_size": lambda k, v, s: _int(k, v, s, 1),
     "lookup_pin_timeout": lambda k, v, s: _positive_float(k, v, s),
 }

@@ -66,7 +66,7 @@ class CacheEngine:
         self.clock = clock
         self.kv_spec: KVSpec | None = kv_spec or config.kv_spec
         self.tokens = TokenProcessor(config.chunk_size, config.save_unfull_chunk, config.hash_algorithm)
-        self.pool = MemoryPool(config.pool_size)
+        self.pool = MemoryPool(config.pool_size, prefault=config.memory_pool_prefault)
         self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
         self._lock = threading.Lock()
         self._closed = False

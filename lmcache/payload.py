@@ -57,11 +57,14 @@ def header_overhead(key: str, ndim: int) -> int:
     return PREFIX_SIZE + 200 + len(key.encode()) * 2 + 24 * ndim
 
 
-def encode(key: str, obj: MemoryObj, codec: Codec) -> list:
+def encode(key: str, obj: MemoryObj, codec: Codec, header_align: int | None = None) -> list:
     """Header and body buffers (zero-copy for the ``raw`` codec) of one payload.
 
     Tensor codecs (and chains, see :mod:`lmcache.codecs`) get the tensor itself; the
-    header's ``codec`` is the codec's name, ``a+b`` for a chain."""
+    header's ``codec`` is the codec's name, ``a+b`` for a chain. With ``header_align``
+    the header's JSON is padded with spaces (which JSON ignores) so that the body starts
+    at a multiple of it: the disk backend's O_DIRECT files, whose body then moves
+    between the file and pool memory without a bounce buffer. Every reader reads both."""
     if is_tensor_codec(codec):
         body = codec.encode_tensor(obj.tensor)  # type: ignore[attr-defined]
     else:
@@ -79,6 +82,8 @@ def encode(key: str, obj: MemoryObj, codec: Codec) -> list:
         },
         separators=(",", ":"),
     ).encode()
+    if header_align:
+        hdr += b" " * ((-(PREFIX_SIZE + len(hdr))) % header_align)
     prefix = _PREFIX.pack(MAGIC, VERSION, len(hdr), xxhash.xxh3_64_intdigest(hdr))
     return [prefix + hdr, body_mv]
 

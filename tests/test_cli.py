@@ -180,6 +180,37 @@ def test_bench_tiers_table(tmp_path):
     assert "memcpy" in result.stdout and "exact=True" in result.stdout
 
 
+def test_bench_tiers_matrix(tmp_path):
+    """--matrix: one cell per tier x shape x concurrency, each with our GB/s, the raw
+    limit of the same bytes on the same threads, the ratios, and exactness; a plot."""
+    png = tmp_path / "m.png"
+    result = runner.invoke(
+        app, ["bench", "tiers", "--matrix", "--shapes", "smollm2", "--concurrency", "1,2", "--total", "12MiB",
+              "--repeats", "1", "--dir", str(tmp_path / "b"), "--json", "--plot", str(png)],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    cells = data["cells"]
+    assert {(c["tier"], c["concurrency"]) for c in cells} == {
+        (t, n) for t in ("cpu", "disk", "disk+odirect") for n in (1, 2)}
+    for c in cells:
+        assert c["shape"] == "smollm2" and c["chunk_bytes"] == 256 * 30 * 2 * 3 * 64 * 2
+        assert c["exact"] and c["total_bytes"] >= c["chunk_bytes"] * 2 * c["concurrency"]
+        for k in ("store_gbps", "retrieve_gbps", "raw_write_gbps", "raw_read_gbps", "store_ratio", "retrieve_ratio"):
+            assert c[k] > 0, (c["tier"], k)
+    assert data["exact"] and png.stat().st_size > 10_000
+    assert list((tmp_path / "b").iterdir()) == []  # nothing left behind
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--shapes", "gpt5"], "--shapes"), (["--concurrency", "0"], "--concurrency"),
+    (["--concurrency", "two"], "--concurrency"), (["--tiers", "tape"], "--tiers"), (["--total", "lots"], "--total"),
+])
+def test_bench_tiers_matrix_bad_options(args, hint):
+    result = runner.invoke(app, ["bench", "tiers", "--matrix", *args])
+    assert result.exit_code == 2 and hint in result.output, result.output
+
+
 @pytest.mark.parametrize(
     "args",
     [["--help"], ["demo", "--help"], ["demo", "synthetic", "--help"], ["bench", "tiers", "--help"], ["bench", "e2e", "--help"]],

@@ -185,6 +185,48 @@ def test_disk_o_direct(tmp_path):
     assert d2.usage().entries == 3
 
 
+def test_disk_o_direct_moves_bodies_between_pool_memory_and_the_file(tmp_path):
+    """With o_direct, a raw chunk of whole blocks goes from pool memory to the file and
+    back without a bounce buffer: the header is padded to a block, the body read into
+    page-aligned pool memory and checked there. Old-layout files, odd sizes and corrupt
+    bodies take the other path or are refused, as before."""
+    if not _o_direct_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} has no O_DIRECT (test_disk_o_direct checks the error)")
+    pool = MemoryPool(16 << 20)
+    ctx = BackendContext.standalone({"path": str(tmp_path), "o_direct": True}, codec=_codec("raw"), pool=pool)
+    d = REGS.backends.load("disk")(ctx)
+    g = torch.Generator().manual_seed(3)
+    small = pool.allocate((2, 2, 8, 2, 8), torch.float16)  # first, so that the next one needs aligning
+    obj = pool.allocate((2, 2, 256, 8, 16), torch.float16)  # 256 KiB: whole blocks
+    assert small is not None and obj is not None and obj.tensor.data_ptr() % 4096 == 0
+    obj.tensor.copy_(torch.randn(obj.shape, generator=g).half())
+    key = make_key(7)
+    d.put([(key, obj)])
+    path = d._path(key)
+    h = payload.parse_header(path.read_bytes()[:4096])
+    assert h.header_len == 4096 and path.stat().st_size == 4096 + obj.nbytes
+    (got,) = d.get([key])
+    assert got is not None and got.pooled and torch.equal(got.tensor, obj.tensor)
+    got.unref()
+    # an entry in the buffered layout (header not padded), and an odd-sized one: exact too
+    old = _disk(tmp_path / "old")
+    odd = make_obj(8, num_tokens=37)
+    old.put([(make_key(8), obj), (make_key(9), odd)])
+    reader = REGS.backends.load("disk")(BackendContext.standalone(
+        {"path": str(tmp_path / "old"), "o_direct": True}, codec=_codec("raw"), pool=pool))
+    a, b = reader.get([make_key(8), make_key(9)])
+    assert torch.equal(a.tensor, obj.tensor) and torch.equal(b.tensor, odd.tensor)
+    # a flipped body byte: refused by the checksum, the file removed
+    data = bytearray(path.read_bytes())
+    data[4096 + 1000] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert d.get([key]) == [None] and d.integrity.corrupt == 1 and not path.exists()
+    assert pool.live == 4  # small, obj, a, b: nothing leaked by the refused read
+    for o in (small, obj, a, b):
+        o.unref()
+    assert pool.used == 0
+
+
 def test_disk_option_errors(tmp_path):
     with pytest.raises(ConfigError, match="path"):
         _disk("")

@@ -28,7 +28,7 @@ def rss():
 
 SPEC = {"num_layers": 4, "num_kv_heads": 4, "head_size": 64, "dtype": "float16"}
 PER_TOKEN = 4 * 2 * 4 * 64 * 2            # 4 KiB of KV per token
-CPU = 32 << 20
+CPU = 56 << 20                            # + staging: a 64 MiB pool, resident from the start (prefaulted)
 STAGING = 8 << 20
 PROMPT = 2048                             # 8 MiB of KV per prompt
 g = torch.Generator().manual_seed(0)
