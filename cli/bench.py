@@ -919,9 +919,10 @@ def restart_check_cmd(
 
 
 def _register_distributed() -> None:
-    from . import bench_dist
+    from . import bench_dist, bench_lookup
 
-    app.command("lookup")(bench_dist.lookup_cmd)
+    app.command("controller")(bench_dist.lookup_cmd)
+    app.command("lookup")(bench_lookup.lookup_cmd)
     app.command("p2p")(bench_dist.p2p_cmd)
 
 

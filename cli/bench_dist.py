@@ -1,4 +1,4 @@
-"""``lmcache bench lookup`` and ``lmcache bench p2p``: the distributed parts measured
+"""``lmcache bench controller`` and ``lmcache bench p2p``: the distributed parts measured
 against the machine's own limits in the same run.
 
 Why separate processes: a controller lookup and a peer fetch cross a process boundary
@@ -7,7 +7,7 @@ loopback (``python -m lmcache.cli.bench_dist controller|engine|p2p-peer SPEC``),
 watching its stdin: when this process exits, even killed, their stdin closes and they
 stop, so a failed bench leaves nothing behind.
 
-``lookup``: a controller and N engines (synthetic KV; instance ``i`` holds the first
+``controller``: a controller and N engines (synthetic KV; instance ``i`` holds the first
 ``i/N`` of the prompt, whole chunks), then ``count`` lookups of the full prompt by token
 ids, one HTTP call each. The limit it is put next to: ``GET /v1/health`` on the same
 controller through the same client, ``count`` times, interleaved with the lookups, so
@@ -18,7 +18,7 @@ decoding of the token list, hashing, the index walk) and the larger bodies.
 this process fetches them with the code an engine runs on a local miss
 (``P2P._fetch_from``: pipelined GETs, decoding into pool memory, shape checks, the put
 into the local hierarchy). The controller lookup that normally picks the peer is
-skipped: it is what ``lookup`` measures. The limit: the same payload bytes (encoded
+skipped: it is what ``controller`` measures. The limit: the same payload bytes (encoded
 once, ahead of time) sent by a plain socket source in the peer process and received
 into one reused buffer here (the peer client too receives into a reused per-connection
 buffer and then decodes into pool memory; that copy is part of what the ratio shows),
@@ -176,7 +176,7 @@ def run_lookup(instances: int, tokens: int, chunk_size: int, count: int) -> dict
     lookup_ms, health_ms = _pct(lt), _pct(ht)
     hits = {r["instance_id"]: r["hit_tokens"] for r in last["results"]}
     return {
-        "bench": "lookup", "instances": instances, "tokens": tokens, "chunk_size": chunk_size, "count": count,
+        "bench": "controller", "instances": instances, "tokens": tokens, "chunk_size": chunk_size, "count": count,
         "held_tokens": held, "best": last["best"], "hit_tokens": hits, "complete": hits == want,
         "lookup_ms": lookup_ms, "health_ms": health_ms,
         "ratio_p50": round(lookup_ms["p50"] / health_ms["p50"], 2) if health_ms["p50"] else None,
@@ -201,7 +201,7 @@ def lookup_cmd(
     else:
         o = out()
         lk, hp = data["lookup_ms"], data["health_ms"]
-        o.print(f"lmcache bench lookup: {tokens} tokens, {instances} instances, {count} calls each (ms)")
+        o.print(f"lmcache bench controller: {tokens} tokens, {instances} instances, {count} calls each (ms)")
         o.print("            p50      p90      p99      max")
         for name, r in (("lookup", lk), ("health", hp)):
             o.print(f"{name:8} {r['p50']:8.3f} {r['p90']:8.3f} {r['p99']:8.3f} {r['max']:8.3f}")
@@ -438,12 +438,12 @@ _MODES = {"controller": _controller_main, "engine": _engine_main, "p2p-peer": _p
 
 def _main(argv: list[str]) -> None:
     """``python -m lmcache.cli.bench_dist MODE SPEC.json`` runs a child process of the
-    benches; ``lookup``/``p2p`` run the benches themselves (as ``lmcache bench ...``)."""
+    benches; ``controller``/``p2p`` run the benches themselves (as ``lmcache bench ...``)."""
     if len(argv) == 2 and argv[0] in _MODES:
         _MODES[argv[0]](json.loads(Path(argv[1]).read_text()))
         return
     root = typer.Typer(cls=LMCacheGroup, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
-    root.command("lookup")(lookup_cmd)
+    root.command("controller")(lookup_cmd)
     root.command("p2p")(p2p_cmd)
     root(prog_name="lmcache bench", args=argv)
 

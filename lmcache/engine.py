@@ -22,7 +22,7 @@ from .config import Config, KVSpec, load_config
 from .dtypes import dtype_from_name, dtype_name
 from .errors import KVShapeError
 from .hierarchy import StorageHierarchy, Tier
-from .keys import CacheKey, Chunk, TokenProcessor
+from .keys import Chunk, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
 
@@ -130,13 +130,22 @@ class CacheEngine:
         return cls(cfg, kv_spec=kv_spec)
 
     # --------------------------------------------------------------- keys
-    def _key(self, chunk_hash: str) -> str:
+    _prefix: tuple[str, str] | None = None  # (kv signature, key prefix), set by _key_prefix
+
+    def _key_prefix(self) -> str:
+        """Every key of this engine up to the chunk hash, built and checked once per kv spec."""
         assert self.kv_spec is not None
-        return CacheKey(self.config.namespace, self.config.model, self.kv_spec.signature, chunk_hash).to_string()
+        sig = self.kv_spec.signature
+        cached = self._prefix
+        if cached is None or cached[0] != sig:
+            cached = self._prefix = (sig, key_prefix(self.config.namespace, self.config.model, sig))
+        return cached[1]
+
+    def _key(self, chunk_hash: str) -> str:
+        return self._key_prefix() + chunk_hash
 
     def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
-        chunks = self.tokens.chunks(tokens)
-        return chunks, [self._key(c.chunk_hash) for c in chunks]
+        return self.tokens.chunk_keys(tokens, self._key_prefix())
 
     def _adopt_spec(self, kv: "_KV") -> KVSpec:
         with self._lock:
@@ -169,15 +178,26 @@ class CacheEngine:
         self._check_open()
         if self.kv_spec is None:
             return 0, []
-        chunks, keys = self.chunk_keys(tokens)
-        tiers = self.hierarchy.contains_prefix(keys)
-        if self.p2p is not None and len(tiers) < len(keys) and self.p2p.fetching:  # p2p: fetch the rest from a peer
-            if self.p2p.fill(chunks, keys, len(tiers)):
+        if self.p2p is not None and self.p2p.fetching:  # p2p: fetch the rest from a peer
+            chunks, keys = self.chunk_keys(tokens)
+            tiers = self.hierarchy.contains_prefix(keys)
+            if len(tiers) < len(keys) and self.p2p.fill(chunks, keys, len(tiers)):
                 tiers = self.hierarchy.contains_prefix(keys)
+            n = chunks[len(tiers) - 1].end if tiers else 0
+        else:
+            # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
+            # its first miss, so a miss costs the chunks up to it, not the whole prompt
+            keys, tiers = [], []
+            for batch in self.tokens.key_batches(tokens, self._key_prefix()):
+                keys += batch
+                got = self.hierarchy.contains_prefix(batch)
+                tiers += got
+                if len(got) < len(batch):
+                    break
+            n = min(len(tiers) * self.tokens.chunk_size, _length(tokens))
         if pin:
             for key, tname in zip(keys, tiers):
                 self.hierarchy.tier(tname).lease(key, self.config.lookup_pin_timeout)
-        n = chunks[len(tiers) - 1].end if tiers else 0
         return n, tiers
 
     def store(self, tokens: Any, kv: "torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]") -> StoreResult:

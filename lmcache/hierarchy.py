@@ -19,6 +19,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import not_
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -760,30 +762,26 @@ class StorageHierarchy:
     # ------------------------------------------------------------ data path
     def contains_prefix(self, keys: Sequence[str]) -> list[str]:
         """Tier names of the longest prefix of ``keys`` that some tier holds."""
-        found: list[str | None] = [None] * len(keys)
-        remaining = list(range(len(keys)))
+        n = len(keys)
+        found: list[str | None] = [None] * n
+        remaining: Sequence[int] = range(n)  # indices not found yet, ascending
         for tier in self.tiers:
             if not remaining:
                 break
-            res = tier.contains([keys[i] for i in remaining])
-            nxt = []
-            for i, hit in zip(remaining, res):
-                if hit:
-                    found[i] = tier.name
-                else:
-                    nxt.append(i)
-            remaining = nxt
+            res = tier.contains(keys if len(remaining) == n else [keys[i] for i in remaining])
+            if len(remaining) == n and all(res):  # the usual hit: all in the first tier asked
+                return [tier.name] * n
+            for i in compress(remaining, res):
+                found[i] = tier.name
+            remaining = list(compress(remaining, map(not_, res)))
             # keys after the first miss of this round may still be found lower down
-        for i in remaining:
+        for i in remaining:  # ascending: the prefix ends at the first one not in flight
             entry = self._inflight.get(keys[i])
-            if entry is not None:
-                found[i] = self.tiers[entry[1]].name
-        out = []
-        for name in found:
-            if name is None:
+            if entry is None:
                 break
-            out.append(name)
-        return out
+            found[i] = self.tiers[entry[1]].name
+        end = found.index(None) if None in found else n
+        return found[:end]  # type: ignore[return-value]
 
     def contains_any(self, keys: Sequence[str]) -> list[bool]:
         present = [False] * len(keys)

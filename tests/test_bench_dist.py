@@ -1,4 +1,4 @@
-"""``lmcache bench lookup`` and ``lmcache bench p2p``, run small as a user runs them.
+"""``lmcache bench controller`` (the controller's lookup) and ``lmcache bench p2p``, run small as a user runs them.
 
 Each run starts real processes on loopback (a controller and engines, or a peer engine
 with its raw TCP source), so these tests check that the benches start, measure both the
@@ -24,8 +24,8 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=HANG)
 
 
-def test_lookup_reports_both_latencies_and_every_instance():
-    r = bench("lookup", "--instances", "2", "--tokens", "1024", "--count", "50", "--json")
+def test_controller_lookup_reports_both_latencies_and_every_instance():
+    r = bench("controller", "--instances", "2", "--tokens", "1024", "--count", "50", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert (d["instances"], d["tokens"], d["count"], d["chunk_size"]) == (2, 1024, 50, 256)
@@ -56,7 +56,7 @@ def test_human_output_and_bad_options():
     r = bench("p2p", "--chunks", "2", "--layers", "1", "--repeats", "1")
     assert r.returncode == 0, r.stderr
     assert "p2p fetch" in r.stdout and "raw TCP" in r.stdout and "exact=True" in r.stdout
-    r = bench("lookup", "--tokens", "100", "--chunk-size", "256")
+    r = bench("controller", "--tokens", "100", "--chunk-size", "256")
     assert r.returncode != 0 and r.stderr.startswith("lmcache: error:") and "--tokens" in r.stderr
     r = bench("p2p", "--dtype", "int3")
     assert r.returncode != 0 and "--dtype" in r.stderr and "Traceback" not in r.stderr
@@ -70,9 +70,9 @@ def test_registered_as_typer_commands():
     from lmcache.cli import bench_dist
 
     app = typer.Typer()
-    app.command("lookup")(bench_dist.lookup_cmd)
+    app.command("controller")(bench_dist.lookup_cmd)
     app.command("p2p")(bench_dist.p2p_cmd)
-    r = CliRunner().invoke(app, ["lookup", "--help"])
+    r = CliRunner().invoke(app, ["controller", "--help"])
     assert r.exit_code == 0 and "--instances" in r.output and "--count" in r.output
     r = CliRunner().invoke(app, ["p2p", "--help"])
     assert r.exit_code == 0 and "--chunks" in r.output and "--repeats" in r.output
