@@ -13,8 +13,11 @@ STAMP  := $(VENV)/.lmcache-installed
 # the engine and its pins (requirements/<engine>.txt); tests/engines run there.
 VLLM_VENV   := .venv-vllm
 SGLANG_VENV := .venv-sglang
+# PyPI's LMCache (the same distribution name as ours) for `lmcache bench compare`, in a venv
+# of its own that never sees this repository
+LMCACHE_REF_VENV := .venv-lmcache-ref
 
-.PHONY: install engines demo test test-engines clean
+.PHONY: install engines demo test test-engines bench-compare clean
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,13 +47,20 @@ $(SGLANG_VENV)/.installed: $(STAMP) requirements/sglang.txt requirements/setup-s
 
 engines: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 
+$(LMCACHE_REF_VENV)/.installed: requirements/lmcache-ref.txt requirements/setup-lmcache-ref.sh
+	PYTHON=$(PYTHON) bash requirements/setup-lmcache-ref.sh $(LMCACHE_REF_VENV)
+	touch $@
+
+# then: .venv/bin/lmcache bench compare
+bench-compare: $(STAMP) $(LMCACHE_REF_VENV)/.installed
+
 # the demo keeps its cache in .cache/demo (fresh each run) so that the CLI can inspect it:
 #   .venv/bin/lmcache tiers --config .cache/demo/lmcache.yaml
 demo: $(STAMP)
 	rm -rf .cache/demo
 	$(VENV)/bin/lmcache demo --dir .cache/demo
 
-test: $(STAMP) engines
+test: $(STAMP) engines $(LMCACHE_REF_VENV)/.installed
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-engines
 
@@ -60,4 +70,4 @@ test-engines: engines
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_REF_VENV) .pytest_cache .hypothesis

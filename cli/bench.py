@@ -919,7 +919,9 @@ def restart_check_cmd(
 
 
 def _register_distributed() -> None:
-    from . import bench_dist, bench_lookup
+    from . import bench_compare, bench_dist, bench_lookup
+
+    app.command("compare")(bench_compare.compare_cmd)
 
     app.command("controller")(bench_dist.lookup_cmd)
     app.command("lookup")(bench_lookup.lookup_cmd)
@@ -945,12 +947,27 @@ def e2e_cmd(
     memcpy_size: MemcpySize = "256MiB",
     threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw TTFT per length into this PNG (needs matplotlib).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw TTFT per length (qa: per request) into this PNG (needs matplotlib).")] = None,
+    workload: Annotated[str, typer.Option("--workload", help="ttft: TTFT per prompt length and tier; qa: multi-round QA of several users, with vs without lmcache.")] = "ttft",
+    users: Annotated[int | None, typer.Option("--users", min=1, help="qa: users, each with its own document (default 4; --quick 2).")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", min=1, help="qa: questions per user (default 4; --quick 2).")] = None,
+    system_tokens: Annotated[int | None, typer.Option("--system-tokens", min=16, help="qa: tokens of the shared system prompt (default 1024; --quick 256).")] = None,
+    doc_tokens: Annotated[int | None, typer.Option("--doc-tokens", min=8, help="qa: tokens of each user's document (default 384; --quick 96).")] = None,
+    new_tokens: Annotated[int | None, typer.Option("--new-tokens", min=1, help="qa: longest answer in tokens, greedy (default 16; --quick 8).")] = None,
+    cpu_capacity: CPUCapacity = "auto",
+    quick: Annotated[bool, typer.Option("--quick", help="qa: a small run (2 users, 2 rounds, short prompts) for tests.")] = False,
 ) -> None:
-    """Time to first token with a real model: full prefill vs cpu-tier hit vs disk-tier hit."""
+    """Time to first token with a real model: full prefill vs cpu-tier hit vs disk-tier hit
+    (--workload qa: a multi-round QA workload with and without lmcache)."""
     from . import bench_e2e  # the model, transformers and matplotlib load only for this command
 
-    bench_e2e.main(lengths, repeats, prefill_repeats, chunk_size, seed, directory, memcpy_size, threads, as_json, plot)
+    if workload == "qa":
+        bench_e2e.qa_main(users, rounds, system_tokens, doc_tokens, new_tokens, chunk_size, cpu_capacity, seed,
+                          directory, memcpy_size, threads, quick, as_json, plot)
+    elif workload == "ttft":
+        bench_e2e.main(lengths, repeats, prefill_repeats, chunk_size, seed, directory, memcpy_size, threads, as_json, plot)
+    else:
+        raise typer.BadParameter(f"expected ttft or qa, got {workload!r}", param_hint="'--workload'")
 
 
 @app.command("codecs")
