@@ -27,6 +27,8 @@ from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
 
 log = logging.getLogger(__name__)
+#: chunks a store may hold while a file-like top tier writes them
+PUTS_IN_FLIGHT = 4
 
 
 @dataclass
@@ -70,6 +72,7 @@ class CacheEngine:
         self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
         self._lock = threading.Lock()
         self._closed = False
+        self._puts: Any = None  # the store's I/O threads for a file-like top tier
         self._admin = None
         self.kv_events = None  # kv events: set by _start_kv_events
         self.api = None
@@ -219,22 +222,56 @@ class CacheEngine:
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         stored = skipped = dropped = 0
         dtype = dtype_from_name(spec.dtype)
-        for chunk, key, here in zip(chunks, keys, present):
-            if here:
-                skipped += chunk.num_tokens
-                continue
-            obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
-            if obj is None:
-                dropped += chunk.num_tokens
-                log.debug("memory pool exhausted: not storing chunk %s", key)
-                continue
-            try:
-                src.copy_chunk(chunk.start, chunk.end, obj.tensor)
-                self.hierarchy.put(key, obj)
-            finally:
-                obj.unref()
-            stored += chunk.num_tokens
+        todo = sum(1 for here in present if not here)
+        # a file-like top tier writes on the store's own I/O threads, so that the write of
+        # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held)
+        pipeline = todo > 1 and getattr(self.hierarchy.tiers[0].backend, "streams_gets", False)
+        pending: list[Any] = []
+        try:
+            for chunk, key, here in zip(chunks, keys, present):
+                if here:
+                    skipped += chunk.num_tokens
+                    continue
+                obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+                if obj is None and pending:  # wait for the writes in flight to give memory back
+                    for f in pending:
+                        f.result()
+                    pending.clear()
+                    obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+                if obj is None:
+                    dropped += chunk.num_tokens
+                    log.debug("memory pool exhausted: not storing chunk %s", key)
+                    continue
+                try:
+                    src.copy_chunk(chunk.start, chunk.end, obj.tensor)
+                except BaseException:
+                    obj.unref()
+                    raise
+                if pipeline:
+                    pending.append(self._put_pool().submit(self._put_and_release, key, obj))
+                    if len(pending) >= PUTS_IN_FLIGHT:
+                        pending.pop(0).result()
+                else:
+                    self._put_and_release(key, obj)
+                stored += chunk.num_tokens
+        finally:
+            for f in pending:  # the store returns when every chunk is in the top tier
+                f.result()
         return StoreResult(stored, skipped, dropped)
+
+    def _put_and_release(self, key: str, obj: MemoryObj) -> None:
+        try:
+            self.hierarchy.put(key, obj)
+        finally:
+            obj.unref()
+
+    def _put_pool(self) -> Any:
+        with self._lock:
+            if self._puts is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._puts = ThreadPoolExecutor(2, thread_name_prefix="lmcache-store")
+            return self._puts
 
     def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None) -> RetrieveResult:
         """KV of the longest cached prefix of ``tokens``.
@@ -252,16 +289,30 @@ class CacheEngine:
             self.kv_events.remember(tokens, chunks, keys)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
         self._p2p_fill(chunks, keys)  # p2p
+        # chunks that a file-like tier reads on its I/O threads are copied into `out` there,
+        # as each arrives, overlapping the reads of the next ones (`out` past the cached
+        # prefix may then hold KV of chunks after a miss; it is not part of the result)
+        copied: set[int] = set()
+        on_ready = None
+        if out is not None and chunks and _fits(out, chunks[-1].end, spec):
+            dtype = dtype_from_name(spec.dtype)
+
+            def on_ready(j: int, obj: MemoryObj) -> None:
+                c = chunks[j]
+                if obj.shape == spec.chunk_shape(c.num_tokens) and obj.dtype == dtype:
+                    out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
+                    copied.add(j)
         try:
             with self.hierarchy.pinned(keys):
-                got = self._fetch(chunks, keys, spec)
+                got = self._fetch(chunks, keys, spec, on_ready)
             n = got[-1][0].end if got else 0
             if out is None and n:
                 out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
             elif out is not None and n:
                 _check_out(out, n, spec)
-            for chunk, obj, _ in got:
-                out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
+            for j, (chunk, obj, _) in enumerate(got):
+                if j not in copied:
+                    out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
         finally:
             for _, obj, _ in got:
                 obj.unref()
@@ -307,10 +358,11 @@ class CacheEngine:
             raise
         return LayerwiseRetrieval(got, n, out, spec.num_layers, lambda: self.hierarchy.release_leases(keys), timeout)
 
-    def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec) -> list[tuple[Chunk, MemoryObj, Tier]]:
+    def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec,
+               on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[tuple[Chunk, MemoryObj, Tier]]:
         """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
-        results = self.hierarchy.get_many(keys)  # one batch per tier (pipelines for remote stores)
+        results = self.hierarchy.get_many(keys, on_ready)  # one batch per tier (pipelines for remote stores)
         try:
             for chunk, key, r in zip(chunks, keys, results):
                 if r is None:
@@ -425,6 +477,8 @@ class CacheEngine:
             self.p2p.close()
         if self.api is not None:
             self.api.close()
+        if self._puts is not None:
+            self._puts.shutdown(wait=True)
         self.hierarchy.close()
         if self.kv_events is not None:  # kv events: after the last queued tier writes were admitted
             self.kv_events.close()
@@ -580,6 +634,14 @@ def _default_instance_id() -> str:
 
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname()) or "host"
     return f"{host.lstrip('._-') or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _fits(out: torch.Tensor, n: int, spec: KVSpec) -> bool:
+    try:
+        _check_out(out, n, spec)
+    except KVShapeError:
+        return False
+    return True
 
 
 def _length(tokens: Any) -> int:

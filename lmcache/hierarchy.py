@@ -217,9 +217,11 @@ class Tier:
     def get(self, key: str) -> MemoryObj | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
         """Objects for ``keys`` in one batch call to the backend (a pipeline or a
-        concurrent fetch for remote stores); the caller owns one reference of each."""
+        concurrent fetch for remote stores); the caller owns one reference of each.
+        A backend with ``streams_gets`` calls ``on_ready(i, obj)`` (from its I/O threads)
+        as each object arrives, before this returns; others do not call it."""
         if not keys:
             return []
         if not self.available:
@@ -227,7 +229,10 @@ class Tier:
             return [None] * len(keys)
         t0 = time.perf_counter()
         try:
-            objs = self.backend.get(keys) if len(keys) > 1 else [self.backend.get_one(keys[0])]
+            if on_ready is not None and getattr(self.backend, "streams_gets", False):
+                objs = self.backend.get(keys, on_ready=on_ready)
+            else:
+                objs = self.backend.get(keys) if len(keys) > 1 else [self.backend.get_one(keys[0])]
         except Exception as exc:
             self._failed("get", exc)
             self.stats.misses += len(keys)
@@ -797,15 +802,23 @@ class StorageHierarchy:
         """The object for ``key`` (caller owns one reference) and the tier it came from."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[tuple[MemoryObj, Tier] | None]:
+    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None
+                 ) -> list[tuple[MemoryObj, Tier] | None]:
         """:meth:`get` for several keys, one batch call per tier: each tier is asked
-        for the keys the tiers above it did not have."""
+        for the keys the tiers above it did not have. ``on_ready(j, obj)``: see
+        :meth:`Tier.get_many` (``j`` indexes ``keys``)."""
         found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
-            objs = tier.get_many([keys[j] for j in remaining])
+            cb = None
+            if on_ready is not None:
+                idx = list(remaining)
+
+                def cb(k: int, obj: MemoryObj, idx: list[int] = idx) -> None:
+                    on_ready(idx[k], obj)
+            objs = tier.get_many([keys[j] for j in remaining], cb)
             nxt = []
             for j, obj in zip(remaining, objs):
                 if obj is None:

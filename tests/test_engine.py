@@ -285,3 +285,35 @@ def test_release_drops_lookup_leases():
         e.release(a)
         e.store(b, kv_for(b))  # a is no longer leased: it makes room
         assert e.lookup(b) == 32 and e.lookup(a) == 0
+
+
+def test_disk_top_tier_pipelines_stores_and_retrieves(tmp_path):
+    """A disk tier on top: a store writes chunks on the engine's I/O threads while it
+    copies the next ones (a pool of 2 chunks is enough for 8: it waits for writes in
+    flight instead of dropping chunks); a retrieve into ``out`` copies each chunk as its
+    file is read; a missing file in the middle ends the prefix there, exactly."""
+    import lmcache
+
+    spec = {"num_layers": 2, "num_kv_heads": 2, "head_size": 64, "dtype": "float16"}
+    chunk_bytes = 64 * 2 * 2 * 2 * 64 * 2
+    e = lmcache.CacheEngine.from_config({
+        "chunk_size": 64, "memory_pool_size": 2 * chunk_bytes, "staging_size": 0,
+        "tiers": [{"backend": "disk", "capacity": "16MiB", "path": str(tmp_path / "kv")}]}, kv_spec=spec)
+    try:
+        toks = list(range(1000, 1512))  # 8 chunks
+        kv = torch.randn(2, 2, 512, 2, 64).half()
+        r = e.store(toks, kv)
+        assert (r.stored_tokens, r.dropped_tokens) == (512, 0)
+        assert e.pool.used == 0
+        out = torch.zeros_like(kv)
+        got = e.retrieve(toks, out=out)
+        assert got.num_tokens == 512 and got.kv is out and torch.equal(out, kv)
+        keys = e.chunk_keys(toks)[1]
+        disk = e.hierarchy.tiers[0].backend
+        disk._path(keys[5]).unlink()  # a file lost under the tier
+        out.zero_()
+        got = e.retrieve(toks, out=out)
+        assert got.num_tokens == 5 * 64 and torch.equal(out[:, :, :320], kv[:, :, :320])
+        assert e.pool.used == 0 and e.pool.live == 0
+    finally:
+        e.close()
