@@ -16,7 +16,9 @@ tier is the one measured, so every byte goes through that tier and nothing else:
   verifies it. Limit: the same threads writing new files of the chunk's size with
   ``os.write`` into the same directory, then reading them back with ``os.readv`` into
   preallocated buffers (page-aligned buffers and ``O_DIRECT`` for the odirect cell).
-  Buffered reads come from the page cache on both sides.
+  Buffered reads come from the page cache on both sides. Before each side's writes,
+  ``os.sync()`` flushes what earlier measurements left dirty, so that neither side's
+  writes are throttled by the other's writeback.
 
 GB/s are 10^9 bytes of KV per second of wall time from the moment all threads start
 until the last one finishes; each cell is the best of ``--repeats`` rounds. Every
@@ -149,6 +151,7 @@ def _ours(tier: str, req: _Requests, directory: Path, chunk_tokens: int) -> tupl
                 if r.stored_tokens != len(ids):
                     raise RuntimeError(f"stored {r.stored_tokens} of {len(ids)} tokens (pool or tier too small)")
 
+        os.sync()  # both sides start writing with no dirty pages pending (see _raw_files)
         ws = _parallel(n, store)
         exact = [True] * n
 
@@ -236,6 +239,7 @@ def _raw_files(req: _Requests, directory: Path, o_direct: bool) -> tuple[float, 
                 os.close(fd)
 
     try:
+        os.sync()  # the writes of the previous measurement are not flushed on this one's time
         ws = _parallel(n, write)
         rs = _parallel(n, read)
         if bytes(dsts[0][:64]) != bytes(srcs[0][:64]):  # pragma: no cover - a broken filesystem
