@@ -202,6 +202,8 @@ def _raw_memcpy(req: _Requests) -> tuple[float, float]:
 def _raw_files(req: _Requests, directory: Path, o_direct: bool) -> tuple[float, float]:
     """The same threads writing one new file per chunk (the chunk's bytes) into
     ``directory`` and reading them back into preallocated buffers."""
+    import torch
+
     n = len(req.streams)
     cb = req.chunk_bytes
     flags = os.O_DIRECT if o_direct else 0
@@ -210,7 +212,7 @@ def _raw_files(req: _Requests, directory: Path, o_direct: bool) -> tuple[float, 
     srcs = []
     for s in req.streams:
         src = _aligned(cb) if o_direct else memoryview(bytearray(cb))
-        src[:] = s[0][1].reshape(-1).view(dtype=__import__("torch").uint8)[:cb].numpy().tobytes()
+        src[:] = s[0][1].reshape(-1).view(dtype=torch.uint8)[:cb].numpy().tobytes()
         srcs.append(src)
     dsts = [_aligned(cb) for _ in range(n)]
     per_stream = sum(kv.numel() * 2 for _, kv in req.streams[0]) // cb
