@@ -278,7 +278,10 @@ class CacheEngine:
 
         With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
         into it and ``result.kv`` is ``out``; otherwise a new tensor of exactly
-        ``num_tokens`` tokens is returned (``None`` on a total miss).
+        ``num_tokens`` tokens is returned (``None`` on a total miss). Only the first
+        ``num_tokens`` tokens of ``out`` are the result: chunks read after a miss may
+        have been copied into the rest of it (a file-like tier copies each chunk as it
+        arrives).
         """
         self._check_open()
         if self.kv_spec is None:
