@@ -376,6 +376,16 @@ def plot(data: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------- command
 
 
+def _need_matplotlib(plot_path: Path | None) -> None:
+    """Fail before any work when --plot is given and matplotlib is missing."""
+    if plot_path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
+
+
 def main(
     lengths: str = "1024,2048,4096",
     repeats: int = 5,
@@ -396,11 +406,7 @@ def main(
     ls = parse_lengths(lengths)
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
+    _need_matplotlib(plot_path)
     bench.set_threads(threads)
     wd = bench.open_work_dir(directory, "lmcache-e2e-")
     e = err()
@@ -912,11 +918,7 @@ def qa_main(
     cap = size_option(cpu_capacity, "--cpu-capacity")
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
+    _need_matplotlib(plot_path)
     bench.set_threads(threads)
     wd = bench.open_work_dir(directory, "lmcache-e2e-qa-")
     e = err()
