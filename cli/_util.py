@@ -39,6 +39,25 @@ def err() -> Console:
     return _console(stderr=True)
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, for the benches' ``--plot``; a
+    clear error when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def need_pyplot(plot_path: Any) -> None:
+    """Fail before any work when ``--plot`` is given and matplotlib is missing."""
+    if plot_path is not None:
+        pyplot()
+
+
 def debug_enabled() -> bool:
     return os.environ.get("LMCACHE_DEBUG", "").lower() in ("1", "true", "yes")
 

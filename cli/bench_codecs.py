@@ -323,10 +323,9 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Compression ratio against first-token top-1 agreement, one point per row."""
-    import matplotlib
+    from ._util import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in data["rows"]:

@@ -413,10 +413,9 @@ def print_table(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from ._util import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tier_rows = [r for r in data["rows"] if r["kind"] == "tier"]
     look = [r for r in data["rows"] if r["kind"] == "lookup"]

@@ -47,7 +47,7 @@ from lmcache.errors import LMCacheError
 from lmcache.units import format_size
 
 from . import bench
-from ._util import err, out, print_json, size_option
+from ._util import err, need_pyplot, out, print_json, size_option
 
 GOALS = {"cpu_speedup": 50.0, "disk_speedup": 20.0, "warm_over_ideal": 2.0}
 
@@ -322,12 +322,9 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """TTFT per prompt length for the three cases (log scale), with the ideal hit."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ._util import pyplot
+
+    plt = pyplot()
 
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -376,15 +373,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------- command
 
 
-def _need_matplotlib(plot_path: Path | None) -> None:
-    """Fail before any work when --plot is given and matplotlib is missing."""
-    if plot_path is None:
-        return
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
-
 
 def main(
     lengths: str = "1024,2048,4096",
@@ -406,7 +394,7 @@ def main(
     ls = parse_lengths(lengths)
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
-    _need_matplotlib(plot_path)
+    need_pyplot(plot_path)
     bench.set_threads(threads)
     wd = bench.open_work_dir(directory, "lmcache-e2e-")
     e = err()
@@ -848,12 +836,9 @@ def qa_print_table(data: dict[str, Any]) -> None:
 
 def qa_plot(data: dict[str, Any], path: Path) -> None:
     """Per-request TTFT without and with lmcache (log scale), with the ideal."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ._util import pyplot
+
+    plt = pyplot()
 
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -918,7 +903,7 @@ def qa_main(
     cap = size_option(cpu_capacity, "--cpu-capacity")
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
-    _need_matplotlib(plot_path)
+    need_pyplot(plot_path)
     bench.set_threads(threads)
     wd = bench.open_work_dir(directory, "lmcache-e2e-qa-")
     e = err()

@@ -322,14 +322,9 @@ def print_tables(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        from lmcache.errors import LMCacheError
+    from ._util import pyplot
 
-        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8.5, 5), dpi=120)
     for idx, style in (("prompt", "-o"), ("large", "-s")):
@@ -385,13 +380,9 @@ def lookup_cmd(
         raise typer.BadParameter("expected list or numpy", param_hint="'--input'")
     lens = _lengths(lengths or (QUICK_LENGTHS if quick else DEFAULT_LENGTHS))
     n_indexed = indexed or (QUICK_INDEXED if quick else 1_000_000)
-    if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            from lmcache.errors import LMCacheError
+    from ._util import need_pyplot
 
-            raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
+    need_pyplot(plot_path)
     from .bench import machine_info, warn_if_busy
 
     machine = machine_info()

@@ -317,10 +317,9 @@ def print_matrix(data: dict[str, Any]) -> None:
 
 
 def plot_matrix(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from ._util import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cells = data["cells"]
     tiers = sorted({c["tier"] for c in cells}, key=TIERS.index)
