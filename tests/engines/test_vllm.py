@@ -227,12 +227,16 @@ def test_factory_loads_the_connector_in_both_roles(model_config):
 
     from lmcache.plugins.connectors.vllm import LMCacheConnector
 
-    vc, kcc = make_config(model_config), kv_cache_config(False)
+    vc, kcc = make_config(model_config, policy="fail"), kv_cache_config(False)
     conns = [KVConnectorFactory.create_connector(vc, role, kcc) for role in KVConnectorRole]
     try:
         assert all(type(c) is LMCacheConnector for c in conns)
-        assert conns[0].engine is conns[1].engine  # one process, one config: one cache engine
-        assert conns[0].engine.config.chunk_size == CHUNK
+        sched, worker = (c for c in conns if c.role == KVConnectorRole.SCHEDULER), (c for c in conns if c.role != KVConnectorRole.SCHEDULER)
+        sched, worker = next(sched), next(worker)
+        assert sched.engine is None  # the scheduler opens no tiers: it asks the workers
+        assert worker.engine is not None and worker.engine.config.chunk_size == CHUNK == sched.chunk_size
+        # a recompute policy was set so that a failed load never fails a request
+        assert vc.kv_transfer_config.kv_load_failure_policy == "recompute"
         assert conns[0].kv_spec.signature == "float32-L2-H2-D16-lt2hd-tp0of1"
     finally:
         for c in conns:
@@ -369,11 +373,15 @@ def test_failed_load_reports_blocks(model_config, layerwise):
         eng.close()
 
 
-def test_tier_error_reports_every_promised_block(model_config, monkeypatch):
-    """A tier that errors: every promised block is reported; under vLLM's default
-    ``kv_load_failure_policy="fail"`` the request then ends with an error, never with garbage."""
+@pytest.mark.parametrize("ours", ["recompute", "fail"])
+def test_tier_error_reports_every_promised_block(model_config, monkeypatch, ours):
+    """A tier that errors: every promised block is reported. vLLM's own default policy is
+    ``kv_load_failure_policy="fail"``; the connector turns it into ``recompute`` (the
+    request goes on, recomputing), unless ``lmcache.vllm.load_failure_policy: fail``, when
+    the request ends with an error. Never with garbage."""
     layout = "std_nhd"
-    eng = Engine(make_config(model_config, policy="fail"), kv_cache_config(False))
+    vc = make_config(model_config, policy="fail", **{"lmcache.vllm.load_failure_policy": ours})
+    eng = Engine(vc, kv_cache_config(False))
     gen = torch.Generator().manual_seed(5)
     try:
         a_layers, b_layers = alloc(layout), alloc(layout)
@@ -394,8 +402,18 @@ def test_tier_error_reports_every_promised_block(model_config, monkeypatch):
         assert b.num_computed_tokens == 192
         assert invalid == set(b.block_ids[0][:12])
         assert is_zero(b_layers, layout, slots_of(b.block_ids[0], 192))
-        (o,) = eng.last[0].outputs
-        assert o.request_id == "b" and o.finish_reason == FinishReason.ERROR
+        outputs = eng.last[0].outputs if eng.last else []
+        errors = [o for o in outputs if o.request_id == "b" and o.finish_reason == FinishReason.ERROR]
+        if ours == "fail":
+            assert errors
+        else:
+            assert not errors
+            monkeypatch.undo()
+            out, invalid = eng.step(wb, b_layers, layout, gen)  # b is recomputed from its first token
+            assert not invalid
+            scheduled = {**{r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs},
+                         **dict(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))}
+            assert scheduled.get("b") == 0
     finally:
         eng.close()
 
