@@ -74,6 +74,7 @@ test: $(STAMP) engines $(LMCACHE_REF_VENV)/.installed
 # the connectors against the real vLLM and SGLang packages, in their own virtualenvs
 test-engines: engines
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_kv_events.py
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:

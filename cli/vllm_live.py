@@ -106,6 +106,13 @@ class VllmServer:
         e.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                   "OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 2) // tensor_parallel)),
                   "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
+        if tensor_parallel > 1:
+            # vLLM binds each CPU worker's threads to a NUMA node of its own unless told which
+            # cores to use; one node (this machine) needs the cores split by hand: "0|1"
+            cpus = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cpus) // tensor_parallel)
+            groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tensor_parallel)]
+            e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
         e.update(env or {})
         self.env = e
         self.log_path = Path(log_path) if log_path else None

