@@ -398,8 +398,8 @@ class Admin:
         codec_options: Mapping[str, Any] | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        """Re-encode the entries of ``tier`` (all, or ``keys``, or those of a namespace /
-        model) with ``codec`` (a name or an ``a+b`` chain; ``raw`` decompresses), each
+        """Re-encode the entries of ``tier`` (all; or those of a namespace / model; or
+        ``keys``, of which an empty list selects none) with ``codec`` (a name or an ``a+b`` chain; ``raw`` decompresses), each
         replaced atomically. Returns ``{"tier", "codec", "recoded": [{key, before,
         after}], "skipped": [{key, reason}], "bytes_before", "bytes_after", "dry_run"}``."""
         from .codecs import load_codec
@@ -416,10 +416,15 @@ class Admin:
             raise AdminError(f"codec {codec!r}: {exc}") from None
         match = _matcher(namespace, model)
         t.refresh()
-        if keys:
+        if keys is not None:
+            # an explicit list selects exactly its keys (none for an empty one: never
+            # "everything"), still narrowed by namespace/model, so a caller scoped to one
+            # namespace cannot reach another's entries through it
+            if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
+                raise AdminError(f"keys must be a list of keys, got {keys!r}")
             for k in keys:
                 parse_key(k)
-            selected = list(keys)
+            selected = [k for k in keys if match(k)]
         else:
             selected = [e.key for e, _ in t.entries() if match(e.key)]
         if dry_run:

@@ -279,12 +279,17 @@ def _scoped_body(path: str, body: dict[str, Any], tenant: str, admin: "Admin") -
         _own_keys(tenant, body["key"], "key")
     elif path == "/v1/clear":
         body["namespace"] = _narrow(tenant, body.get("namespace"))
-    elif path in ("/v1/evict", "/v1/recode"):
+    elif path == "/v1/evict":
         if body.get("keys") is not None:
             _own_keys(tenant, body["keys"], "keys")
             _narrow(tenant, body.get("namespace"))  # a foreign namespace is refused even beside keys
         else:
             body["namespace"] = _narrow(tenant, body.get("namespace"))
+    elif path == "/v1/recode":
+        if body.get("keys") is not None:
+            _own_keys(tenant, body["keys"], "keys")
+        # always narrowed, keys or not: the selection can never leave the tenant's namespace
+        body["namespace"] = _narrow(tenant, body.get("namespace"))
     elif path == "/v1/push":
         if body.get("keys") is not None:
             _own_keys(tenant, body["keys"], "keys")

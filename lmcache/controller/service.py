@@ -650,7 +650,11 @@ class ControllerServer:
                 result = {name + "ned": done, "skipped": skipped}
             else:  # compress / decompress
                 codec = body["codec"] if name == "compress" else "raw"
-                result = api.recode(tier, codec, **({"keys": keys} if keys else {"namespace": tenant}))
+                if keys is not None and not keys:  # tokens with no whole chunk, or keys: []: nothing
+                    result = {"tier": tier, "codec": codec, "recoded": [], "skipped": [], "bytes_before": 0,
+                              "bytes_after": 0, "dry_run": False}
+                else:  # a tenant's selection, keys or not, stays in its namespace
+                    result = api.recode(tier, codec, keys=keys, namespace=tenant)
         except UnreachableError as exc:
             raise HTTPError(502, f"instance {inst.instance_id!r} did not answer: {exc}") from None
         except AdminError as exc:

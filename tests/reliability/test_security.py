@@ -219,6 +219,41 @@ def test_a_tenant_token_reaches_its_own_namespace_only_through_the_instance_api(
           f"{refused} requests refused (403/401), its clear removed t2's {len(t2_keys)} entries and none of t1's")
 
 
+def test_recode_with_an_empty_or_foreign_key_list_never_reaches_another_tenant(tmp_path):
+    """The outside review's bypass: t2's instance API over an fs tier shared with t1;
+    ``POST /v1/recode {"keys": []}`` with t2's token re-encoded every entry, t1's too (an
+    empty list meant "everything" and the namespace narrowing was dropped beside keys). An
+    empty list now selects nothing, for the admin too; a tenant's selection, keys or not,
+    stays in its namespace; t1's entries come back bit-exact."""
+    tier = {"backend": "fs", "url": f"file://{tmp_path / 'shared'}", "capacity": "64MiB"}
+    a = _engine("t1", tier)
+    b = _engine("t2", tier, {"enabled": True, "token": ADMIN_TOKEN, "tenants": TENANTS})
+    try:
+        t1_toks, t2_toks = list(range(700, 764)), list(range(1700, 1732))
+        a.store(t1_toks, kv_for(t1_toks))
+        b.store(t2_toks, kv_for(t2_toks))
+        a.flush()
+        b.flush()
+        t2_keys = b.chunk_keys(t2_toks)[1]
+        url = b.api_url
+        for body, token in (({"keys": []}, "tok-t2"), ({"keys": [], "dry_run": True}, "tok-t2"),
+                            ({"keys": []}, ADMIN_TOKEN)):
+            status, got = http(url + "/v1/recode", "POST", {"tier": "fs", "codec": "int4", **body}, token=token)
+            assert status == 200 and got["recoded"] == [], (body, got)
+        # a tenant's own keys: exactly those; no keys: its namespace only
+        status, got = http(url + "/v1/recode", "POST", {"tier": "fs", "codec": "zstd", "keys": t2_keys[:1]}, token="tok-t2")
+        assert status == 200 and [r["key"] for r in got["recoded"]] == t2_keys[:1], got
+        status, got = http(url + "/v1/recode", "POST", {"tier": "fs", "codec": "zstd", "dry_run": True}, token="tok-t2")
+        assert status == 200 and {_ns_of(r["key"]) for r in got["recoded"]} == {"t2"}, got
+        for t in a.hierarchy.tiers:
+            t.refresh()
+        r = a.retrieve(t1_toks)
+        assert r.num_tokens == 64 and torch.equal(r.kv, kv_for(t1_toks)), "t2 re-encoded t1's entries"
+    finally:
+        b.close()
+        a.close()
+
+
 def test_a_tenant_token_reaches_its_own_namespace_only_through_the_controller(fresh_lm):
     """A controller with tenant tokens and two engines whose workers use them (t1 and
     t2, on one shared lm store): instances, health, lookups and commands with t2's token
@@ -293,6 +328,18 @@ def test_a_tenant_token_reaches_its_own_namespace_only_through_the_controller(fr
                 "instance_id": "t2-extra", "session": reg["session"], "events": [["admit", "lm", k] for k in t1_keys]},
                 token="tok-t2")
             assert status == 200 and ev == {"applied": 0, "ignored": 4}, ev
+
+            # a compress whose selection is empty (tokens of no whole chunk, keys: []) re-encodes
+            # nothing, for a tenant and for the admin; without a selection, t2's entries only
+            for body, tok in (({"tokens": toks[:5]}, "tok-t2"), ({"keys": []}, "tok-t2"), ({"keys": []}, ADMIN_TOKEN)):
+                status, res = http(ctl.url + "/v1/compress", "POST",
+                                   {"instance": "t2-inst", "tier": "lm", "codec": "zstd", **body}, token=tok)
+                assert status == 200 and res["result"]["recoded"] == [], (body, res)
+            status, res = http(ctl.url + "/v1/compress", "POST", {"instance": "t2-inst", "tier": "lm", "codec": "zstd"},
+                               token="tok-t2")
+            assert status == 200 and {_ns_of(r["key"]) for r in res["result"]["recoded"]} == {"t2"}, res
+            status, res = http(ctl.url + "/v1/decompress", "POST", {"instance": "t2-inst", "tier": "lm"}, token="tok-t2")
+            assert status == 200 and len(res["result"]["recoded"]) == 2, res
 
             # a clear with t2's token, dispatched to t2's instance over the shared store: t2's entries only
             status, cl = http(ctl.url + "/v1/clear", "POST", {"instance": "t2-inst"}, token="tok-t2")
