@@ -34,6 +34,9 @@ def server_cmd(
     max_connections: Annotated[
         int, typer.Option("--max-connections", min=1, help="Connections served at once; one more is refused.")
     ] = lmserver.DEFAULT_MAX_CONNECTIONS,
+    auth_timeout: Annotated[
+        float, typer.Option("--auth-timeout", min=0.001, help="With --token: seconds a connection has to authenticate.")
+    ] = lmserver.DEFAULT_AUTH_TIMEOUT,
 ) -> None:
     """Run an lmcache cache server (framed binary protocol over TCP) until SIGTERM/SIGINT."""
     cap = size_option(capacity, "--capacity", auto=False)
@@ -46,6 +49,7 @@ def server_cmd(
         raise CLIError(f"unknown eviction policy {policy!r}; known: {known}")
     try:
         lmserver.run(host, port, capacity=cap, policy=policy, token=token or None, max_value_size=maxv,
-                     max_connections=max_connections, announce=lambda s: print(s, flush=True))
+                     max_connections=max_connections, announce=lambda s: print(s, flush=True),
+                     auth_timeout=auth_timeout)
     except OSError as exc:
         raise CLIError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None

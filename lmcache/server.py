@@ -39,7 +39,11 @@ and the server carry on. A request that is well-formed but cannot be served (a v
 larger than the whole capacity) is an ERROR response and the connection stays open.
 
 When a token is set, the first frame of every connection must be AUTH with the token as
-its value (compared in constant time); anything else is answered FATAL and closed.
+its value (compared in constant time); anything else is answered FATAL and closed as soon
+as its header is read, before any of its key or value: an unauthenticated peer can make
+the server hold no more than one AUTH frame (at most 4 KiB). Unauthenticated connections
+are bounded in time (``auth_timeout``: the AUTH frame must arrive within it) and in number
+(``max_unauthenticated``), so idle sockets cannot fill ``max_connections``.
 """
 
 from __future__ import annotations
@@ -82,6 +86,10 @@ LIST_PAGE = 1000
 FLUSH_BYTES = 4 << 20
 DEFAULT_MAX_VALUE = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
+#: seconds an unauthenticated connection has to send its AUTH frame (with a token set)
+DEFAULT_AUTH_TIMEOUT = 5.0
+#: connections that may wait for their AUTH frame at once (with a token set)
+DEFAULT_MAX_UNAUTHENTICATED = 32
 DEFAULT_PORT = 7171
 _ENTRY = struct.Struct("<HQ")
 
@@ -430,6 +438,8 @@ class CacheServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: Store | None = None,
         name: str = "lmcache server",
+        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
     ):
         """``store``: serve this :class:`Store` instead of a new :class:`ByteStore` of
         ``capacity`` bytes evicting with ``policy`` (a peer endpoint serves its engine's
@@ -440,6 +450,8 @@ class CacheServer:
             raise ValueError(f"max value size must be positive, got {max_value_size}")
         if max_connections < 1:
             raise ValueError(f"max connections must be positive, got {max_connections}")
+        if not auth_timeout > 0 or max_unauthenticated < 1:
+            raise ValueError("auth timeout and max unauthenticated connections must be positive")
         self.host, self.port = host, port
         self.store: Store = store if store is not None else ByteStore(capacity, load_policy(policy))
         self.policy_name = policy if store is None else None
@@ -447,6 +459,9 @@ class CacheServer:
         self.token = token.encode() if token else None
         self.max_value_size = max_value_size
         self.max_connections = max_connections
+        self.auth_timeout = float(auth_timeout)
+        self.max_unauthenticated = max_unauthenticated
+        self._unauthenticated = 0
         self.started = time.time()
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -484,14 +499,21 @@ class CacheServer:
                 if self._stop.is_set():
                     break
                 raise
+            # with a token, a timer closes the connection unless AUTH arrived within auth_timeout
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            why = None
             with self._conns_lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
+                if len(self._conns) >= self.max_connections:
+                    why = f"too many connections (limit {self.max_connections})"
+                elif self.token is not None and self._unauthenticated >= self.max_unauthenticated:
+                    why = f"too many connections waiting to authenticate (limit {self.max_unauthenticated})"
+                else:
                     self._conns.add(conn)
-            if full:
-                self._fatal(conn, 0, 0, f"too many connections (limit {self.max_connections})")
+                    if self.token is not None:
+                        self._unauthenticated += 1
+            if why is not None:
+                self._fatal(conn, 0, 0, why)
                 conn.close()
                 continue
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="lmcache-server-conn").start()
@@ -534,10 +556,30 @@ class CacheServer:
         except OSError:
             pass
 
+    def _authenticated(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            self._unauthenticated -= 1
+
     def _serve_conn(self, conn: socket.socket) -> None:
         io = _ConnIO(conn)
+        authed = [self.token is None]
+        timer = None
+        if not authed[0]:
+            # the whole AUTH frame within auth_timeout, however slowly its bytes come
+            def expire() -> None:
+                if not authed[0]:
+                    log.info("%s: closing a connection that did not authenticate within %gs", self.name, self.auth_timeout)
+                    self._fatal(conn, 0, 0, f"no AUTH frame within {self.auth_timeout:g}s")
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+            timer = threading.Timer(self.auth_timeout, expire)
+            timer.daemon = True
+            timer.start()
         try:
-            self._loop(conn, io)
+            self._loop(conn, io, authed)
         except ProtocolError as exc:
             self.protocol_errors += 1
             log.info("%s: closing a connection: %s", self.name, exc)
@@ -546,16 +588,19 @@ class CacheServer:
         except Exception:  # pragma: no cover - never let one connection take the server down
             log.exception("%s: unexpected error on a connection", self.name)
         finally:
+            if timer is not None:
+                timer.cancel()
             io.release()
             with self._conns_lock:
                 self._conns.discard(conn)
+                if not authed[0]:
+                    self._unauthenticated -= 1
             try:
                 conn.close()
             except OSError:
                 pass
 
-    def _loop(self, conn: socket.socket, io: "_ConnIO") -> None:
-        authed = self.token is None
+    def _loop(self, conn: socket.socket, io: "_ConnIO", authed: list[bool]) -> None:
         while True:
             # the first byte may take forever (an idle pooled connection); EOF here is a clean close
             if not io.wait(HEADER_SIZE):
@@ -569,6 +614,11 @@ class CacheServer:
                 io.flush()
                 self._fatal(conn, op, seq, str(exc))
                 raise
+            if not authed[0] and f.op != AUTH:  # refused before a byte of its key or value is read
+                why = "authentication required: the first frame must be AUTH"
+                io.flush()
+                self._fatal(conn, f.op, f.seq, why)
+                raise ProtocolError(why)
             key_b = io.take(f.key_len) if f.key_len else b""
             try:
                 key = bytes(key_b).decode()
@@ -577,12 +627,13 @@ class CacheServer:
                 self._fatal(conn, f.op, f.seq, "key is not UTF-8")
                 raise ProtocolError("key is not UTF-8") from None
             value = io.take(f.value_len) if f.value_len else bytearray()
-            if not authed:
-                if f.op == AUTH and self.token is not None and hmac.compare_digest(bytes(value), self.token):
-                    authed = True
+            if not authed[0]:
+                if self.token is not None and hmac.compare_digest(bytes(value), self.token):
+                    authed[0] = True
+                    self._authenticated(conn)
                     io.send(pack_header(AUTH, f.seq))
                     continue
-                why = "wrong token" if f.op == AUTH else "authentication required: the first frame must be AUTH"
+                why = "wrong token"
                 io.flush()
                 self._fatal(conn, f.op, f.seq, why)
                 raise ProtocolError(why)
@@ -648,10 +699,12 @@ def run(
     max_value_size: int,
     max_connections: int,
     announce: Callable[[str], None] = print,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
 ) -> None:
     """Bind, print ``LISTENING host:port`` once ready, serve until SIGTERM or SIGINT."""
     server = CacheServer(host, port, capacity=capacity, policy=policy, token=token,
-                         max_value_size=max_value_size, max_connections=max_connections).bind()
+                         max_value_size=max_value_size, max_connections=max_connections,
+                         auth_timeout=auth_timeout).bind()
 
     def stop(signum: int, frame: Any) -> None:
         server._stop.set()
@@ -680,13 +733,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--token", default=None, help="or LMCACHE_SERVER_TOKEN")
     ap.add_argument("--max-value-size", default="1GiB")
     ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
+    ap.add_argument("--auth-timeout", type=float, default=DEFAULT_AUTH_TIMEOUT)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="lmcache server: %(message)s")
     try:
         capacity, max_value = parse_size(a.capacity), parse_size(a.max_value_size)
         token = a.token or os.environ.get("LMCACHE_SERVER_TOKEN") or None
         run(a.host, a.port, capacity=capacity, policy=a.policy, token=token, max_value_size=max_value,
-            max_connections=a.max_connections, announce=lambda s: print(s, flush=True))
+            max_connections=a.max_connections, announce=lambda s: print(s, flush=True),
+            auth_timeout=a.auth_timeout)
     except Exception as exc:  # one line, as the CLI does
         sys.stderr.write(f"lmcache server: error: {exc}\n")
         return 1

@@ -232,6 +232,93 @@ def test_token_required_wrong_and_right():
         assert closed and f.status == proto.FATAL and b"AUTH" in msg
 
 
+def _recv_frame(sock: socket.socket, timeout: float = 5.0) -> tuple[proto.Frame, bytes]:
+    sock.settimeout(timeout)
+    hdr = bytearray()
+    while len(hdr) < proto.HEADER_SIZE:
+        c = sock.recv(proto.HEADER_SIZE - len(hdr))
+        assert c, "closed before a reply"
+        hdr += c
+    f = proto.parse_header(bytes(hdr), 1 << 20)
+    body = bytearray()
+    while len(body) < f.key_len + f.value_len:
+        c = sock.recv(f.key_len + f.value_len - len(body))
+        assert c
+        body += c
+    return f, bytes(body[f.key_len:])
+
+
+def _closed(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    return True
+
+
+def test_unauthenticated_frames_are_refused_before_their_value_is_read():
+    """The outside review: with a token, a client that never sent AUTH and declared a
+    200 MiB PUT made the server read (and hold) all of it before refusing. Now the FATAL
+    reply comes right after the header, while not one byte of the value has been sent, and
+    the connection is closed."""
+    srv = proto.CacheServer(token="s3cret", capacity=1 << 30).start()
+    try:
+        host, port = srv.address
+        for op, key, value_len in ((proto.PUT, b"k" * 100, 200 << 20), (proto.GET, b"k" * 4000, 0), (proto.LIST, b"", 0)):
+            with socket.create_connection((host, port), timeout=5) as c:
+                c.sendall(proto.pack_header(op, 3, key, value_len))  # the header only: no key, no value
+                f, msg = _recv_frame(c)
+                assert f.status == proto.FATAL and f.seq == 3 and b"AUTH" in msg, msg
+                assert _closed(c)
+    finally:
+        srv.close()
+
+
+def test_unauthenticated_connections_are_bounded_in_time_and_number():
+    """Idle sockets that never authenticate cannot hold the server: each is closed after
+    ``auth_timeout`` (also one that trickles its AUTH frame a byte at a time), at most
+    ``max_unauthenticated`` wait at once, and an authenticating client gets in meanwhile."""
+    srv = proto.CacheServer(token="s3cret", auth_timeout=0.5, max_unauthenticated=3, max_connections=8).start()
+    try:
+        host, port = srv.address
+        idle = [socket.create_connection((host, port), timeout=5) for _ in range(3)]
+        time.sleep(0.1)
+        with socket.create_connection((host, port), timeout=5) as extra:  # a 4th waits: refused at once
+            f, msg = _recv_frame(extra)
+            assert f.status == proto.FATAL and b"authenticate" in msg, msg
+        t0 = time.monotonic()
+        for c in idle:
+            f, msg = _recv_frame(c)
+            assert f.status == proto.FATAL and b"AUTH" in msg, msg
+            assert _closed(c)
+            c.close()
+        assert time.monotonic() - t0 < 10  # a hang guard, not a timing claim
+        # a trickling AUTH frame: one byte at a time is still cut at the deadline
+        auth = proto.encode(proto.AUTH, 1, b"", b"s3cret")
+        with socket.create_connection((host, port), timeout=5) as c:
+            deadline = time.monotonic() + 5
+            cut = False
+            for b in auth[:-1]:
+                try:
+                    c.sendall(bytes([b]))
+                except OSError:
+                    cut = True
+                    break
+                time.sleep(0.1)
+                if time.monotonic() > deadline:
+                    break
+            assert cut or _closed(c, 2.0)
+        # the slots are free again: an authenticated client is served
+        b = LMBackend(BackendContext.standalone({"url": f"lm://{host}:{port}", "token": "s3cret"}))
+        b.put([(make_key(1), make_obj(1))])
+        assert b.contains([make_key(1)]) == [True]
+        b.close()
+    finally:
+        srv.close()
+
+
 def test_cli_server_command_prints_listening_and_stops_on_sigterm():
     code = ("import typer; from lmcache.cli.server_cmd import server_cmd; "
             "app = typer.Typer(); app.command()(server_cmd); app()")
