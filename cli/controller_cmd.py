@@ -123,6 +123,13 @@ def serve(
         float, typer.Option("--dispatch-timeout", min=0.1, metavar="SECONDS",
                             help="Seconds to wait for an instance to answer a command.")
     ] = 30.0,
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", min=0.1, metavar="SECONDS",
+                            help="A client must send its whole request within this long, or is disconnected.")
+    ] = 10.0,
+    max_connections: Annotated[
+        int, typer.Option("--max-connections", min=1, help="Connections served at once; one more is answered 503.")
+    ] = 64,
     tenants_file: Annotated[
         Path | None, typer.Option("--tenants-file", metavar="FILE", show_default=False,
                                   help="Tenant tokens, YAML or JSON {namespace: token | [tokens]}: each token sees and "
@@ -147,7 +154,8 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and not token and not tenants:
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
     server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,
-                              expire_after=expire_after, dispatch_timeout=dispatch_timeout)
+                              expire_after=expire_after, dispatch_timeout=dispatch_timeout,
+                              request_timeout=request_timeout, max_connections=max_connections)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -32,14 +32,17 @@ GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 Errors are JSON ``{"error": "...", "status": n}``: 400 for a malformed request (the
 message names the field), 401 for a missing or wrong token, 403 for what a tenant token
 may not reach, 404 for an unknown path,
-tier or key, 405 for a wrong method, 413 for a body over 1 MiB. A client that does not
-finish sending its request within ``api.timeout`` seconds is disconnected.
+tier or key, 405 for a wrong method, 413 for a body over 1 MiB, 503 when
+``api.max_connections`` connections are open already. A client that does not finish
+sending its whole request (line, headers and body) within ``api.timeout`` seconds is
+disconnected, however slowly its bytes trickle in.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,6 +59,54 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
+#: connections an HTTP service (instance API, controller) serves at once; one more gets 503
+DEFAULT_MAX_CONNECTIONS = 64
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A ``ThreadingHTTPServer`` that serves at most ``max_connections`` connections at
+    once (one more is answered 503 from the accepting thread and closed), so slow or idle
+    clients cannot take every thread. Each handler bounds its whole request in time (see
+    ``_Handler.setup``)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: Any, handler: Any, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+        self.max_connections = max_connections
+        self._active = 0
+        self._active_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._active_lock:
+            full = self._active >= self.max_connections
+            if not full:
+                self._active += 1
+        if full:
+            body = json.dumps({"error": f"too many connections (limit {self.max_connections})", "status": 503}).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done()
+            raise
+
+    def _done(self) -> None:
+        with self._active_lock:
+            self._active -= 1
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done()
 JSON_TYPE = "application/json"
 
 # field -> accepted JSON types, per POST endpoint
@@ -114,7 +165,13 @@ def _check_field(name: str, value: Any, types: tuple[type, ...]) -> None:
         return
     ok = any(isinstance(value, t) and not (isinstance(value, bool) and t is not bool) for t in types)
     if not ok:
-        raise HTTPError(400, f"field {name!r} must be {_type_names(types)}, got {json.dumps(value)}")
+        try:
+            shown = json.dumps(value)
+        except (RecursionError, ValueError):
+            shown = "a deeply nested value"
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        raise HTTPError(400, f"field {name!r} must be {_type_names(types)}, got {shown}")
 
 
 class ApiServer:
@@ -128,12 +185,11 @@ class ApiServer:
         self._metrics_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout})
         try:
-            self.server = ThreadingHTTPServer((cfg.host, cfg.port), handler)
+            self.server = BoundedHTTPServer((cfg.host, cfg.port), handler, cfg.max_connections)
         except OSError as exc:
             raise ConfigError(
                 "api.port", f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}"
             ) from None
-        self.server.daemon_threads = True
         host, port = self.server.server_address[:2]
         self.host = host if ":" not in str(host) else f"[{host}]"
         self.port = int(port)
@@ -444,6 +500,7 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(n)
             if len(raw) != n:
                 raise HTTPError(400, f"body ended after {len(raw)} of {n} bytes")
+        self._arrived()
         if not raw.strip():
             body: Any = {}
         else:
@@ -451,6 +508,8 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise HTTPError(400, f"body is not valid JSON: {exc}") from None
+            except RecursionError:  # 1 MiB of "[" nests deeper than the parser recurses
+                raise HTTPError(400, "body nests too deeply (JSON arrays/objects inside each other)") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "body must be a JSON object")
         for k, v in body.items():
@@ -462,7 +521,40 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HTTPError(400, f"field {k!r} is required")
         return body
 
+    # ------------------------------------------------------------ whole-request deadline
+    def setup(self) -> None:
+        """``timeout`` bounds each read; this timer bounds the whole request: a client that
+        has not sent its request line, headers and body within ``timeout`` seconds is
+        disconnected, however slowly its bytes come."""
+        super().setup()
+        self._request_in = False
+        self._deadline = threading.Timer(float(self.timeout or 10.0), self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self) -> None:
+        if not self._request_in:
+            log.info("%s: a client did not send its request within %gs; disconnecting it", type(self).__name__, self.timeout)
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _arrived(self) -> None:
+        """The whole request is in: no deadline from here on (the answer may take longer)."""
+        self._request_in = True
+        self._deadline.cancel()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
+
+    def handle_one_request(self) -> None:
+        self._request_in = False  # each request of a connection gets the deadline anew
+        super().handle_one_request()
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        self._arrived()
         self._dispatch("GET")
 
     def do_POST(self) -> None:  # noqa: N802
@@ -539,4 +631,4 @@ class _Collector:
             yield g
 
 
-__all__ = ["ApiServer", "MAX_BODY"]
+__all__ = ["ApiServer", "BoundedHTTPServer", "MAX_BODY", "DEFAULT_MAX_CONNECTIONS"]

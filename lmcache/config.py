@@ -119,7 +119,8 @@ class ApiConfig:
 
     ``port: 0`` picks a free port (``CacheEngine.api_url`` tells which); ``token``, when
     set, must be sent as ``Authorization: Bearer <token>`` on every request; ``timeout``
-    bounds the time one request may take to arrive. ``tenants`` (``{namespace: token |
+    bounds the time one whole request may take to arrive; ``max_connections`` bounds the
+    connections served at once (one more is answered 503). ``tenants`` (``{namespace: token |
     [tokens]}``) adds tokens scoped to one namespace each (see :mod:`lmcache.auth`).
     """
 
@@ -129,6 +130,7 @@ class ApiConfig:
     token: str | None = None
     timeout: float = 10.0
     tenants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    max_connections: int = 64
 
 
 @dataclass
@@ -499,6 +501,8 @@ def _api(raw: Any, base: ApiConfig, src: str | None) -> ApiConfig:
         api.token = _token("api.token", raw["token"], src)
     if "timeout" in raw:
         api.timeout = _positive_float("api.timeout", raw["timeout"], src)
+    if "max_connections" in raw:
+        api.max_connections = _int("api.max_connections", raw["max_connections"], src)
     if "tenants" in raw or ("token" in raw and api.tenants):
         from .auth import parse_tenants
 

@@ -1,6 +1,6 @@
 """The controller service: which instance holds which chunks, for KV-aware routers.
 
-A ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.api`, whose request
+A bounded ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.api`, whose request
 plumbing it shares: JSON bodies of at most 1 MiB, fields checked by name, a timeout for
 slow clients) bound to ``127.0.0.1`` unless told otherwise. With a token set, every
 call, the workers' included, must carry ``Authorization: Bearer <token>`` (compared in
@@ -37,11 +37,10 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import quote, urlsplit
 
-from ..api import HTTPError, _Handler
+from ..api import BoundedHTTPServer, HTTPError, _Handler
 from ..auth import ADMIN, Credentials, Unauthorized, foreign
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from ..keys import KEY_PREFIX, TokenProcessor
@@ -485,16 +484,16 @@ class ControllerServer:
         expire_after: float | None = None,
         dispatch_timeout: float = 30.0,
         request_timeout: float = 10.0,
+        max_connections: int = 64,
     ):
         self.index = Index(instance_timeout, expire_after if expire_after is not None else max(300.0, 6 * instance_timeout))
         self.dispatch_timeout = dispatch_timeout
         self.creds = Credentials(token, tenants)
         handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout})
         try:
-            self.server = ThreadingHTTPServer((host, port), handler)
+            self.server = BoundedHTTPServer((host, port), handler, max_connections)
         except OSError as exc:
             raise ConfigError("controller port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self.server.daemon_threads = True
         h, p = self.server.server_address[:2]
         self.host = h if ":" not in str(h) else f"[{h}]"
         self.port = int(p)

@@ -415,3 +415,85 @@ def test_config_fuzz_raises_only_config_error(cfg):
 def test_config_fuzz_summary():
     print(f"config fuzz: {STATS.get('config_cases', 0)} configs, {STATS.get('config_rejected', 0)} ConfigError, "
           f"{STATS.get('config_accepted', 0)} accepted, 0 other exceptions")
+
+
+# ---------------------------------------------------------------- slow and many HTTP clients
+def _trickle(port: int, data: bytes, gap: float, bound: float) -> tuple[float, bool]:
+    """Send ``data`` one byte every ``gap`` seconds until the server cuts us off (or
+    ``bound`` passes); (seconds connected, cut off)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as s:
+        for b in data:
+            try:
+                s.sendall(bytes([b]))
+                s.settimeout(gap)
+                try:
+                    if s.recv(1 << 16) == b"":
+                        return time.monotonic() - t0, True
+                except socket.timeout:
+                    pass
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0, True
+            if time.monotonic() - t0 > bound:
+                return time.monotonic() - t0, False
+    return time.monotonic() - t0, False
+
+
+@pytest.mark.parametrize("service", ["api", "controller"])
+def test_a_slow_client_is_cut_off_after_the_whole_request_timeout(service, api_engine, controller):
+    """The outside review: one byte every 1.5 s kept a connection 15 s (controller: 32 s)
+    with a 2 s timeout, because the timeout bounded each read. Now the whole request must
+    arrive within the timeout (2 s here): the trickler is cut off in well under 15 s."""
+    port = api_engine.api.port if service == "api" else controller.port
+    body = json.dumps({"tier": "cpu", "all": True, "dry_run": True}).encode()
+    data = request("POST", "/v1/evict" if service == "api" else "/v1/lookup", body)
+    connected, cut = _trickle(port, data, gap=0.5, bound=12.0)
+    assert cut, f"still connected after {connected:.1f}s"
+    assert connected < 8.0, connected  # 2 s timeout; a hang guard with slack for a busy machine, not a timing claim
+
+
+@pytest.mark.parametrize("service", ["api", "controller"])
+def test_connections_over_the_limit_get_503_and_the_service_recovers(service, tmp_path):
+    """At most ``max_connections`` connections are served at once; one more is answered 503
+    at once; idle ones are dropped after the request timeout and the service serves again."""
+    if service == "api":
+        e = lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [{"backend": "cpu", "capacity": "1MiB"}],
+                                             "api": {"enabled": True, "timeout": 1.0, "max_connections": 4}})
+        port, close = e.api.port, e.close
+    else:
+        c = ControllerServer("127.0.0.1", 0, request_timeout=1.0, max_connections=4)
+        port, close = c.port, c.close
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=HANG) for _ in range(4)]
+        time.sleep(0.2)
+        status, _, body = http_raw(port, request("GET", "/v1/health"))
+        assert status == 503 and b"too many connections" in body, (status, body)
+        for s in idle:  # cut off by the whole-request deadline
+            s.settimeout(HANG)
+            assert s.recv(1 << 16) is not None
+            s.close()
+        deadline = time.monotonic() + HANG
+        while True:
+            status, _, body = http_raw(port, request("GET", "/v1/health"))
+            if status == 200:
+                break
+            assert time.monotonic() < deadline, (status, body)
+            time.sleep(0.1)
+    finally:
+        close()
+
+
+@pytest.mark.parametrize("service", ["api", "controller"])
+@pytest.mark.parametrize("shape", ["array", "object", "field"])
+def test_deeply_nested_json_is_a_400_not_a_500(service, shape, api_engine, controller):
+    """The outside review: a deeply nested body got a 500 with a logged RecursionError on
+    both HTTP services. It is a 400 that says what is wrong."""
+    port = api_engine.api.port if service == "api" else controller.port
+    depth = 200_000
+    body = {"array": b"[" * depth + b"]" * depth,
+            "object": b'{"a":' * depth + b"1" + b"}" * depth,
+            "field": b'{"tier": ' + b"[" * 5000 + b"]" * 5000 + b"}"}[shape]
+    path = "/v1/evict" if service == "api" else "/v1/lookup"
+    status, _, reply = http_raw(port, request("POST", path, body[: (1 << 20) - 1]))
+    assert status == 400, (status, reply[:300])
+    assert b"nest" in reply or b"must be" in reply or b"JSON" in reply, reply[:300]
