@@ -287,6 +287,8 @@ class CacheEngine:
         if self.kv_spec is None:
             return RetrieveResult(0, out)
         spec = self.kv_spec
+        if out is not None:
+            _check_out_dtype(out, spec)  # before anything is read: never a silent conversion
         chunks, keys = self.chunk_keys(tokens)
         if self.kv_events is not None:  # kv events: promotions are BlockStored too
             self.kv_events.remember(tokens, chunks, keys)
@@ -300,10 +302,15 @@ class CacheEngine:
         if out is not None and chunks and _fits(out, chunks[-1].end, spec):
             dtype = dtype_from_name(spec.dtype)
 
+            # a file-like tier calls this on its I/O threads; an out made under
+            # torch.inference_mode (the transformers connector's) can only be written in it
+            inference = out.is_inference()
+
             def on_ready(j: int, obj: MemoryObj) -> None:
                 c = chunks[j]
                 if obj.shape == spec.chunk_shape(c.num_tokens) and obj.dtype == dtype:
-                    out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
+                    with torch.inference_mode(inference):
+                        out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
                     copied.add(j)
         try:
             with self.hierarchy.pinned(keys):
@@ -344,6 +351,7 @@ class CacheEngine:
         if self.kv_spec is None:
             return LayerwiseRetrieval([], 0, out, 0, None, timeout)
         spec = self.kv_spec
+        _check_out_dtype(out, spec)
         chunks, keys = self.chunk_keys(tokens)
         if self.kv_events is not None:  # kv events: promotions are BlockStored too
             self.kv_events.remember(tokens, chunks, keys)
@@ -516,6 +524,15 @@ class CacheEngine:
         self.close()
 
 
+def _check_out_dtype(out: torch.Tensor, spec: KVSpec) -> None:
+    want = dtype_from_name(spec.dtype)
+    if out.dtype != want:
+        raise KVShapeError(
+            f"out is {dtype_name(out.dtype)} but this engine's KV is {spec.dtype} ({spec.signature}); "
+            f"pass an out of dtype {spec.dtype} (KV is never converted on the way out)"
+        )
+
+
 def _check_out(out: torch.Tensor, n: int, spec: KVSpec) -> None:
     if out.dim() != 5 or out.shape[2] < n or tuple(out.shape[:2]) + tuple(out.shape[3:]) != (
         spec.num_layers, 2, spec.num_kv_heads, spec.head_size
@@ -550,7 +567,7 @@ class LayerwiseRetrieval:
     def _run(self) -> None:
         try:
             # a buffer made under inference_mode may only be written under it
-            with torch.inference_mode(self.kv.is_inference()):
+            with torch.inference_mode(self.kv is not None and self.kv.is_inference()):
                 self._copy_layers()
         except BaseException as exc:  # reported to whoever waits
             self._error = exc
@@ -564,11 +581,13 @@ class LayerwiseRetrieval:
                 e.set()
 
     def _copy_layers(self) -> None:
-        for layer, ev in enumerate(self._events):
-            dst = self.kv[layer]
-            for chunk, obj, _ in self._got:
-                dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
-            ev.set()
+        # this runs on its own thread: an out made under torch.inference_mode is written in it
+        with torch.inference_mode(self.kv is not None and self.kv.is_inference()):
+            for layer, ev in enumerate(self._events):
+                dst = self.kv[layer]
+                for chunk, obj, _ in self._got:
+                    dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
+                ev.set()
 
     def wait(self, layer: int) -> None:
         """Block until layer ``layer`` is in ``kv``."""

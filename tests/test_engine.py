@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -86,6 +88,53 @@ def test_retrieve_into_out():
         assert res.kv is out and torch.equal(out[:, :, :50], kv) and bool((out[:, :, 50:] == 0).all())
         with pytest.raises(KVShapeError):
             e.retrieve(toks, out=torch.zeros(L, 2, 10, H, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int32, torch.float64])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_retrieve_into_an_out_of_another_dtype_is_refused(dtype, layerwise):
+    """The outside review: a bfloat16 out came back off by 0.25, an int32 one truncated,
+    with no word. Now the retrieve refuses before reading anything, naming both dtypes,
+    out is untouched, and the entries are still there."""
+    toks = list(range(32))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(toks, kv)
+        out = torch.full((L, 2, 32, H, D), 7, dtype=dtype)
+        with pytest.raises(KVShapeError, match=r"out is \w+ but this engine's KV is float32"):
+            if layerwise:
+                e.retrieve_layerwise(toks, out)
+            else:
+                e.retrieve(toks, out=out)
+        assert bool((out == 7).all())
+        assert e.lookup(toks) == 32 and torch.equal(e.retrieve(toks).kv, kv)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_streamed_disk_read_into_an_inference_mode_tensor(tmp_path, caplog, layerwise):
+    """The outside review: over a zstd disk tier after a restart, the transformers
+    connector's retrieve into a tensor made under ``torch.inference_mode`` failed on the
+    disk tier's I/O threads ("Inplace update to inference tensor outside InferenceMode"),
+    logged a traceback per chunk and fell back. Now the copy works, with nothing logged."""
+    toks = list(range(64))
+    kv = kv_for(toks)
+    cfg = {"chunk_size": 16, "kv_spec": {"num_layers": L, "num_kv_heads": H, "head_size": D, "dtype": "float32"},
+           "tiers": [{"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "16MiB", "codec": "zstd"}]}
+    with lmcache.CacheEngine.from_config(cfg) as e:
+        e.store(toks, kv)
+        e.flush()
+    caplog.set_level(logging.WARNING)
+    with lmcache.CacheEngine.from_config(cfg) as e, torch.inference_mode():  # a restart: only the files
+        out = torch.zeros(L, 2, 64, H, D)
+        assert out.is_inference()
+        if layerwise:
+            h = e.retrieve_layerwise(toks, out)
+            h.wait_all()
+            n = h.num_tokens
+        else:
+            n = e.retrieve(toks, out=out).num_tokens
+        assert n == 64 and torch.equal(out, kv)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
 
 
 def test_shape_errors():
