@@ -18,9 +18,11 @@ loss, but never hands out a torn one).
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import uuid
@@ -32,7 +34,7 @@ import xxhash
 from lmcache import payload
 from lmcache.codecs import Codec
 from lmcache.dtypes import dtype_from_name
-from lmcache.errors import ConfigError, CorruptPayloadError
+from lmcache.errors import ConfigError, CorruptPayloadError, EntryPathError
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
@@ -44,6 +46,42 @@ BLOCK = 4096
 
 def _file_name(key: str) -> str:
     return xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
+
+
+class _NotAFile(OSError):
+    """Something other than a regular file where an entry's file should be."""
+
+
+def _open_entry(path: Path | str, extra: int = 0) -> int:
+    """A read descriptor of the regular file at ``path``. Never blocks on a FIFO (opened
+    non-blocking) and never follows a link; ``_NotAFile`` for a directory, FIFO, device,
+    socket or symlink, ``FileNotFoundError`` if nothing is there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | extra)
+    except IsADirectoryError:
+        raise _NotAFile(f"{path} is a directory") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotAFile(f"{path} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlink_file(path: Path) -> None:
+    """Remove a regular file (or link); leave a directory or anything else alone."""
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
 
 
 class DiskBackend(BytesBackend):
@@ -117,19 +155,32 @@ class DiskBackend(BytesBackend):
         for sub in self.root.iterdir():
             if sub.name.startswith(TMP_PREFIX):
                 if not self.read_only:
-                    sub.unlink(missing_ok=True)
+                    _unlink_file(sub)
                 continue
-            if not sub.is_dir() or len(sub.name) != 2:
+            if sub.is_symlink() or not sub.is_dir() or len(sub.name) != 2:
                 continue
-            for f in sub.iterdir():
+            try:
+                names = list(sub.iterdir())
+            except OSError as exc:
+                log.warning("disk tier %s: skipping unreadable directory %s: %s", self.context.tier, sub, exc)
+                continue
+            for f in names:
                 if f.name.startswith(TMP_PREFIX):
                     if not self.read_only:
-                        f.unlink(missing_ok=True)
+                        _unlink_file(f)
                     continue
                 if not f.name.endswith(SUFFIX):
                     continue
                 try:
-                    with open(f, "rb", buffering=0) as fh:
+                    fd = _open_entry(f)
+                except _NotAFile as exc:  # a directory, FIFO, socket or link: not ours to touch
+                    log.warning("disk tier %s: skipping %s: %s", self.context.tier, f, exc)
+                    continue
+                except OSError as exc:
+                    log.warning("disk tier %s: skipping unreadable %s: %s", self.context.tier, f, exc)
+                    continue
+                try:
+                    with open(fd, "rb", buffering=0) as fh:
                         head = fh.read(payload.HEADER_READ_HINT)
                         if len(head) >= payload.PREFIX_SIZE:
                             hlen = int.from_bytes(head[6:10], "little")
@@ -148,7 +199,7 @@ class DiskBackend(BytesBackend):
                         log.warning("disk tier %s: skipping bad file %s: %s", self.context.tier, f, exc)
                         continue
                     log.warning("disk tier %s: removing bad file %s: %s", self.context.tier, f, exc)
-                    f.unlink(missing_ok=True)
+                    _unlink_file(f)
                     continue
                 found.append((st.st_mtime, h.key, size, h.codec))
         found.sort()
@@ -189,6 +240,9 @@ class DiskBackend(BytesBackend):
             self._path(key).unlink()
         except FileNotFoundError:
             return size is not None
+        except OSError as exc:  # a directory (or worse) where the entry's file was: forgotten, left there
+            log.warning("disk tier %s: cannot remove %s: %s", self.context.tier, self._path(key), exc)
+            return size is not None
         return True
 
     def _forget(self, key: str) -> None:
@@ -200,7 +254,12 @@ class DiskBackend(BytesBackend):
 
     def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
         final = self._path(key)
-        final.parent.mkdir(exist_ok=True)
+        try:
+            final.parent.mkdir(exist_ok=True)
+        except FileExistsError:  # a file where the 2-hex subdirectory should be
+            raise EntryPathError(f"{final.parent} is not a directory; entry {final.name} cannot be written") from None
+        if final.is_dir() or (final.exists() and not final.is_file()):
+            raise EntryPathError(f"{final} is not a regular file; the entry cannot be written there")
         tmp = final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         total = sum(len(b) for b in buffers)
         try:
@@ -331,9 +390,9 @@ class DiskBackend(BytesBackend):
         if key not in self._index:
             return None
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
+            with open(_open_entry(self._path(key)), "rb", buffering=0) as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError, _NotAFile):
             self._forget(key)
             return None
 
@@ -343,7 +402,11 @@ class DiskBackend(BytesBackend):
             return None
         try:
             return self._load(self._path(key), key)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            self._forget(key)
+            return None
+        except _NotAFile as exc:  # a directory or FIFO in its place: a miss, never a hang
+            self.note_corrupt(key, CorruptPayloadError(str(exc)))
             self._forget(key)
             return None
         except CorruptPayloadError as exc:
@@ -359,7 +422,7 @@ class DiskBackend(BytesBackend):
         block-aligned addresses, offsets and lengths); otherwise through
         :func:`read_payload`, the path that reads ``raw`` bodies straight into pool
         memory. A subclass that reads files another way overrides this."""
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
+        fd = _open_entry(path, os.O_DIRECT if self.o_direct else 0)
         try:
             size = os.fstat(fd).st_size
             if self.o_direct:

@@ -981,6 +981,7 @@ def vllm_cmd(
     cpu_capacity: Annotated[str, typer.Option("--cpu-capacity", help="CPU memory of the offloading connectors and lmcache's CPU tier (disk and Redis tiers get 8x).")] = "2GiB",
     threads: Annotated[int, typer.Option("--threads", min=1, help="OMP_NUM_THREADS of every server (the same in every mode).")] = 2,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Greedy tokens generated per request.")] = 16,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="lmcache's chunk size in the lmcache modes (default: vLLM's CPU block size, 128).")] = 128,
     vllm_venv: Annotated[Path | None, typer.Option("--vllm-venv", file_okay=False, help="The venv with vLLM (default: .venv-vllm-cpu of this repository, built by make engines).")] = None,
     directory: Dir = None,
     quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: 3 documents of 500 tokens, 2 rounds, 2 chat turns, 1024 tokens of vLLM KV.")] = False,
@@ -998,7 +999,7 @@ def vllm_cmd(
     if quick:
         docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens = 3, 500, 2, 2, 1024, 8
     bench_vllm.main(_csv(modes, "'--modes'", bench_vllm.ALL_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
-                    parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot)
+                    parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size)
 
 
 @app.command("codecs")

@@ -14,6 +14,10 @@ Workload (the same prompts in every mode):
 - probe: one document asked twice in a row: the second request is vLLM's own prefix-cache
   hit, the reference a KV cache in another tier is measured against.
 
+lmcache's chunk size defaults to vLLM's block size here (128 tokens), so that both caches
+reuse a prompt to the same granularity (with 256-token chunks lmcache recomputes up to 255
+tokens of a hit where vLLM's prefix cache recomputes up to 127).
+
 Modes: ``vllm`` (vLLM alone, prefix caching on: so are all the others), ``vllm-simple-cpu``
 (vLLM's ``SimpleCPUOffloadConnector``), ``vllm-offloading`` (vLLM's ``OffloadingConnector``
 with its CPU spec), ``lmcache-cpu`` / ``lmcache-disk`` / ``lmcache-redis`` (lmcache's
@@ -44,7 +48,6 @@ from ._util import err, out, print_json
 
 #: prompts answered by every mode, in this order
 ALL_MODES = ("vllm", "vllm-simple-cpu", "vllm-offloading", "lmcache-cpu", "lmcache-disk", "lmcache-redis")
-CHUNK = 256
 
 
 @dataclass
@@ -121,7 +124,8 @@ def chat_prompt(doc: str, turns: list[tuple[str, str]], question: str) -> str:
 
 
 # --------------------------------------------------------------------------- modes
-def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[str, Any] | None) -> dict[str, Any] | None:
+def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[str, Any] | None,
+                   chunk_size: int = 128) -> dict[str, Any] | None:
     from .vllm_live import lmcache_kv_config
 
     if mode == "vllm":
@@ -145,7 +149,7 @@ def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[st
         tiers = [{"backend": "redis", "capacity": 8 * cpu_bytes, **redis_options}]
     else:
         raise LMCacheError(f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}")
-    cfg = {"chunk_size": CHUNK, "model": "smollm2-135m", "tiers": tiers}
+    cfg = {"chunk_size": chunk_size, "model": "smollm2-135m", "tiers": tiers}
     path = work / f"{mode}.yaml"
     path.write_text(json.dumps(cfg))
     return lmcache_kv_config(path)
@@ -157,12 +161,12 @@ BLOCK = 128
 
 def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: dict[str, Any], probe: list[str],
              work: Path, *, kv_tokens: int, cpu_bytes: int, threads: int, max_model_len: int, max_tokens: int,
-             redis_options: dict[str, Any] | None, say: Callable[[str], None]) -> ModeResult:
+             redis_options: dict[str, Any] | None, say: Callable[[str], None], chunk_size: int = 128) -> ModeResult:
     from .vllm_live import VllmServer
 
     res = ModeResult(mode, False)
     try:
-        kv = mode_kv_config(mode, work, cpu_bytes, redis_options)
+        kv = mode_kv_config(mode, work, cpu_bytes, redis_options, chunk_size)
     except LMCacheError as exc:
         res.reason = str(exc)
         return res
@@ -325,7 +329,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------- entry
 def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: int, kv_tokens: int, cpu_capacity: int,
          threads: int, max_tokens: int, vllm_venv: Path | None, directory: Path | None, as_json: bool,
-         plot_path: Path | None) -> dict[str, Any]:
+         plot_path: Path | None, chunk_size: int = BLOCK) -> dict[str, Any]:
     import platform
 
     from transformers import AutoTokenizer
@@ -372,7 +376,8 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
             say(f"{m}: starting vllm serve ...")
             results.append(run_mode(m, model, vllm, requests, chat, probe, wd.path, kv_tokens=kv_tokens,
                                     cpu_bytes=cpu_capacity, threads=threads, max_model_len=max_len,
-                                    max_tokens=max_tokens, redis_options=redis_options, say=say))
+                                    max_tokens=max_tokens, redis_options=redis_options, say=say,
+                                    chunk_size=chunk_size))
     finally:
         if redis_cm is not None:
             redis_cm.__exit__(None, None, None)
@@ -385,7 +390,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
                                               capture_output=True, text=True, timeout=120).stdout.strip().splitlines()[-1]
     data.update({"machine": f"{platform.machine()} {os.cpu_count()} cpus", "kv_tokens": kv_tokens,
                  "docs": docs, "doc_tokens": doc_tokens, "rounds": rounds, "chat_turns": chat_turns,
-                 "cpu_capacity": cpu_capacity, "threads": threads, "max_tokens": max_tokens, "work_dir": str(wd.path)})
+                 "cpu_capacity": cpu_capacity, "chunk_size": chunk_size, "block_size": BLOCK, "threads": threads, "max_tokens": max_tokens, "work_dir": str(wd.path)})
     if as_json:
         print_json(data)
     else:

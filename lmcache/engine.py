@@ -171,8 +171,11 @@ class CacheEngine:
     def lookup(self, tokens: Any, *, pin: bool = False) -> int:
         """Number of leading tokens whose KV is cached.
 
-        With ``pin=True`` the hits are leased (not evictable) until the matching
-        :meth:`retrieve` or until ``lookup_pin_timeout`` seconds pass.
+        With ``pin=True`` the hits are leased (not evictable) until the caller's
+        :meth:`release` of the same tokens (once its :meth:`retrieve` returned, or when none
+        will follow) or until ``lookup_pin_timeout`` seconds pass. Leases are counted per
+        chunk: each ``release`` drops one, and a :meth:`retrieve` drops none, so one
+        caller's retrieve can never end the lease another caller's lookup took.
         """
         return self.locate(tokens, pin=pin)[0]
 
@@ -326,13 +329,12 @@ class CacheEngine:
         finally:
             for _, obj, _ in got:
                 obj.unref()
-            self.hierarchy.release_leases(keys)
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
 
     def release(self, tokens: Any) -> None:
-        """Drop the leases that ``lookup(tokens, pin=True)`` took, when no
-        :meth:`retrieve` will follow (otherwise they expire after
-        ``lookup_pin_timeout``)."""
+        """Drop the leases that the caller's ``lookup(tokens, pin=True)`` took: once the
+        :meth:`retrieve` that followed returned (it holds what it read), or when none will
+        (otherwise they expire after ``lookup_pin_timeout``). One lease per chunk each call."""
         self._check_open()
         if self.kv_spec is not None:
             self.hierarchy.release_leases(self.chunk_keys(tokens)[1])
@@ -365,9 +367,8 @@ class CacheEngine:
         except BaseException:
             for _, obj, _ in got:
                 obj.unref()
-            self.hierarchy.release_leases(keys)
             raise
-        return LayerwiseRetrieval(got, n, out, spec.num_layers, lambda: self.hierarchy.release_leases(keys), timeout)
+        return LayerwiseRetrieval(got, n, out, spec.num_layers, None, timeout)
 
     def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec,
                on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[tuple[Chunk, MemoryObj, Tier]]:
@@ -581,13 +582,11 @@ class LayerwiseRetrieval:
                 e.set()
 
     def _copy_layers(self) -> None:
-        # this runs on its own thread: an out made under torch.inference_mode is written in it
-        with torch.inference_mode(self.kv is not None and self.kv.is_inference()):
-            for layer, ev in enumerate(self._events):
-                dst = self.kv[layer]
-                for chunk, obj, _ in self._got:
-                    dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
-                ev.set()
+        for layer, ev in enumerate(self._events):
+            dst = self.kv[layer]
+            for chunk, obj, _ in self._got:
+                dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
+            ev.set()
 
     def wait(self, layer: int) -> None:
         """Block until layer ``layer`` is in ``kv``."""

@@ -50,6 +50,11 @@ class CorruptPayloadError(LMCacheError):
     """Stored bytes failed their header or checksum check; they are never handed out."""
 
 
+class EntryPathError(LMCacheError):
+    """One entry cannot be written where it belongs (a directory or a file in the way on
+    a disk tier): that entry is skipped; the tier is healthy and keeps serving."""
+
+
 class BackendError(LMCacheError):
     """A storage backend failed (unreachable, timed out, I/O error)."""
 

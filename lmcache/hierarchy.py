@@ -27,7 +27,7 @@ import torch
 
 from .codecs import ChainError, chain_names, load_codec
 from .config import Config, TierConfig
-from .errors import ConfigError
+from .errors import ConfigError, EntryPathError
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
 from .policies import EvictionPolicy, eviction_order
@@ -89,6 +89,10 @@ class Tier:
         self.stats = TierStats()
         self._lock = threading.RLock()
         self._index: dict[str, int] = {}  # key -> stored bytes accounted here
+        #: key -> the number of the put that stored it (0: found at start): a read that
+        #: misses may forget a key only if no put stored it again while the read ran
+        self._born: dict[str, int] = {}
+        self._puts_seen = 0
         self._reserved = 0
         self.used = 0
         self._pins: dict[str, int] = {}
@@ -192,6 +196,19 @@ class Tier:
     def _evictable(self, key: str) -> bool:
         return not self.is_pinned(key) and not self.backend.in_use(key)
 
+    def _forget(self, key: str) -> int | None:
+        """Drop ``key`` from the books (index, bytes, policy, listeners); its size, or
+        ``None`` if it was not there. Called with the lock held; the backend is not touched."""
+        size = self._index.pop(key, None)
+        self._born.pop(key, None)
+        if size is None:
+            return None
+        self.used -= size
+        self.policy.on_remove(key)
+        if self.listener is not None:
+            self.listener("evict", self.name, key)
+        return size
+
     # --------------------------------------------------------- data path
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not self.available:
@@ -207,11 +224,8 @@ class Tier:
             # restarts empty, maxmemory): forget them, or a later put would skip them
             with self._lock:
                 for key, present in zip(keys, out):
-                    if not present and key in self._index:
-                        self.used -= self._index.pop(key)
-                        self.policy.on_remove(key)
-                        if self.listener is not None:
-                            self.listener("evict", self.name, key)
+                    if not present:
+                        self._forget(key)
         return out
 
     def get(self, key: str) -> MemoryObj | None:
@@ -227,6 +241,8 @@ class Tier:
         if not self.available:
             self.stats.misses += len(keys)
             return [None] * len(keys)
+        with self._lock:
+            born = [self._born.get(k) for k in keys]
         t0 = time.perf_counter()
         try:
             if on_ready is not None and getattr(self.backend, "streams_gets", False):
@@ -240,15 +256,13 @@ class Tier:
         self._ok()
         dt = time.perf_counter() - t0
         with self._lock:
-            for key, obj in zip(keys, objs):
+            for key, obj, b in zip(keys, objs, born):
                 if obj is None:
                     self.stats.misses += 1
-                    size = self._index.pop(key, None)  # vanished (corrupt, or removed by a peer)
-                    if size is not None:
-                        self.used -= size
-                        self.policy.on_remove(key)
-                        if self.listener is not None:
-                            self.listener("evict", self.name, key)
+                    # vanished (corrupt, or removed by a peer): forget it, unless a put
+                    # stored it again while this read ran (its file is there and counted)
+                    if self._born.get(key) == b:
+                        self._forget(key)
                     continue
                 self.stats.hits += 1
                 self.stats.hit_bytes += obj.nbytes
@@ -277,12 +291,8 @@ class Tier:
             self.backend.remove_one(key)
         except Exception as exc:
             self._failed("remove", exc)
-        size = self._index.pop(key, 0)
-        self.used -= size
-        self.policy.on_remove(key)
+        self._forget(key)
         self.stats.evictions += 1
-        if self.listener is not None:
-            self.listener("evict", self.name, key)
         if demote is not None:
             self.on_evict(key, demote)  # takes over the reference
 
@@ -324,7 +334,7 @@ class Tier:
         except Exception as exc:
             with self._lock:
                 self._reserved -= need
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if isinstance(exc, EntryPathError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
                 # a full device: this chunk does not fit, but the tier still serves what it
                 # holds; skip the put instead of treating the tier as down
                 self.stats.skipped_puts += 1
@@ -342,6 +352,8 @@ class Tier:
                 if self.listener is not None:
                     self.listener("admit", self.name, key)
             self._index[key] = stored
+            self._puts_seen += 1
+            self._born[key] = self._puts_seen
             self.used += stored - (old or 0)
             if stored > need:  # a backend that under-reserved: settle at once
                 self._make_room(0)
@@ -359,12 +371,7 @@ class Tier:
                 except Exception as exc:
                     self._failed("remove", exc)
                     continue
-                size = self._index.pop(k, None)
-                if size is not None:
-                    self.used -= size
-                    self.policy.on_remove(k)
-                    if self.listener is not None:
-                        self.listener("evict", self.name, k)
+                size = self._forget(k)
                 n += bool(removed or size is not None)
         return n
 
@@ -433,10 +440,7 @@ class Tier:
         with self._lock:
             present = dict(listed)
             for key in [k for k in self._index if k not in present]:
-                self.used -= self._index.pop(key)
-                self.policy.on_remove(key)
-                if self.listener is not None:
-                    self.listener("evict", self.name, key)
+                self._forget(key)
             for key, size in listed:
                 old = self._index.get(key)
                 if old is None:
@@ -486,12 +490,8 @@ class Tier:
                     self._failed("remove", exc)
                     skipped.append((key, f"remove failed: {exc}"))
                     continue
-                del self._index[key]
-                self.used -= size
-                self.policy.on_remove(key)
+                self._forget(key)
                 self.stats.evictions += 1
-                if self.listener is not None:
-                    self.listener("evict", self.name, key)
                 done.append((key, size))
         return done, skipped
 

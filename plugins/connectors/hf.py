@@ -183,10 +183,13 @@ class TransformersConnector:
                 buf = self._staging(hit)
                 view = buf.permute(0, 1, 3, 2, 4)
                 on_cpu = self.device.type == "cpu"
-                if self.layerwise and on_cpu:
-                    res = self._inflight = self.engine.retrieve_layerwise(ids[:hit], out=view)
-                else:
-                    res = self.engine.retrieve(ids[:hit], out=view)
+                try:
+                    if self.layerwise and on_cpu:
+                        res = self._inflight = self.engine.retrieve_layerwise(ids[:hit], out=view)
+                    else:
+                        res = self.engine.retrieve(ids[:hit], out=view)
+                finally:  # what the retrieve read is held by it: the lookup's leases can go
+                    self.engine.release(ids[:hit])
                 n = min(res.num_tokens, len(ids) - 1)
                 tiers = res.tiers
                 if n > 0:
@@ -196,7 +199,7 @@ class TransformersConnector:
                     nbytes = n * spec.bytes_per_token()
                 t_load = time.perf_counter() - tl
             elif hit:
-                self.engine.release(ids)  # nothing usable: drop the lookup's leases
+                self.engine.release(ids[:hit])  # nothing usable: drop the lookup's leases
         if cache is None:
             cache = self._empty_cache()
             n = 0

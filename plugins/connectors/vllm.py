@@ -428,13 +428,19 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._channel().forget(lk.seq)
         if lk.replies is not None and not any(r.hit for r in lk.replies):
             return
+        if lk.replies is None:  # never answered here: whatever a rank pinned expires on its own
+            return
+        # each rank releases exactly what it leased (its own hit), never a chunk past it,
+        # which may be another request's lease
+        per_rank = [lk.tokens[: r.hit] for r in lk.replies]
         local = self._local_workers()
         try:
             if local is not None:
-                for w in local:
-                    w._serve_release(lk.tokens)
+                for w, toks in zip(local, per_rank):
+                    if toks:
+                        w._serve_release(toks)
             elif self._client is not None:
-                self._client.release(lk.tokens)
+                self._client.release_each(per_rank)
         except Exception:
             log.exception("lmcache: releasing a lookup's pins failed (they expire on their own)")
 
@@ -473,7 +479,6 @@ class LMCacheConnector(KVConnectorBase_V1):
         last = -(-usable // self.chunk_size)
         deep = any(lk.tier_of_chunk(i) > 0 for i in range(first, last))
         lk.is_async = self.async_loads == "always" or (self.async_loads == "auto" and deep)
-        lk.tokens = lk.tokens[:hit]
         lk.local = num_computed_tokens
         return usable - num_computed_tokens, lk.is_async
 
@@ -527,7 +532,9 @@ class LMCacheConnector(KVConnectorBase_V1):
         local, is_async = lk.local, lk.is_async
         end = local + num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])
-        self._loads[req_id] = LoadSpec(req_id, lk.tokens, block_ids, local, end, is_async)
+        # the load reads (and then releases on every rank) the prefix all ranks hold; a
+        # rank's pins past it expire after lookup_pin_timeout
+        self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async)
         self._hit_sources[req_id] = self._sources(lk, local, end)
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["async_loads" if is_async else "sync_loads"] += 1
@@ -661,7 +668,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         """Retrieve and scatter one load; the number of tokens loaded."""
         assert self.engine is not None
         buf, view = self._buffer(len(spec.token_ids))
-        got = self.engine.retrieve(spec.token_ids, out=view).num_tokens
+        try:
+            got = self.engine.retrieve(spec.token_ids, out=view).num_tokens
+        finally:  # the lookup's pins (taken for the scheduler) end with the load
+            self.engine.release(spec.token_ids)
         if min(got, spec.load_end) > spec.skip:
             slots = self._load_slots(spec, got)
             K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
@@ -704,7 +714,10 @@ class LMCacheConnector(KVConnectorBase_V1):
                 if self.layerwise:
                     assert self.engine is not None
                     buf, view = self._buffer(len(spec.token_ids))
-                    handle = self.engine.retrieve_layerwise(spec.token_ids, view)
+                    try:
+                        handle = self.engine.retrieve_layerwise(spec.token_ids, view)
+                    finally:
+                        self.engine.release(spec.token_ids)
                     got = handle.num_tokens
                     slots = self._load_slots(spec, got)
                     self._layer_loads.append((spec, handle, buf, slots))
@@ -758,6 +771,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         if skip >= len(spec.token_ids):
             self.engine.release(spec.token_ids)
             return None
+        # from here on, what this lookup leased is token_ids[:skip]: every release below
+        # drops exactly that (a chunk past it may be another caller's lease by then)
         slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
         assert self._layout is not None
         shape = self._layout.chunk_shape(self._layers[0], len(self._layers), len(spec.token_ids))
@@ -775,7 +790,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("lmcache: storing %s failed", spec.req_id)
         finally:
-            self.engine.release(spec.token_ids)
+            self.engine.release(spec.token_ids[:skip])
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -784,8 +799,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         assert self.engine is not None
         if self.layerwise:
             if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
-                for spec, *_ in self._layer_saves:
-                    self.engine.release(spec.token_ids)
+                for spec, _, _, skip in self._layer_saves:
+                    self.engine.release(spec.token_ids[:skip])
                 self._layer_saves = []
             return
         for spec in meta.saves:
@@ -797,7 +812,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                 K.gather(self._layers, self._layout, slots, dev_buf, skip)
             except Exception:
                 log.exception("lmcache: gathering %s failed", spec.req_id)
-                self.engine.release(spec.token_ids)
+                self.engine.release(spec.token_ids[:skip])
                 continue
             self._finish_save(spec, dev_buf, skip)
 

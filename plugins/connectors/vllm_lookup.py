@@ -335,6 +335,13 @@ class LookupClient:
                 if r.sock is not None:
                     r.send(frame)
 
+    def release_each(self, per_rank: Sequence[Sequence[int]]) -> None:
+        """Release on each rank the tokens it pinned (``per_rank[i]`` for rank ``i``)."""
+        with self._lock:
+            for r, tokens in zip(self.ranks, per_rank):
+                if tokens and r.sock is not None:
+                    r.send(self._frame(OP_RELEASE, 0, tokens, 0))
+
     def _deliver(self, rank: _Rank, seq: int, reply: Any) -> None:
         with self._cond:
             got = self._pending.get(seq)

@@ -254,3 +254,87 @@ def test_corrupt_entries_are_misses_and_removed(smollm2, reference, backend, tmp
     print(f"\ncorruption[{backend}]: rounds={rounds} kinds={len(kinds_done)} corrupt_injected={rounds} "
           f"counted_by_backend={detected} dropped_by_shape_check={removed - detected} removed={removed} "
           f"wrong_outputs=0 exceptions=0 peak_rss_mib={rss}")
+
+
+# ---------------------------------------------------------------- hazards in the disk directory
+def _kv(tokens: list[int]) -> torch.Tensor:
+    t = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1, 1)
+    return t.expand(2, 2, len(tokens), 2, 8).contiguous()
+
+
+def _run_bounded(fn: Callable[[], Any], what: str, bound: float = 30.0) -> Any:
+    """``fn()`` on a thread; fails (instead of hanging the suite) if it does not return."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["v"] = fn()
+        except BaseException as exc:  # re-raised below
+            box["e"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), f"{what} hung for {bound:g}s"
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+def test_hazards_in_the_disk_directory_cost_one_miss_never_the_tier(tmp_path):
+    """The outside review: a directory where an entry file should be stopped the engine
+    from starting (IsADirectoryError in the index rebuild) and, at run time, put the whole
+    tier in backoff; a FIFO there hung retrieve and engine start; a file where a 2-hex
+    subdirectory should be put the tier in backoff. Each now costs its own entry only."""
+    import os
+
+    cfg = {"chunk_size": 16, "kv_spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float32"},
+           "tiers": [{"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "8MiB"}]}
+    prompts = {name: [base + i for i in range(32)] for name, base in (("a", 1000), ("b", 2000), ("c", 3000),
+                                                                    ("d", 4000), ("e", 5000), ("f", 6000))}
+    with lmcache.CacheEngine.from_config(cfg) as e:
+        disk = e.hierarchy.tiers[0].backend
+        for name in "abc":
+            e.store(prompts[name], _kv(prompts[name]))
+        e.flush()
+        path = {n: [disk._path(k) for k in e.chunk_keys(p)[1]] for n, p in prompts.items()}
+    # at rest: a directory in a's first entry's place, a FIFO in b's
+    path["a"][0].unlink()
+    path["a"][0].mkdir()
+    path["b"][0].unlink()
+    os.mkfifo(path["b"][0])
+    e = _run_bounded(lambda: lmcache.CacheEngine.from_config(cfg), "engine start over a FIFO")
+    try:
+        tier = e.hierarchy.tiers[0]
+        assert _run_bounded(lambda: e.lookup(prompts["a"]), "lookup") == 0
+        assert e.lookup(prompts["b"]) == 0
+        r = _run_bounded(lambda: e.retrieve(prompts["c"]), "retrieve")
+        assert r.num_tokens == 32 and torch.equal(r.kv, _kv(prompts["c"]))
+        # at run time: c's second entry becomes a FIFO, then a directory
+        path["c"][1].unlink()
+        os.mkfifo(path["c"][1])
+        r = _run_bounded(lambda: e.retrieve(prompts["c"]), "retrieve of a FIFO")
+        assert r.num_tokens == 16 and torch.equal(r.kv, _kv(prompts["c"][:16]))
+        assert tier.available
+        # a file where d's 2-hex subdirectory should be, a directory where e's file goes
+        sub = path["d"][0].parent
+        blocked = not sub.exists()  # (another entry may own that subdirectory already)
+        if blocked:
+            sub.write_bytes(b"in the way")
+        path["e"][0].parent.mkdir(exist_ok=True)
+        path["e"][0].mkdir()
+        e.store(prompts["d"], _kv(prompts["d"]))
+        e.store(prompts["e"], _kv(prompts["e"]))
+        e.store(prompts["f"], _kv(prompts["f"]))
+        e.flush()
+        assert tier.available, tier.info()
+        assert e.lookup(prompts["f"]) == 32  # the tier kept serving and storing
+        r = e.retrieve(prompts["f"])
+        assert r.num_tokens == 32 and torch.equal(r.kv, _kv(prompts["f"]))
+        assert e.lookup(prompts["e"]) == 0  # its first chunk could not be written
+        if blocked:
+            assert e.lookup(prompts["d"]) == 0
+    finally:
+        e.close()
