@@ -11,8 +11,10 @@ Workload (the same prompts in every mode):
 - chat: one conversation of ``chat_turns`` turns over a document, each prompt the whole
   history so far (the answers in the history are those of the first mode, so every mode
   sees the same prompts);
-- probe: one document asked twice in a row: the second request is vLLM's own prefix-cache
-  hit, the reference a KV cache in another tier is measured against.
+- probe: one document asked twice in a row (the second request is vLLM's own prefix-cache
+  hit), then, once the round-robin documents have pushed it out of vLLM's KV memory, a
+  third time: in the lmcache modes a lower-tier hit of the same prompt in the same server,
+  the comparison the goals name.
 
 lmcache's chunk size defaults to vLLM's block size here (128 tokens), so that both caches
 reuse a prompt to the same granularity (with 256-token chunks lmcache recomputes up to 255
@@ -203,6 +205,12 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         chat.setdefault("answers", [a for _, a in turns])
         ask("probe-cold", "probe-cold", probe[0])
         ask("probe-hit", "probe-hit", probe[1])
+        # push the probe's document out of vLLM's own KV memory, then ask it again: in the
+        # lmcache modes a lower-tier hit of the same prompt, in the same server, minutes
+        # apart from its prefix-cache hit above
+        for r in requests[: max(1, len(requests) // max(1, rounds_of(requests)))]:
+            srv.complete(r.prompt, 1)
+        ask("probe-tier", "probe-tier", probe[2])
         res.total_s = time.perf_counter() - t1
         m1 = srv.metrics()
         res.local_hit_tokens = m1.get("vllm:prefix_cache_hits_total", 0) - m0.get("vllm:prefix_cache_hits_total", 0)
@@ -215,6 +223,10 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         srv.close()
     say(f"{mode}: {'done' if res.ok else 'failed: ' + res.reason} ({res.startup_s:.0f} s start, {res.total_s:.0f} s workload)")
     return res
+
+
+def rounds_of(requests: list[Request]) -> int:
+    return max((r.round for r in requests), default=1)
 
 
 def _why(log: Path) -> str:
@@ -261,9 +273,13 @@ def summarize(results: list[ModeResult], reference: str) -> dict[str, Any]:
             if not row["ok"] or row["ttft_rr_later_p50"] is None:
                 continue
             hit = row["ttft_rr_later_p50"]
+            own = {k: (row["ttft"].get(k) or {}).get("p50") for k in ("probe-cold", "probe-hit", "probe-tier")}
             goals[row["mode"]] = {
                 "later_rounds_vs_vllm_prefix_hit": hit / apc_hit if apc_hit else None,
                 "later_rounds_vs_full_prefill": hit / full if full else None,
+                # the same prompt in the same server: from the tier vs vLLM's own prefix cache / a prefill
+                "probe_tier_vs_probe_hit": own["probe-tier"] / own["probe-hit"] if own["probe-tier"] and own["probe-hit"] else None,
+                "probe_tier_vs_probe_cold": own["probe-tier"] / own["probe-cold"] if own["probe-tier"] and own["probe-cold"] else None,
             }
         data["ratios"] = goals
     return data
@@ -303,7 +319,8 @@ def print_table(data: dict[str, Any]) -> None:
         say(f"full prefill TTFT p50 {_f(data['full_prefill_ttft_p50'])} s; vLLM prefix-cache hit {_f(data['vllm_prefix_hit_ttft'])} s")
         for mode, g in data["ratios"].items():
             say(f"  {mode:<18} later rounds: {_f(g['later_rounds_vs_vllm_prefix_hit'], '.2f')}x vLLM's prefix-cache hit, "
-                f"{_f(g['later_rounds_vs_full_prefill'], '.2f')}x the full prefill")
+                f"{_f(g['later_rounds_vs_full_prefill'], '.2f')}x the full prefill; the probe from the tier, same server: "
+                f"{_f(g['probe_tier_vs_probe_hit'], '.2f')}x its prefix-cache hit, {_f(g['probe_tier_vs_probe_cold'], '.3f')}x its prefill")
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -355,7 +372,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
     qs = questions()
     chat: dict[str, Any] = {"doc": docs_text[0], "questions": [qs[(i + 3) % len(qs)] for i in range(chat_turns)]}
     probe_doc = documents(tok, docs + 1, doc_tokens)[-1]
-    probe = [f"{probe_doc}\n\nQuestion: {qs[0]}\nAnswer:", f"{probe_doc}\n\nQuestion: {qs[1]}\nAnswer:"]
+    probe = [f"{probe_doc}\n\nQuestion: {qs[i]}\nAnswer:" for i in range(3)]
     max_len = max(len(tok(p)["input_ids"]) for p in [r.prompt for r in requests] + probe) + max_tokens + 64
     max_len = max(max_len, len(tok(chat_prompt(chat["doc"], [(q, " " * 60) for q in chat["questions"]], "x"))["input_ids"]) + 128)
     kv_tokens = kv_tokens // BLOCK * BLOCK

@@ -44,6 +44,11 @@ _ENV_NOT_KEYS = {
 }
 
 
+_LAYOUT_NAME = re.compile(r"[A-Za-z0-9_]+")
+_SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9_]+)-L(?P<layers>\d+)-H(?P<heads>\d+)-D(?P<head>\d+)"
+                        r"-(?P<layout>[A-Za-z0-9_]+)-tp(?P<rank>\d+)of(?P<size>\d+)")
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The shape of one engine's KV cache, as the cache engine stores it.
@@ -73,6 +78,18 @@ class KVSpec:
             dtype_from_name(self.dtype)
         except ValueError as exc:
             raise ConfigError("kv_spec.dtype", str(exc)) from None
+        if not isinstance(self.layout, str) or not _LAYOUT_NAME.fullmatch(self.layout):
+            # the layout is part of every key: a ':' or '-' in it would break the key format
+            raise ConfigError("kv_spec.layout", f"must be a name of letters, digits and '_', got {self.layout!r}")
+
+    @classmethod
+    def from_signature(cls, signature: str) -> "KVSpec":
+        """The spec whose :attr:`signature` is ``signature`` (``ValueError`` if none is)."""
+        m = _SIGNATURE.fullmatch(signature)
+        if m is None:
+            raise ValueError(f"not a kv signature: {signature!r}")
+        return cls(int(m["layers"]), int(m["heads"]), int(m["head"]), m["dtype"], m["layout"],
+                   int(m["rank"]), int(m["size"]))
 
     @property
     def signature(self) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .config import Config, KVSpec, load_config
 from .dtypes import dtype_from_name, dtype_name
-from .errors import KVShapeError
+from .errors import KVShapeError, LMCacheError
 from .hierarchy import StorageHierarchy, Tier
 from .keys import Chunk, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
@@ -179,10 +179,53 @@ class CacheEngine:
         """
         return self.locate(tokens, pin=pin)[0]
 
+    _spec_probe_at = -1e9  # when the tiers were last searched for a kv spec (see _spec_from_tiers)
+
+    def _spec_from_tiers(self) -> KVSpec | None:
+        """With no ``kv_spec`` yet (a fresh process over a persisted or shared tier), the
+        spec of this namespace and model's entries in the tiers, if they hold exactly one;
+        ``KVShapeError`` saying to set ``kv_spec`` if they hold several; ``None`` if none
+        (searched at most once a second)."""
+        now = self.clock()
+        if now - self._spec_probe_at < 1.0:
+            return None
+        self._spec_probe_at = now
+        from .keys import CacheKey
+
+        found: set[str] = set()
+        for tier in self.hierarchy.tiers:
+            for key in tier.key_list():
+                try:
+                    k = CacheKey.parse(key)
+                except ValueError:
+                    continue
+                if k.namespace == self.config.namespace and k.model == self.config.model:
+                    found.add(k.signature)
+            if len(found) > 1:
+                break
+        if not found:
+            return None
+        if len(found) > 1:
+            raise KVShapeError(
+                f"this engine has no kv_spec and its tiers hold KV of several shapes for namespace "
+                f"{self.config.namespace!r}, model {self.config.model!r} ({', '.join(sorted(found)[:4])}); "
+                f"set kv_spec in the config (or store once) to say which"
+            )
+        sig = found.pop()
+        try:
+            spec = KVSpec.from_signature(sig)
+        except (ValueError, LMCacheError):
+            return None
+        with self._lock:
+            if self.kv_spec is None:
+                self.kv_spec = spec
+                log.info("kv_spec %s taken from the entries already in the tiers", sig)
+        return self.kv_spec
+
     def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
         """Like :meth:`lookup`, also naming the tier of each cached chunk."""
         self._check_open()
-        if self.kv_spec is None:
+        if self.kv_spec is None and self._spec_from_tiers() is None:
             return 0, []
         if self.p2p is not None and self.p2p.fetching:  # p2p: fetch the rest from a peer
             chunks, keys = self.chunk_keys(tokens)
@@ -287,7 +330,7 @@ class CacheEngine:
         arrives).
         """
         self._check_open()
-        if self.kv_spec is None:
+        if self.kv_spec is None and self._spec_from_tiers() is None:
             return RetrieveResult(0, out)
         spec = self.kv_spec
         if out is not None:

@@ -137,6 +137,33 @@ def test_a_streamed_disk_read_into_an_inference_mode_tensor(tmp_path, caplog, la
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
 
 
+def test_an_engine_without_kv_spec_takes_it_from_the_tiers_or_says_to_set_it(tmp_path):
+    """The outside review: ``lookup`` on an engine with no ``kv_spec`` yet (a fresh process
+    over a persisted or shared tier) returned 0 silently. It now takes the spec from the
+    tier's entries when they have one shape, and says to set ``kv_spec`` when several."""
+    toks = list(range(64))
+    disk = {"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "16MiB"}
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk]}) as e:
+        e.store(toks, kv_for(toks))
+        e.flush()
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk]}) as e:  # no kv_spec
+        assert e.kv_spec is None
+        assert e.lookup(toks) == 64
+        assert e.kv_spec is not None and e.kv_spec.num_layers == L
+        assert torch.equal(e.retrieve(toks).kv, kv_for(toks))
+        other = list(range(500, 532))
+        e2 = lmcache.CacheEngine.from_config(
+            {"chunk_size": 16, "tiers": [disk], "kv_spec": {"num_layers": 1, "num_kv_heads": 1, "head_size": 8,
+                                                             "dtype": "float32"}})
+        e2.store(other, torch.zeros(1, 2, 32, 1, 8))
+        e2.close()
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [disk]}) as e:  # two shapes now
+        with pytest.raises(KVShapeError, match="set kv_spec"):
+            e.lookup(toks)
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [{"backend": "cpu", "capacity": "1MiB"}]}) as e:
+        assert e.lookup(toks) == 0  # nothing stored anywhere: a plain miss
+
+
 def test_shape_errors():
     toks = list(range(20))
     with engine() as e:
