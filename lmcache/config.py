@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -44,6 +45,24 @@ _ENV_NOT_KEYS = {
 }
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 80, 80
+
+
+def _show(v: Any) -> str:
+    """A bounded repr for error messages: a YAML alias bomb or a huge nested value costs a
+    few dozen characters, not its whole expansion."""
+    text = _REPR.repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 _LAYOUT_NAME = re.compile(r"[A-Za-z0-9_]+")
 _SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9_]+)-L(?P<layers>\d+)-H(?P<heads>\d+)-D(?P<head>\d+)"
                         r"-(?P<layout>[A-Za-z0-9_]+)-tp(?P<rank>\d+)of(?P<size>\d+)")
@@ -69,7 +88,7 @@ class KVSpec:
         for name in ("num_layers", "num_kv_heads", "head_size", "tp_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"kv_spec.{name}", f"must be a positive integer, got {v!r}")
+                raise ConfigError(f"kv_spec.{name}", f"must be a positive integer, got {_show(v)}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError("kv_spec.tp_rank", f"must be in [0, tp_size), got {self.tp_rank!r}")
         from .dtypes import dtype_from_name
@@ -206,7 +225,7 @@ def _section(name: str, raw: Any, base: Any, src: str | None, example: str, shor
     if isinstance(raw, bool if shorthand == "enabled" else str):
         raw = {shorthand: raw}
     if not isinstance(raw, Mapping):
-        raise ConfigError(name, f"expected a mapping such as {example}, got {raw!r}", src)
+        raise ConfigError(name, f"expected a mapping such as {example}, got {_show(raw)}", src)
     fields = {f.name for f in dataclasses.fields(base)}
     for k in raw:
         if k not in fields:
@@ -282,7 +301,7 @@ def _zmq_endpoint(key: str, v: Any, src: str | None) -> str:
         or (v.startswith(("ipc://", "inproc://")) and len(v.split("://", 1)[1]) > 0)
     )
     if not ok:
-        raise ConfigError(key, f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {v!r}", src)
+        raise ConfigError(key, f"expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {_show(v)}", src)
     return v
 
 
@@ -380,7 +399,7 @@ class Config:
 
 def _int(key: str, v: Any, src: str | None, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(key, f"expected an integer, got {v!r}", src)
+        raise ConfigError(key, f"expected an integer, got {_show(v)}", src)
     if v < minimum:
         raise ConfigError(key, f"must be >= {minimum}, got {v}", src)
     return v
@@ -388,19 +407,19 @@ def _int(key: str, v: Any, src: str | None, minimum: int = 1) -> int:
 
 def _bool(key: str, v: Any, src: str | None) -> bool:
     if not isinstance(v, bool):
-        raise ConfigError(key, f"expected true or false, got {v!r}", src)
+        raise ConfigError(key, f"expected true or false, got {_show(v)}", src)
     return v
 
 
 def _str(key: str, v: Any, src: str | None) -> str:
     if not isinstance(v, str) or not v:
-        raise ConfigError(key, f"expected a non-empty string, got {v!r}", src)
+        raise ConfigError(key, f"expected a non-empty string, got {_show(v)}", src)
     return v
 
 
 def _choice(key: str, v: Any, choices: tuple[str, ...], src: str | None) -> str:
     if v not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {v!r}", src)
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {_show(v)}", src)
     return v
 
 
@@ -418,7 +437,7 @@ def _name(key: str, v: Any, src: str | None) -> str:
     v = _str(key, v, src)
     if not _NAME_RE.match(v):
         raise ConfigError(
-            key, f"{v!r} may only contain letters, digits, '.', '_' and '-'", src
+            key, f"{_show(v)} may only contain letters, digits, '.', '_' and '-'", src
         )
     return v
 
@@ -439,7 +458,7 @@ def _codec_spec(key: str, v: Any, src: str | None) -> str:
 def _tier(i: int, raw: Any, src: str | None) -> TierConfig:
     key = f"tiers[{i}]"
     if not isinstance(raw, Mapping):
-        raise ConfigError(key, f"expected a mapping such as {{backend: cpu, capacity: 4GiB}}, got {raw!r}", src)
+        raise ConfigError(key, f"expected a mapping such as {{backend: cpu, capacity: 4GiB}}, got {_show(raw)}", src)
     raw = dict(raw)
     if "backend" not in raw:
         raise ConfigError(f"{key}.backend", "is required", src)
@@ -477,9 +496,13 @@ KEYS = tuple(_SCALARS) + ("tiers", "kv_spec", "api", "controller", "p2p")
 KEYS = KEYS + ("kv_events",)  # kv events
 
 
+#: the shortest controller heartbeat interval accepted (seconds)
+MIN_HEARTBEAT = 0.05
+
+
 def _positive_float(key: str, v: Any, src: str | None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(key, f"expected a positive number of seconds, got {v!r}", src)
+        raise ConfigError(key, f"expected a positive number of seconds, got {_show(v)}", src)
     return float(v)
 
 
@@ -487,7 +510,7 @@ def _kv_spec(raw: Any, src: str | None) -> KVSpec | None:
     if raw is None or isinstance(raw, KVSpec):
         return raw
     if not isinstance(raw, Mapping):
-        raise ConfigError("kv_spec", f"expected a mapping, got {raw!r}", src)
+        raise ConfigError("kv_spec", f"expected a mapping, got {_show(raw)}", src)
     fields_ = {f.name for f in dataclasses.fields(KVSpec)}
     for k in raw:
         if k not in fields_:
@@ -564,6 +587,9 @@ def _controller(raw: Any, base: ControllerConfig, src: str | None) -> Controller
     for k in ("heartbeat_interval", "timeout"):
         if k in raw:
             setattr(c, k, _positive_float(f"controller.{k}", raw[k], src))
+    if c.heartbeat_interval < MIN_HEARTBEAT:  # a tiny interval is a busy loop, not a heartbeat
+        raise ConfigError("controller.heartbeat_interval",
+                          f"must be at least {MIN_HEARTBEAT} s, got {c.heartbeat_interval!r}", src)
     for k in ("batch_size", "queue_size"):
         if k in raw:
             setattr(c, k, _int(f"controller.{k}", raw[k], src, 1))
@@ -600,7 +626,7 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
             setattr(cfg, key, _SCALARS[key](key, value, src))
         elif key == "tiers":
             if not isinstance(value, list) or not value:
-                raise ConfigError("tiers", f"expected a non-empty list of tiers, got {value!r}", src)
+                raise ConfigError("tiers", f"expected a non-empty list of tiers, got {_show(value)}", src)
             tiers = [v if isinstance(v, TierConfig) else _tier(i, v, src) for i, v in enumerate(value)]
             names = [t.name for t in tiers]
             dup = {n for n in names if names.count(n) > 1}
@@ -629,9 +655,12 @@ def _apply(cfg: Config, data: Mapping[str, Any], src: str | None, origin: str | 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("<file>", f"cannot read config file: {exc.strerror}", str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<file>", f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})",
+                          str(path)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -657,7 +686,7 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, Any]:
         try:
             out[key] = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError as exc:
-            raise ConfigError(key, f"cannot parse {raw!r}: {exc}", f"${name}") from None
+            raise ConfigError(key, f"cannot parse {_show(raw)}: {exc}", f"${name}") from None
     return out
 
 
@@ -706,4 +735,24 @@ def load_config(
     if environ.get("LMCACHE_P2P_TOKEN"):  # a secret, like LMCACHE_API_TOKEN
         _apply(cfg, {"p2p": {"token": environ["LMCACHE_P2P_TOKEN"]}}, "$LMCACHE_P2P_TOKEN", "env:LMCACHE_P2P_TOKEN")
     _apply(cfg, overrides, None, "override")
+    _check_memory(cfg)
     return cfg
+
+
+def _check_memory(cfg: Config) -> None:
+    """The host memory pool must fit in this machine's memory: a CPU tier of 1 TiB passes
+    every field check and then fails deep inside torch, naming no key."""
+    total = _physical_memory()
+    if not total:
+        return
+    need = cfg.pool_size
+    if need > total:
+        from .units import format_size
+
+        if cfg.memory_pool_size is not None:
+            key = "memory_pool_size"
+        else:
+            cpu = [i for i, t in enumerate(cfg.tiers) if t.backend == "cpu"]
+            key = f"tiers[{cpu[0]}].capacity" if len(cpu) == 1 else "tiers"
+        raise ConfigError(key, f"the memory pool would need {format_size(need)}, more than this machine has "
+                               f"({format_size(total)})", cfg.source)

@@ -36,15 +36,18 @@ def parse_size(value: object) -> int:
             raise ValueError(f"a size cannot be negative, got {value}")
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
-            raise ValueError(f"a size cannot be negative or NaN, got {value}")
+        if value < 0 or value != value or value in (float("inf"),):
+            raise ValueError(f"a size must be a finite number of bytes >= 0, got {value}")
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
             unit = m.group(2).lower()
             if unit in _UNITS:
-                return int(float(m.group(1)) * _UNITS[unit])
+                n = float(m.group(1)) * _UNITS[unit]
+                if n == float("inf"):
+                    raise ValueError(f"{value!r} is too large a size")
+                return int(n)
         raise ValueError(
             f"cannot read {value!r} as a size: use a number of bytes or a number with "
             "a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"

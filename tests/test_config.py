@@ -174,3 +174,44 @@ def test_config_object_is_copied_not_shared():
     a = load_config({"chunk_size": 16})
     b = load_config(a, chunk_size=32)
     assert a.chunk_size == 16 and b.chunk_size == 32
+
+
+# ------------------------------------------------------------ hostile configs (outside review)
+def _bomb(levels: int = 9, width: int = 9) -> str:
+    """A YAML alias bomb as the value of chunk_size: width**levels leaves from a few
+    hundred bytes."""
+    lines = ["chunk_size:", "  a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("text, key, fragment", [
+    ("BOMB", "chunk_size", "chunk_size"),
+    ("tiers: [{backend: cpu, capacity: .inf}]\n", "tiers[0].capacity", "finite"),
+    ("tiers: [{backend: cpu, capacity: 1TiB}]\n", "tiers[0].capacity", "more than this machine has"),
+    ("memory_pool_size: 1TiB\n", "memory_pool_size", "more than this machine has"),
+    ("kv_spec: {num_layers: 2, num_kv_heads: 2, head_size: 8, layout: 'a:b'}\n", "kv_spec.layout", "letters"),
+    ("controller: {url: 'http://127.0.0.1:1', heartbeat_interval: 1.0e-9}\n", "controller.heartbeat_interval", "at least"),
+])
+def test_hostile_configs_are_one_line_errors_naming_the_key(tmp_path, text, key, fragment):
+    """Each of these gave a traceback, a 254 MB message, or passed validation and failed
+    later; each is now a short ConfigError naming the key, at load time."""
+    import time
+
+    f = tmp_path / "c.yaml"
+    f.write_text(_bomb() + "\n" if text == "BOMB" else text)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as ei:
+        load_config(f)
+    assert time.monotonic() - t0 < 5  # a hang guard: the bomb's expansion is never printed
+    assert ei.value.key == key, ei.value
+    assert fragment in str(ei.value) and len(str(ei.value)) < 600, str(ei.value)[:700]
+
+
+def test_a_config_file_that_is_not_utf8_names_the_byte(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"chunk_size: 256\nnamespace: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 27\)") as ei:
+        load_config(f)
+    assert ei.value.key == "<file>" and str(f) in str(ei.value)
