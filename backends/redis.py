@@ -14,7 +14,7 @@ their hash, so nothing here pins a tenant to one node.
 Why batches are pipelines: a chunk is one round trip otherwise, and the round trip, not
 the bandwidth, bounds a small-chunk workload. ``get`` is MGET on one server and pipelined
 GETs on a cluster (MGET may not cross slots; the cluster pipeline splits by slot and node
-itself); ``put``, ``contains`` and ``remove`` are pipelined SET, EXISTS and UNLINK,
+itself); ``put``, ``contains`` and ``remove`` are pipelined SET, TYPE and UNLINK,
 ``batch`` keys per round trip. ``keys()`` is SCAN (on every master of a cluster) plus
 pipelined STRLEN, so listing never loads a value.
 
@@ -366,7 +366,7 @@ class RedisBackend(BytesBackend):
         return bool(self._call("UNLINK", lambda c: c.unlink(self._k(key))))
 
     def exists(self, key: str) -> bool:
-        return bool(self._call("EXISTS", lambda c: c.exists(self._k(key))))
+        return self.contains([key])[0]
 
     def list(self) -> Iterator[tuple[str, int]]:
         for key, (size, _) in self._scan(with_head=False):
@@ -434,7 +434,25 @@ class RedisBackend(BytesBackend):
         return out
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [bool(x) for x in self._each("EXISTS", keys)]
+        # TYPE, not EXISTS: a list or hash under one of our keys exists but can never be
+        # read (GET/MGET answer nil or WRONGTYPE); promising it would make a lookup promise
+        # more than a retrieve returns, and a store would skip it forever. Such a key is
+        # dropped (counted as corrupt) and is a miss.
+        types = self._each("TYPE", keys)
+        out: list[bool] = []
+        foreign: list[str] = []
+        for k, t in zip(keys, types):
+            t = t.decode() if isinstance(t, bytes) else str(t)
+            if t == "string":
+                out.append(True)
+            else:
+                out.append(False)
+                if t != "none":
+                    self.note_corrupt(k, CorruptPayloadError(f"a Redis {t}, not a string, under the key"))
+                    foreign.append(k)
+        if foreign:
+            self._drop_corrupt(foreign)
+        return out
 
     def remove(self, keys: Sequence[str]) -> None:
         self._each("UNLINK", keys)

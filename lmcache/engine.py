@@ -417,13 +417,19 @@ class CacheEngine:
                on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[tuple[Chunk, MemoryObj, Tier]]:
         """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
-        results = self.hierarchy.get_many(keys, on_ready)  # one batch per tier (pipelines for remote stores)
+
+        def fits(j: int, obj: MemoryObj) -> bool:
+            return obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype
+
+        # one batch per tier (pipelines for remote stores); a hit of the wrong shape is
+        # never promoted into the tiers above (then dropped below)
+        results = self.hierarchy.get_many(keys, on_ready, accept=fits)
         try:
-            for chunk, key, r in zip(chunks, keys, results):
+            for j, (chunk, key, r) in enumerate(zip(chunks, keys, results)):
                 if r is None:
                     break
                 obj, tier = r
-                if obj.shape != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
+                if not fits(j, obj):
                     log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
                     tier.stats.corrupt += 1
                     tier.remove([key])

@@ -802,11 +802,13 @@ class StorageHierarchy:
         """The object for ``key`` (caller owns one reference) and the tier it came from."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None
-                 ) -> list[tuple[MemoryObj, Tier] | None]:
+    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
+                 accept: Callable[[int, MemoryObj], bool] | None = None) -> list[tuple[MemoryObj, Tier] | None]:
         """:meth:`get` for several keys, one batch call per tier: each tier is asked
         for the keys the tiers above it did not have. ``on_ready(j, obj)``: see
-        :meth:`Tier.get_many` (``j`` indexes ``keys``)."""
+        :meth:`Tier.get_many` (``j`` indexes ``keys``). ``accept(j, obj)``: the caller's
+        check of a hit (its shape and dtype); a hit it refuses is returned but never
+        promoted into the tiers above."""
         found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
@@ -824,7 +826,7 @@ class StorageHierarchy:
                 if obj is None:
                     nxt.append(j)
                     continue
-                if i > 0:
+                if i > 0 and (accept is None or accept(j, obj)):
                     obj = self._promote(keys[j], obj, i)
                 found[j] = (obj, tier)
             remaining = nxt
@@ -832,7 +834,7 @@ class StorageHierarchy:
             pending = self._inflight_get(keys[j])
             if pending is not None:
                 obj, target = pending
-                if target > 0:
+                if target > 0 and (accept is None or accept(j, obj)):
                     obj = self._promote(keys[j], obj, target)
                 found[j] = (obj, self.tiers[target])
         return found

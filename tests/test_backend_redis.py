@@ -250,6 +250,56 @@ def test_corrupt_or_truncated_values_are_misses_and_deleted(kind, stores):
         b.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "valkey"])
+def test_a_non_string_value_under_a_key_is_a_miss_dropped_and_rewritten(kind, stores):
+    """The outside review: a list under an lmcache key made EXISTS say yes and MGET nil:
+    lookup promised 48 tokens, retrieve returned 16, nothing was logged, the key was never
+    cleaned and stores skipped it. Now the lookup stops there (16), the key is dropped and
+    counted as corrupt, and the next store writes the chunk again."""
+    st = stores(kind)
+    tier = {"backend": KINDS[kind][0], "capacity": "16MiB", **st.options, "prefix": f"t-{uuid.uuid4().hex[:10]}:"}
+    toks = list(range(48))
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [tier], "kv_spec": KVSpec(L, H, D, "float32")}) as e:
+        e.store(toks, kv_for(toks))
+        backend = e.hierarchy.tiers[0].backend
+        raw = backend._conn()
+        second = backend.prefix + e.chunk_keys(toks)[1][1]
+        raw.delete(second)
+        raw.rpush(second, b"not", b"a", b"payload")
+        assert e.lookup(toks) == 16
+        assert raw.exists(second) == 0 and backend.integrity.corrupt == 1
+        assert e.retrieve(toks).num_tokens == 16
+        e.store(toks, kv_for(toks))
+        assert e.lookup(toks) == 48
+        r = e.retrieve(toks)
+        assert r.num_tokens == 48 and torch.equal(r.kv, kv_for(toks))
+        backend.remove(e.chunk_keys(toks)[1])
+
+
+def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
+    """The outside review: a Redis hit of the wrong shape (a forged payload with valid
+    checksums) was copied into the CPU tier before the engine's shape check. Now it is
+    refused, removed from Redis, and the CPU tier never holds it."""
+    st = stores("redis")
+    tier = {"backend": "redis", "capacity": "16MiB", **st.options, "prefix": f"t-{uuid.uuid4().hex[:10]}:"}
+    cfg = {"chunk_size": 16, "tiers": [{"backend": "cpu", "capacity": "4MiB"}, tier], "kv_spec": KVSpec(L, H, D, "float32")}
+    toks = list(range(32))
+    with lmcache.CacheEngine.from_config(cfg) as e:
+        keys = e.chunk_keys(toks)[1]
+        redis_tier = e.hierarchy.tiers[1]
+        from lmcache.memory import MemoryPool
+
+        wrong = MemoryPool.allocate_unpooled((L, 2, 16, H, D * 2), torch.float32)  # another head size
+        wrong.tensor.zero_()
+        data = b"".join(bytes(b) for b in payload.encode(keys[0], wrong, load_codec(REGS.codecs.load, "raw")))
+        raw = redis_tier.backend._conn()
+        raw.set(redis_tier.backend.prefix + keys[0], data)  # valid header and checksums, wrong shape
+        assert e.retrieve(toks).num_tokens == 0
+        assert keys[0] not in e.hierarchy.tiers[0].key_list()  # never promoted into the CPU tier
+        assert raw.exists(redis_tier.backend.prefix + keys[0]) == 0  # and dropped from Redis
+        assert e.stats()["tiers"][redis_tier.name]["corrupt"] == 1
+
+
 @pytest.mark.parametrize("kind", ["redis", "redis-cluster", "valkey-cluster"])
 def test_keys_lists_only_lmcache_keys_under_the_prefix(kind, stores):
     b = open_backend(kind, stores)
