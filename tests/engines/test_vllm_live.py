@@ -190,7 +190,7 @@ TINY_LLAMA = {
     "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
     "num_hidden_layers": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+}
 
 
 def test_tensor_parallel_2(vllm_bin, model, tmp_path):

@@ -28,7 +28,7 @@ import lmcache
 from lmcache import payload
 from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
 
-from _missing import loopback_store
+from _missing import loopback_store, missing
 
 CHUNK = 64
 NEW_TOKENS = 4
@@ -61,7 +61,10 @@ def tier_for(name: str, tmp_path) -> Iterator[tuple[dict, Callable[[Any], Raw]]]
             return Raw(get, lambda k, data: b._path(k).write_bytes(data))
         yield {"backend": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}, raw_disk
     elif name == "fs":
-        pytest.importorskip("fsspec")
+        try:
+            import fsspec  # noqa: F401
+        except ImportError:
+            missing("fsspec is not installed (the fs backend's client): pip install 'lmcache[fs]'")
 
         def raw_fs(b):
             fs = b._fs()
