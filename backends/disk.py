@@ -18,6 +18,7 @@ loss, but never hands out a torn one).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -241,6 +242,8 @@ class DiskBackend(BytesBackend):
         except FileNotFoundError:
             return size is not None
         except OSError as exc:  # a directory (or worse) where the entry's file was: forgotten, left there
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise  # the device refuses writes: the tier says so once (the key is forgotten)
             log.warning("disk tier %s: cannot remove %s: %s", self.context.tier, self._path(key), exc)
             return size is not None
         return True
@@ -411,7 +414,8 @@ class DiskBackend(BytesBackend):
             return None
         except CorruptPayloadError as exc:
             self.note_corrupt(key, exc)
-            self.delete(key)
+            with contextlib.suppress(OSError):  # a read-only device: forgotten, the file stays
+                self.delete(key)
             return None
 
     def _load(self, path: Path, key: str) -> MemoryObj:

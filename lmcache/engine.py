@@ -66,10 +66,10 @@ class CacheEngine:
     ):
         self.config = config
         self.clock = clock
-        self.kv_spec: KVSpec | None = kv_spec or config.kv_spec
         self.tokens = TokenProcessor(config.chunk_size, config.save_unfull_chunk, config.hash_algorithm)
         self.pool = MemoryPool(config.pool_size, prefault=config.memory_pool_prefault)
         self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
+        self.kv_spec = kv_spec or config.kv_spec
         self._lock = threading.Lock()
         self._closed = False
         self._puts: Any = None  # the store's I/O threads for a file-like top tier
@@ -116,6 +116,19 @@ class CacheEngine:
         if config.kv_events.enabled:
             self._start_kv_events()
         # ---- end kv events
+
+    @property
+    def kv_spec(self) -> KVSpec | None:
+        return self._kv_spec
+
+    @kv_spec.setter
+    def kv_spec(self, spec: KVSpec | None) -> None:
+        # Once the shape is known, no entry read from a tier may claim more than a whole
+        # chunk of it: a forged header claiming 16 GiB is a corrupt entry, not an allocation.
+        self._kv_spec = spec
+        self.hierarchy.max_entry_bytes = (
+            None if spec is None else self.config.chunk_size * spec.bytes_per_token()
+        )
 
     @classmethod
     def from_config(

@@ -27,7 +27,7 @@ import torch
 
 from .codecs import ChainError, chain_names, load_codec
 from .config import Config, TierConfig
-from .errors import ConfigError, EntryPathError
+from .errors import ConfigError, CorruptPayloadError, EntryPathError
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
 from .policies import EvictionPolicy, eviction_order
@@ -53,6 +53,7 @@ class TierStats:
     skipped_puts: int = 0  # did not fit (everything pinned, or larger than the tier)
     errors: int = 0
     corrupt: int = 0  # entries dropped by a check above the backend (the engine's shape/dtype check)
+    refused_writes: int = 0  # puts and removes the device refused (full, or read-only)
     last_error: str = ""
 
     def as_dict(self) -> dict:
@@ -64,6 +65,14 @@ class _Health:
     failures: int = 0
     down_until: float = 0.0
     since: float = 0.0
+
+
+#: errors with which a device refuses writes while its reads still work
+_WRITE_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _write_refused(exc: BaseException) -> bool:
+    return isinstance(exc, EntryPathError) or (isinstance(exc, OSError) and exc.errno in _WRITE_REFUSALS)
 
 
 class Tier:
@@ -98,6 +107,8 @@ class Tier:
         self._pins: dict[str, int] = {}
         self._leases: dict[str, list[float]] = {}
         self._health = _Health()
+        #: why the device refuses writes (full, read-only), since when; None: it takes them
+        self._write_refusal: tuple[str, float, int] | None = None
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
         #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
@@ -147,6 +158,30 @@ class Tier:
             self._health = _Health()
             log.warning(
                 "tier %s: recovered after %d failed calls over %.1fs", self.name, h.failures, self.clock() - h.since
+            )
+
+    def _refused(self, what: str, exc: BaseException) -> None:
+        """The device refused a write (full, or remounted read-only): that write is
+        skipped, and the tier keeps serving what it holds; no backoff, since reads still
+        work. Said once when it starts and once when writes are taken again, not per call."""
+        self.stats.refused_writes += 1
+        self.stats.last_error = f"{what}: {exc}"
+        if isinstance(exc, EntryPathError):
+            return  # one entry's path is blocked, not the device
+        if self._write_refusal is None:
+            self._write_refusal = (f"{type(exc).__name__}: {exc}", self.clock(), self.stats.refused_writes)
+            log.warning(
+                "tier %s: the device refuses writes (%s); stores to it are skipped while it keeps serving "
+                "its %d entries", self.name, exc, len(self._index),
+            )
+
+    def _writes_ok(self) -> None:
+        r = self._write_refusal
+        if r is not None:
+            self._write_refusal = None
+            log.warning(
+                "tier %s: takes writes again after %d refused over %.1fs",
+                self.name, self.stats.refused_writes - r[2] + 1, self.clock() - r[1],
             )
 
     # ---------------------------------------------------------------- pins
@@ -290,7 +325,10 @@ class Tier:
         try:
             self.backend.remove_one(key)
         except Exception as exc:
-            self._failed("remove", exc)
+            if _write_refused(exc):
+                self._refused("remove", exc)
+            else:
+                self._failed("remove", exc)
         self._forget(key)
         self.stats.evictions += 1
         if demote is not None:
@@ -334,15 +372,16 @@ class Tier:
         except Exception as exc:
             with self._lock:
                 self._reserved -= need
-            if isinstance(exc, EntryPathError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
-                # a full device: this chunk does not fit, but the tier still serves what it
-                # holds; skip the put instead of treating the tier as down
+            if _write_refused(exc):
+                # a full or read-only device (or one blocked path): this chunk is not
+                # written, but the tier still serves what it holds; not an outage
                 self.stats.skipped_puts += 1
-                self.stats.last_error = f"put: {exc}"
+                self._refused("put", exc)
                 return False
             self._failed("put", exc)
             return False
         self._ok()
+        self._writes_ok()
         dt = time.perf_counter() - t0
         with self._lock:
             self._reserved -= need
@@ -369,7 +408,10 @@ class Tier:
                 try:
                     removed = self.backend.remove_one(k)
                 except Exception as exc:
-                    self._failed("remove", exc)
+                    if _write_refused(exc):
+                        self._refused("remove", exc)
+                    else:
+                        self._failed("remove", exc)
                     continue
                 size = self._forget(k)
                 n += bool(removed or size is not None)
@@ -403,6 +445,8 @@ class Tier:
             "bytes_out": st["hit_bytes"],
             "pinned": pinned,
             "available": self.available,
+            # None, or why the device refuses writes (full, read-only): reads still served
+            "write_refused": None if self._write_refusal is None else self._write_refusal[0],
             # a store other processes share: usage counts only what this instance wrote
             "shared": self.backend.shared,
         }
@@ -687,6 +731,9 @@ class StorageHierarchy:
     ):
         self.config = config
         self.pool = pool
+        #: the most bytes one entry read from a tier may claim: a whole chunk of the
+        #: engine's kv_spec once it is known (set by the engine), else the largest tier
+        self.max_entry_bytes: int | None = None
         self.clock = clock
         self.registries = registries or get_registries()
         self.write_back = config.write_policy == "write-back"
@@ -760,7 +807,21 @@ class StorageHierarchy:
         return None
 
     def allocate_transient(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj:
-        """For reads: a pool object if there is room, else a heap object."""
+        """For reads: a pool object if there is room, else a heap object.
+
+        Refuses (``CorruptPayloadError``: the entry is corrupt, a miss) a claim larger
+        than :attr:`max_entry_bytes`, or than the largest tier when that is unset: a
+        forged header must cost one miss, never a 16 GiB allocation."""
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            nbytes *= int(d)
+        limit = self.max_entry_bytes
+        if limit is None:
+            limit = max(t.capacity for t in self.tiers) if getattr(self, "tiers", None) else None
+        if limit is not None and nbytes > limit:
+            raise CorruptPayloadError(
+                f"entry claims {nbytes} bytes ({tuple(shape)} {dtype}); entries here are at most {limit}"
+            )
         obj = self.pool.allocate(shape, dtype)
         return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 

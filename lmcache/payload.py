@@ -128,6 +128,10 @@ def parse_header(data: bytes | memoryview) -> Header:
         numel *= d
     if numel * itemsize != header.nbytes:
         raise CorruptPayloadError(f"shape {header.shape} of {header.dtype} is not {header.nbytes} bytes")
+    if header.codec == "raw" and header.body_len != header.nbytes:
+        raise CorruptPayloadError(f"raw body of {header.body_len} bytes for a {header.nbytes}-byte tensor")
+    if header.body_len < 0:
+        raise CorruptPayloadError(f"negative body length {header.body_len}")
     return header
 
 
@@ -152,6 +156,9 @@ def decode(
     except Exception as exc:
         raise CorruptPayloadError(f"payload codec {header.codec!r} is not available: {exc}") from None
     dtype = dtype_from_name(header.dtype)
+    # allocated before decoding: ``allocate`` may refuse a size no entry can have, and
+    # then no codec has been asked to produce it
+    obj = allocate(header.shape, dtype)
     try:
         if is_tensor_codec(codec):
             t = codec.decode_tensor(body, header.shape, dtype)  # type: ignore[attr-defined]
@@ -160,9 +167,14 @@ def decode(
             raw = None
         else:
             raw = codec.decode(body, header.nbytes)
+            if len(memoryview(raw).cast("B")) != header.nbytes:
+                raise ValueError(f"decoded {len(memoryview(raw).cast('B'))} bytes, header says {header.nbytes}")
     except (ValueError, RuntimeError) as exc:  # RuntimeError: torch rejecting a malformed tensor
+        obj.unref()
         raise CorruptPayloadError(f"codec {header.codec!r} failed: {exc}") from None
-    obj = allocate(header.shape, dtype)
+    except BaseException:
+        obj.unref()
+        raise
     try:
         if raw is None:
             obj.tensor.copy_(t)

@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from _kv import wave
 import yaml
 
 import lmcache
@@ -29,7 +30,7 @@ MODEL = "org/demo-model"  # percent-encoded in keys: org%2Fdemo-model
 def kv_for(tokens: list[int]) -> torch.Tensor:
     t = torch.as_tensor(tokens, dtype=torch.float32)
     base = torch.arange(2 * 2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 2, 8)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37)
 
 
 def prompt(i: int) -> list[int]:

@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 import torch
+from _kv import wave
 from _missing import missing
 
 import lmcache
@@ -94,7 +95,7 @@ def fresh(kind: str, **options):
 def kv_for(tokens):
     t = torch.as_tensor(list(tokens), dtype=torch.float64)
     base = torch.arange(L * 2 * H * D, dtype=torch.float64).reshape(L, 2, 1, H, D)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
 
 
 # ------------------------------------------------------------------ conformance

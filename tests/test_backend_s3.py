@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 import torch
+from _kv import wave
 
 import lmcache
 from lmcache import loopback
@@ -77,7 +78,7 @@ def open_backend(S3, options, **kw):
 def kv_for(tokens):
     t = torch.as_tensor(list(tokens), dtype=torch.float64)
     base = torch.arange(L * 2 * H * D, dtype=torch.float64).reshape(L, 2, 1, H, D)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
 
 
 def wipe(backend):

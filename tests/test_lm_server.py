@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kv import wave
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -55,7 +56,7 @@ def open_backend(store, codec: str = "raw", **options) -> LMBackend:
 def kv_for(tokens):
     t = torch.as_tensor(list(tokens), dtype=torch.float64)
     base = torch.arange(L * 2 * H * D, dtype=torch.float64).reshape(L, 2, 1, H, D)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
 
 
 def rss_kib(pid: int) -> int:

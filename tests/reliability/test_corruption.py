@@ -341,3 +341,55 @@ def test_hazards_in_the_disk_directory_cost_one_miss_never_the_tier(tmp_path):
             assert e.lookup(prompts["d"]) == 0
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_forged_sizes_on_disk_cost_one_miss(tmp_path, codec):
+    """The outside review: a forged header with valid checksums but a smaller ``nbytes``
+    was taken for an outage (the tier backed off, the entry stayed forever), and a header
+    claiming a 16 GiB tensor stalled every read for seconds. Both are one corrupt entry:
+    a miss, counted, and removed; the tier keeps serving the other prompts, and no read
+    allocates more than a chunk."""
+    cfg = {"chunk_size": 16, "kv_spec": {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float32"},
+           "tiers": [{"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "8MiB", "codec": codec}]}
+    prompts = {name: [base + i for i in range(32)] for name, base in (("small", 1000), ("huge", 2000), ("ok", 3000))}
+    with lmcache.CacheEngine.from_config(cfg) as e:
+        disk = e.hierarchy.tiers[0].backend
+        for p in prompts.values():
+            e.store(p, _kv(p))
+        e.flush()
+        path = {n: disk._path(e.chunk_keys(p)[1][0]) for n, p in prompts.items()}
+    # "small": the shape says 8 tokens (half the bytes) over the whole 16-token body
+    hdr, body = _split(path["small"].read_bytes())
+    hdr["shape"][2] //= 2
+    hdr["nbytes"] //= 2
+    path["small"].write_bytes(_forge(hdr, body))
+    # "huge": the header claims 2**30 tokens (16 GiB) over the same small body
+    hdr, body = _split(path["huge"].read_bytes())
+    hdr["shape"][2] = 1 << 30
+    hdr["nbytes"] = 2 * 2 * (1 << 30) * 2 * 8 * 4
+    if codec == "raw":
+        hdr["body_len"] = hdr["nbytes"]  # with the true (small) body: the file is too short for it
+    else:  # a frame that does not state its size: a decoder would size its output by the header
+        import zstandard
+
+        body = zstandard.ZstdCompressor(write_content_size=False).compress(zstandard.ZstdDecompressor().decompress(body))
+        hdr["body_len"], hdr["body_xxh3"] = len(body), xxhash.xxh3_64_intdigest(body)
+    path["huge"].write_bytes(_forge(hdr, body))
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    e = lmcache.CacheEngine.from_config(cfg)
+    try:
+        tier = e.hierarchy.tiers[0]
+        for name in ("small", "huge"):
+            for _ in range(3):  # again and again: one miss, then simply absent
+                r = _run_bounded(lambda: e.retrieve(prompts[name]), f"retrieve of the {name} forgery")
+                assert r.num_tokens == 0, name
+            assert not path[name].exists(), f"the {name} forgery stayed on disk"
+            assert tier.available, tier.info()
+            r = e.retrieve(prompts["ok"])
+            assert r.num_tokens == 32 and torch.equal(r.kv, _kv(prompts["ok"]))
+        assert tier.info()["corrupt"] == 2, tier.info()
+    finally:
+        e.close()
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 512 << 10, f"reads of forged entries grew the process by {grown_kib} KiB"

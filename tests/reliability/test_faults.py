@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _kv import wave
 from _missing import loopback_store, missing
 from _procs import readline, stop, until
 
@@ -42,7 +43,7 @@ def kv_for(tokens, heads: int = H, head_size: int = D) -> torch.Tensor:
     """KV derived from the token ids alone: any engine can check a retrieve bit-exactly."""
     t = torch.as_tensor(list(tokens), dtype=torch.float64)
     base = torch.arange(L * 2 * heads * head_size, dtype=torch.float64).reshape(L, 2, 1, heads, head_size)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
 
 
 def prompt(i: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -360,7 +361,8 @@ def small_filesystem(root: Path, size_mib: int = 4):
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
-def test_a_full_disk_skips_stores_and_keeps_serving(tmp_path):
+def test_a_full_disk_skips_stores_and_keeps_serving(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="lmcache.hierarchy")
     with small_filesystem(tmp_path) as (mnt, fs_kind):
         cache_dir = mnt / "cache"
         cfg = {"chunk_size": CHUNK, "staging_size": "16MiB", "write_policy": "write-through",
@@ -411,6 +413,11 @@ def test_a_full_disk_skips_stores_and_keeps_serving(tmp_path):
             assert not leftovers, leftovers
             # a full device is a skipped put, not an outage: the disk tier stays available
             assert disk.available, "a full disk must not take the tier down"
+            # ... and it is said, once (the outside review: "a full disk is silent")
+            said = [r.getMessage() for r in caplog.records if "refuses writes" in r.getMessage()]
+            assert len(said) == 1 and "No space left" in said[0], said
+            assert "No space left" in (disk.info()["write_refused"] or ""), disk.info()
+            assert disk.stats.refused_writes >= enospc > 0
             # the entries written before the disk filled are still served from the disk
             # tier, exactly
             served = 0
@@ -448,3 +455,43 @@ def test_a_full_disk_skips_stores_and_keeps_serving(tmp_path):
           f"{enospc} ENOSPC put failures absorbed, {skipped} puts skipped, {len(files)} intact files, "
           f"{served} early prompts re-served exactly, 0 temporaries left, slowest call {slowest:.2f}s, "
           f"peak RSS {peak_rss_mib():.0f} MiB")
+
+
+def test_a_read_only_remount_keeps_serving_and_says_so_once(tmp_path, caplog):
+    """The outside review: on a read-only remount the log flipped between "failed" and
+    "recovered" on every store, and intact entries came back as misses (each refused put
+    put the tier in backoff). Now a refused write skips that store only: reads go on,
+    exactly; one warning when writes start being refused, one when they are taken again."""
+    caplog.set_level("WARNING", logger="lmcache.hierarchy")
+    with small_filesystem(tmp_path, size_mib=16) as (mnt, _):
+        cfg = {"chunk_size": CHUNK, "staging_size": "16MiB",
+               "tiers": [{"backend": "disk", "path": str(mnt / "cache"), "capacity": "8MiB"}]}
+        with lmcache.CacheEngine.from_config(cfg) as e:
+            disk = e.hierarchy.tier("disk")
+            for i in range(8):
+                e.store(prompt(i), kv_big(prompt(i)))
+            e.flush()
+            r = subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True, text=True)
+            if r.returncode:
+                missing(f"cannot remount {mnt} read-only: {r.stderr.strip()}")
+            try:
+                for i in range(8, 24):  # stores are refused; each earlier prompt is still served
+                    e.store(prompt(i), kv_big(prompt(i)))
+                    e.flush()
+                    old = prompt(i % 8)
+                    res = e.retrieve(old)
+                    assert res.num_tokens == PROMPT_TOKENS, (i, disk.info())
+                    assert torch.equal(res.kv, kv_big(old))
+                assert disk.available
+                assert e.lookup(prompt(9)) == 0
+                assert "Read-only" in (disk.info()["write_refused"] or ""), disk.info()
+            finally:
+                subprocess.run(["mount", "-o", "remount,rw", str(mnt)], capture_output=True)
+            e.store(prompt(30), kv_big(prompt(30)))
+            e.flush()
+            assert e.lookup(prompt(30)) == PROMPT_TOKENS
+            assert disk.info()["write_refused"] is None
+        said = [r.getMessage() for r in caplog.records if "tier disk" in r.getMessage()]
+        assert len(said) == 2, said
+        assert "refuses writes" in said[0] and "Read-only" in said[0], said
+        assert "takes writes again" in said[1], said

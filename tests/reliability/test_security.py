@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kv import wave
 
 import lmcache
 from lmcache import server as proto
@@ -38,7 +39,7 @@ HANG = 10.0
 def kv_for(tokens):
     t = torch.as_tensor(list(tokens), dtype=torch.float32)
     base = torch.arange(2 * 2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 1, 2, 8)
-    return torch.sin(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37)
+    return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37)
 
 
 def http(url: str, method: str = "GET", body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
