@@ -31,7 +31,7 @@ from .errors import ConfigError, CorruptPayloadError, EntryPathError
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
 from .policies import EvictionPolicy, eviction_order
-from .storage import BackendContext, EntryInfo, StorageBackend, Usage
+from .storage import BackendContext, EntryInfo, StorageBackend, Usage, check_backend_options
 
 log = logging.getLogger(__name__)
 
@@ -648,10 +648,9 @@ def check_tier(
         policy = regs.policies.load(tcfg.policy)()
     except Exception as exc:
         raise ConfigError(f"{prefix}.policy", str(exc), source) from exc
-    check = getattr(backend_cls, "check_options", None)
-    if check is not None:
+    if getattr(backend_cls, "check_options", None) is not None:
         try:
-            check(options)
+            check_backend_options(backend_cls, options, tcfg.capacity)
         except ConfigError as exc:
             raise ConfigError(f"{prefix}.{exc.key}", exc.problem, source) from None
     return TierParts(backend_cls, codec, policy, options)

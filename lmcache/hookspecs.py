@@ -23,10 +23,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def lmcache_register_backends(registry: "Registry") -> None:
     """Register storage backends.
 
-    Called once per plugin manager, when the backend registry is first needed. Call
-    ``registry.add(name, "package.module:Class", extra=None, description="")`` once per
-    backend. The class is imported only when a tier uses it; ``extra`` names the
-    ``pip install 'lmcache[extra]'`` extra (or a package) to suggest if that import fails.
+    Called once per plugin manager, when the backend registry is first needed, as
+    ``hook(registry=...)``: the argument must be named ``registry``. Call
+    ``registry.add(name, "package.module:Class", requires=None, extra=None, description="")``
+    once per backend. The class is imported only when a tier uses it; if that import
+    fails, the error suggests ``pip install '<requires>'`` (a pip requirement) or
+    ``pip install '<your package>[<extra>]'``.
     A backend class is built as ``Class(context)`` with a
     :class:`lmcache.storage.BackendContext` and implements the contract of
     :class:`lmcache.storage.StorageBackend`. Names are unique across all plugins: a second

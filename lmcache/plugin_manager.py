@@ -6,14 +6,20 @@ entry points in the group ``lmcache``. Both register through the hooks in
 
 - ``LMCACHE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (built-ins still load);
 - ``LMCACHE_PLUGINS=a,b``: load only these entry points;
-- ``LMCACHE_DISABLED_PLUGINS=a,b``: never load these plugins (built-ins included).
+- ``LMCACHE_DISABLED_PLUGINS=a,b``: never load these plugins (built-ins included); an
+  item ``kind:name`` (``backend:s3``, ``codec:fp8``) drops that one registered name and
+  keeps the rest of its plugin.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
+import inspect
+import logging
 import os
+import shlex
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -24,6 +30,7 @@ from . import hookspecs
 from .errors import MissingDependencyError, PluginError, UnknownPluginError
 
 ENTRY_POINT_GROUP = "lmcache"
+log = logging.getLogger(__name__)
 
 #: Built-in plugins, registered exactly as third-party ones are (and also declared as
 #: entry points in lmcache's own metadata; they are loaded once).
@@ -52,6 +59,7 @@ class Entry:
     plugin: str
     extra: str | None = None
     description: str = ""
+    requires: str | None = None
     _loaded: Any = field(default=None, repr=False)
 
 
@@ -63,6 +71,7 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._current_plugin = "<direct>"
         self._lock = threading.Lock()
+        self._dropped: set[tuple[str, str]] = set()
 
     def add(
         self,
@@ -70,9 +79,16 @@ class Registry:
         target: str | type,
         *,
         extra: str | None = None,
+        requires: str | None = None,
         description: str = "",
     ) -> None:
-        """Register ``target`` (a ``"module:Class"`` string or a class) as ``name``."""
+        """Register ``target`` (a ``"module:Class"`` string or a class) as ``name``.
+
+        If importing ``target`` fails for a missing package, the error says how to install
+        it: ``requires`` is a pip requirement (``"fancy-kv>=1.0"``), printed quoted as
+        ``pip install 'fancy-kv>=1.0'``; ``extra`` is an extra of the package that provides
+        the plugin (``pip install 'lmcache[s3]'`` for a built-in, ``'<your package>[extra]'``
+        for a third-party plugin)."""
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {self._current_plugin!r} registered a {self.kind} with an empty name")
         if self.kind == "codec" and "+" in name:
@@ -80,6 +96,12 @@ class Registry:
                 f"plugin {self._current_plugin!r} registered codec {name!r}; codec names may not contain '+', "
                 "which joins the names of a chain (int8+zstd)"
             )
+        for label, value in (("extra", extra), ("requires", requires), ("description", description)):
+            if value is not None and not isinstance(value, str):
+                raise PluginError(
+                    f"plugin {self._current_plugin!r} registered {self.kind} {name!r} with {label}={value!r}; "
+                    "expected a string"
+                )
         if isinstance(target, str) and ":" not in target:
             raise PluginError(
                 f"plugin {self._current_plugin!r} registered {self.kind} {name!r} as {target!r}; "
@@ -92,7 +114,9 @@ class Registry:
                 f"({_describe(old.target)}) and by plugin {self._current_plugin!r} "
                 f"({_describe(target)}); disable one with LMCACHE_DISABLED_PLUGINS"
             )
-        self._entries[name] = Entry(self.kind, name, target, self._current_plugin, extra, description)
+        if (self.kind, name) in self._dropped:
+            return  # LMCACHE_DISABLED_PLUGINS names this one target
+        self._entries[name] = Entry(self.kind, name, target, self._current_plugin, extra, description, requires)
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -108,7 +132,9 @@ class Registry:
             return self._entries[name]
         except KeyError:
             known = ", ".join(self.names()) or "none"
-            raise UnknownPluginError(f"unknown {self.kind} {name!r}; registered {self.kind}s: {known}") from None
+            plural = "policies" if self.kind == "policy" else f"{self.kind}s"
+            hint = "" if (self.kind, name) not in self._dropped else " (disabled by LMCACHE_DISABLED_PLUGINS)"
+            raise UnknownPluginError(f"unknown {self.kind} {name!r}{hint}; registered {plural}: {known}") from None
 
     def load(self, name: str) -> Any:
         """Return the class registered as ``name``, importing it if needed."""
@@ -123,6 +149,20 @@ def _describe(target: str | type) -> str:
     return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
+def _install_hint(e: Entry) -> str | None:
+    """How to install what ``e`` needs, as a shell command (``None``: nothing declared)."""
+    if e.requires:
+        return f"pip install {shlex.quote(e.requires)}"
+    if not e.extra:
+        return None
+    if e.plugin in DEFAULT_PLUGINS or e.plugin.startswith("lmcache.") or e.plugin == "<direct>":
+        return f"pip install {shlex.quote(f'lmcache[{e.extra}]')}"
+    dist = plugin_source(e.plugin)[0]
+    if dist.startswith("<"):
+        return f"pip install {shlex.quote(e.extra)}"  # no package known: the extra names what to install
+    return f"pip install {shlex.quote(f'{dist}[{e.extra}]')}"
+
+
 def _import_target(e: Entry) -> Any:
     if not isinstance(e.target, str):
         return e.target
@@ -134,11 +174,11 @@ def _import_target(e: Entry) -> Any:
         # the target module itself missing inside a package that exists: a wrong path in
         # the plugin, not a missing optional dependency
         own = missing == mod_name and "." in mod_name
-        if e.extra and not own:
-            hint = f"pip install 'lmcache[{e.extra}]'" if "." not in e.extra and "/" not in e.extra else f"pip install {e.extra}"
+        hint = None if own else _install_hint(e)
+        if hint is not None:
             raise MissingDependencyError(
-                f"{e.kind} {e.name!r} needs the Python package {missing!r}, which is not installed; "
-                f"install it with: {hint}"
+                f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) needs the Python package {missing!r}, "
+                f"which is not installed; install it with: {hint}"
             ) from exc
         raise MissingDependencyError(
             f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) cannot be imported: no module named {missing!r}"
@@ -148,7 +188,9 @@ def _import_target(e: Entry) -> Any:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise PluginError(f"{e.kind} {e.name!r}: module {mod_name!r} has no attribute {attr!r}") from None
+        raise PluginError(
+            f"{e.kind} {e.name!r} (from plugin {e.plugin!r}): module {mod_name!r} has no attribute {attr!r}"
+        ) from None
     return obj
 
 
@@ -174,6 +216,8 @@ def create_plugin_manager(
     if autoload is None:
         autoload = env.get("LMCACHE_DISABLE_PLUGIN_AUTOLOAD", "").lower() not in ("1", "true", "yes")
     disabled = set(blocked) | (_env_list(env, "LMCACHE_DISABLED_PLUGINS") or set())
+    dropped = _dropped_targets(disabled)
+    disabled -= {f"{k}:{n}" for k, n in dropped}
     allow = _env_list(env, "LMCACHE_PLUGINS")
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -186,7 +230,7 @@ def create_plugin_manager(
     for mod_name in DEFAULT_PLUGINS:
         if pm.is_blocked(mod_name):
             continue
-        pm.register(importlib.import_module(mod_name), name=mod_name)
+        _register(pm, importlib.import_module(mod_name), mod_name)
     if autoload:
         for ep in eps:
             if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
@@ -204,12 +248,74 @@ def create_plugin_manager(
                 ) from exc
             if pm.is_registered(plugin):
                 continue
-            pm.register(plugin, name=ep.name)
             dist = getattr(ep, "dist", None)
             if dist is not None:
                 _DISTS[ep.name] = (dist.name, dist.version)
-    pm.check_pending()
+            _register(pm, plugin, ep.name)
+    _check_pending(pm)
+    pm._lmcache_dropped = dropped  # type: ignore[attr-defined]  # read by Registries
     return pm
+
+
+def _dropped_targets(disabled: set[str]) -> set[tuple[str, str]]:
+    """The ``kind:name`` items of ``LMCACHE_DISABLED_PLUGINS`` (one registered target each)."""
+    out = set()
+    for item in disabled:
+        kind, sep, name = item.partition(":")
+        if sep and kind in KINDS and name:
+            out.add((kind, name))
+    return out
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Register ``plugin``; a hook function with wrong arguments is a one-line
+    :class:`PluginError` naming the plugin and the hook, and an ``lmcache_*`` function
+    without ``@hookimpl`` (which pluggy ignores) is warned about."""
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        hook = _hook_named_in(plugin, str(exc))
+        fn = getattr(plugin, hook, None) if hook else None
+        try:
+            params = ", ".join(inspect.signature(fn).parameters) if fn is not None else "?"
+        except (TypeError, ValueError):  # pragma: no cover - not introspectable
+            params = "?"
+        raise PluginError(
+            f"plugin {name!r}: hook {hook or '?'} must take exactly the argument 'registry' "
+            f"(def {hook or 'lmcache_register_...'}(registry)), it takes ({params})"
+        ) from None
+    for attr in dir(plugin):
+        if not attr.startswith("lmcache_") or not callable(getattr(plugin, attr, None)):
+            continue
+        if pm.parse_hookimpl_opts(plugin, attr) is None:
+            log.warning(
+                "plugin %r: %s is not decorated with @lmcache.hookimpl and is ignored; decorate it to register",
+                name, attr,
+            )
+
+
+def _hook_named_in(plugin: Any, message: str) -> str | None:
+    for attr in dir(plugin):
+        if attr.startswith("lmcache_") and attr in message:
+            return attr
+    return None
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    """A hook implementation no spec matches (a misspelled name): one line naming the
+    plugin, the hook and the closest real hook."""
+    for name in pm.hook.__dict__:
+        if name.startswith("_"):
+            continue
+        caller = getattr(pm.hook, name)
+        if caller.spec is not None:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.optionalhook:
+                continue
+            close = difflib.get_close_matches(name, list(KINDS.values()), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; lmcache's hooks: {', '.join(KINDS.values())}"
+            raise PluginError(f"plugin {impl.plugin_name!r} implements unknown hook {name!r}{hint}")
 
 
 _DISTS: dict[str, tuple[str, str]] = {}
@@ -243,12 +349,26 @@ class Registries:
             "connector": self.connectors,
             "policy": self.policies,
         }
+        _check_pending(pm)  # also for plugins registered on ``pm`` by hand
+        dropped = getattr(pm, "_lmcache_dropped", set())
         for kind, hook_name in KINDS.items():
             reg = by_kind[kind]
+            reg._dropped = {d for d in dropped if d[0] == kind}
             hook = getattr(pm.hook, hook_name)
-            for impl in reversed(hook.get_hookimpls()):  # registration order
-                reg._current_plugin = impl.plugin_name
-                impl.function(registry=reg)
+            plugins = [(impl.plugin_name, impl.plugin) for impl in reversed(hook.get_hookimpls())]  # registration order
+            for plugin_name, plugin in plugins:
+                reg._current_plugin = plugin_name
+                # through pluggy (wrappers and hook options apply), one plugin at a time so
+                # that a duplicate name can name both plugins
+                others = [p for n, p in plugins if n != plugin_name]
+                try:
+                    pm.subset_hook_caller(hook_name, remove_plugins=others)(registry=reg)
+                except PluginError:
+                    raise
+                except Exception as exc:
+                    raise PluginError(
+                        f"plugin {plugin_name!r}: hook {hook_name} failed: {type(exc).__name__}: {exc}"
+                    ) from exc
             reg._current_plugin = "<direct>"
 
     def hooks_of(self, plugin_name: str) -> list[str]:

@@ -17,6 +17,8 @@ A backend is built as ``Backend(context)``; see :class:`BackendContext`.
 
 from __future__ import annotations
 
+import inspect
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -109,6 +111,16 @@ class BackendContext:
         return cls(tier, capacity, dict(options or {}), codec, lookup, allocate, time.monotonic, pool, read_only)
 
 
+def check_backend_options(backend_cls: type, options: Mapping[str, Any], capacity: int | None) -> dict[str, Any]:
+    """``backend_cls.check_options(options)``, with ``capacity=`` when it takes it."""
+    fn = backend_cls.check_options
+    try:
+        takes = "capacity" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - not introspectable
+        takes = False
+    return fn(options, capacity=capacity) if takes else fn(options)
+
+
 class StorageBackend:
     """Base class of storage backends. See the module docstring for the contract."""
 
@@ -126,14 +138,17 @@ class StorageBackend:
 
     def __init__(self, context: BackendContext):
         self.context = context
-        self.options = self.check_options(context.options)
+        self.options = check_backend_options(type(self), context.options, context.capacity)
 
     @classmethod
-    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
         """Validate a tier's backend keys without opening anything; return them merged
-        with the defaults. Raises :class:`ConfigError` naming the key. Subclasses that
-        check more call ``super().check_options(options)`` first
-        (``lmcache config validate`` calls this)."""
+        with the defaults. Raises :class:`ConfigError` naming the key (``"capacity"`` for
+        a capacity this backend cannot hold). ``capacity`` is the tier's capacity in bytes
+        (``None`` where no tier is known). Subclasses that check more call
+        ``super().check_options(options)`` first; one that does not look at ``capacity``
+        may leave it out of its signature (``lmcache config validate`` calls this, so
+        whatever it checks fails there, not when the engine starts)."""
         unknown = set(options) - set(cls.OPTIONS)
         if unknown:
             known = ", ".join(sorted(cls.OPTIONS)) or "none"

@@ -16,11 +16,26 @@ Plain pytest classes: a plugin's test module subclasses one and provides a fixtu
 
 ``BackendTests`` needs a ``backend`` fixture (a fresh, empty backend); ``CodecTests`` a
 ``codec`` fixture; ``PolicyTests`` a ``policy`` fixture (a fresh policy).
+
+Backends that store bytes, or keep entries across processes, run more of the contract:
+
+- :class:`BytesBackendTests` (a :class:`~lmcache.storage.BytesBackend`): a damaged or
+  truncated entry is a miss, counted in ``integrity`` and removed;
+- :class:`PersistentBackendTests` (entries outlive the backend object: files, a
+  database, a server) also needs ``reopen``, a fixture giving a callable
+  ``reopen(read_only=False)`` that opens another backend over the same storage as
+  ``backend`` (the test closes it);
+- :class:`FileBackendTests` (storage at a path) also needs ``open_at``, a callable
+  ``open_at(path, read_only)``: a read-only open of a path that does not exist creates
+  nothing there (``lmcache ls --config`` opens tiers read-only).
+
+A class may combine them: ``class TestMine(FileBackendTests, BytesBackendTests)``.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -133,6 +148,132 @@ class BackendTests:
         for k, g in zip(order, backend.get(order)):
             assert g is not None and torch.equal(g.tensor, objs[k].tensor)
             g.unref()
+
+
+    def test_entries_list_what_keys_lists(self, backend):
+        items = [(make_key(i), make_obj(i, num_tokens=2 + i)) for i in range(3)]
+        backend.put(items)
+        listed = dict(backend.keys())
+        entries = list(backend.entries())
+        assert {e.key: e.size for e in entries} == listed
+        assert len(entries) == 3
+
+    def test_threads_on_own_and_shared_keys(self, backend):
+        """4 threads store, read, test and remove their own keys and overwrite one shared
+        key: every read of an own key is exact, a read of the shared key is one of the
+        objects written to it, never a mix, and nothing raises."""
+        shared = make_key(10_000)
+        shared_objs = [make_obj(900 + t) for t in range(4)]
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for r in range(6):
+                    mine = [(make_key(1000 * t + 10 * r + j), make_obj(1000 * t + 10 * r + j)) for j in range(3)]
+                    backend.put(mine)
+                    backend.put([(shared, shared_objs[t])])
+                    for (k, o), g in zip(mine, backend.get([k for k, _ in mine])):
+                        assert g is not None and torch.equal(g.tensor, o.tensor), k
+                        g.unref()
+                    (g,) = backend.get([shared])
+                    if g is not None:
+                        assert any(torch.equal(g.tensor, o.tensor) for o in shared_objs), "a mixed shared entry"
+                        g.unref()
+                    assert backend.contains([k for k, _ in mine]) == [True] * 3
+                    backend.remove([mine[0][0]])
+                    assert backend.contains([mine[0][0]]) == [False]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads), "a backend call hung under threads"
+        assert not errors, errors[0]
+
+
+class BytesBackendTests(BackendTests):
+    """For :class:`~lmcache.storage.BytesBackend` subclasses: damaged bytes in the store
+    are a miss (never an exception, never wrong KV), counted and removed. The damage is
+    written through the backend's own ``write``, as another process would leave it."""
+
+    def _damage(self, backend, key: str, how: str) -> None:
+        data = bytes(backend.read(key))
+        if how == "flip":
+            bad = bytearray(data)
+            bad[len(bad) - 1 - len(bad) // 4] ^= 0x40  # inside the body
+            data = bytes(bad)
+        else:
+            data = data[: len(data) // 2]
+        backend.write(key, [data])
+
+    @pytest.mark.parametrize("how", ["flip", "truncate"])
+    def test_damaged_entry_is_a_counted_miss_and_removed(self, backend, how):
+        good = make_obj(2)
+        backend.put([(make_key(1), make_obj(1)), (make_key(2), good)])
+        self._damage(backend, make_key(1), how)
+        before = backend.integrity.corrupt
+        assert backend.get([make_key(1)]) == [None]
+        assert backend.integrity.corrupt == before + 1
+        assert backend.contains([make_key(1)]) == [False], "a corrupt entry stayed in the store"
+        (g,) = backend.get([make_key(2)])
+        assert g is not None and torch.equal(g.tensor, good.tensor)
+        g.unref()
+
+
+class PersistentBackendTests(BackendTests):
+    """For backends whose entries outlive the backend object; needs a ``reopen`` fixture
+    (see the module docstring)."""
+
+    def test_entries_survive_reopening(self, backend, reopen):
+        items = [(make_key(i), make_obj(i, num_tokens=3 + i)) for i in range(3)]
+        sizes = backend.put(items)
+        other = reopen()
+        try:
+            assert dict(other.keys()) == {k: s for (k, _), s in zip(items, sizes)}
+            for (k, o), g in zip(items, other.get([k for k, _ in items])):
+                assert g is not None and torch.equal(g.tensor, o.tensor), k
+                g.unref()
+        finally:
+            other.close()
+
+    def test_read_only_open_serves_and_changes_nothing(self, backend, reopen):
+        items = [(make_key(i), make_obj(i)) for i in range(3)]
+        backend.put(items)
+        ro = reopen(read_only=True)
+        try:
+            assert sorted(k for k, _ in ro.keys()) == sorted(k for k, _ in items)
+            assert sorted(e.key for e in ro.entries()) == sorted(k for k, _ in items)
+            (g,) = ro.get([items[1][0]])
+            assert g is not None and torch.equal(g.tensor, items[1][1].tensor)
+            g.unref()
+        finally:
+            ro.close()
+        assert backend.contains([k for k, _ in items]) == [True] * 3
+
+
+    def test_close_twice_is_harmless(self, reopen):
+        other = reopen()
+        other.put([(make_key(77), make_obj(77))])
+        other.close()
+        other.close()
+
+
+class FileBackendTests(PersistentBackendTests):
+    """For backends that keep their storage at a path; needs ``reopen`` and ``open_at``
+    fixtures (see the module docstring)."""
+
+    def test_read_only_open_of_a_missing_path_creates_nothing(self, open_at, tmp_path):
+        where = tmp_path / "not-yet" / "store"
+        b = open_at(where, True)
+        try:
+            assert list(b.keys()) == [] and list(b.entries()) == []
+            assert b.get([make_key(1)]) == [None] and b.contains([make_key(1)]) == [False]
+        finally:
+            b.close()
+        assert not where.exists() and not where.parent.exists(), "a read-only open created files"
 
 
 class CodecTests:

@@ -21,7 +21,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
 
@@ -41,13 +41,26 @@ def open_fs(FSBackend, url, codec="raw", **opts):
 
 
 @pytest.mark.parametrize("where,codec", [("file", "raw"), ("file", "zstd"), ("memory", "raw")])
-class TestFSConformance(BackendTests):
+class TestFSConformance(FileBackendTests, BytesBackendTests):
     @pytest.fixture
-    def backend(self, FSBackend, where, codec, tmp_path):
-        url = f"file://{tmp_path}/store" if where == "file" else f"memory://lmc-{uuid.uuid4().hex}"
+    def url(self, where, tmp_path):
+        return f"file://{tmp_path}/store" if where == "file" else f"memory://lmc-{uuid.uuid4().hex}"
+
+    @pytest.fixture
+    def backend(self, FSBackend, url, codec):
         b = open_fs(FSBackend, url, codec)
         yield b
         b.close()
+
+    @pytest.fixture
+    def reopen(self, FSBackend, url, codec):
+        return lambda read_only=False: FSBackend(BackendContext.standalone(
+            {"url": url}, codec=load_codec(REGS.codecs.load, codec), read_only=read_only))
+
+    @pytest.fixture
+    def open_at(self, FSBackend, where, codec):  # (the class's parameters: every test must take them)
+        return lambda path, read_only: FSBackend(BackendContext.standalone(
+            {"url": f"file://{path}"}, codec=load_codec(REGS.codecs.load, codec), read_only=read_only))
 
 
 # ------------------------------------------------------------------ layout and listing

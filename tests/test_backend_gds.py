@@ -17,7 +17,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
 GDSBackend = REGS.backends.load("gds")
@@ -51,13 +51,27 @@ def kvikio_usable(tmp_path_factory):
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
-class TestGDSPosix(BackendTests):
+class TestGDSPosix(FileBackendTests, BytesBackendTests):
     @pytest.fixture
     def backend(self, codec, tmp_path):
         b = open_gds(tmp_path, codec, use_kvikio=False)
         assert b.io_path == "posix (O_DIRECT)"
         yield b
         b.close()
+
+    @pytest.fixture
+    def reopen(self, codec, tmp_path):
+        def again(read_only=False):
+            ctx = BackendContext.standalone({"url": f"gds://{tmp_path}", "use_kvikio": False},
+                                            codec=load_codec(REGS.codecs.load, codec), read_only=read_only)
+            return GDSBackend(ctx)
+        return again
+
+    @pytest.fixture
+    def open_at(self, codec):  # (the class's parameter: every test must take it)
+        return lambda path, read_only: GDSBackend(BackendContext.standalone(
+            {"url": f"gds://{path}", "use_kvikio": False}, codec=load_codec(REGS.codecs.load, codec),
+            read_only=read_only))
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd"])

@@ -23,7 +23,7 @@ from lmcache.errors import BackendError, ConfigError, MissingDependencyError
 from lmcache.loopback import ServerUnavailable, free_port
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, assert_rejects, make_key, make_obj
 from _missing import missing
 
 REGS = get_registries()
@@ -118,7 +118,7 @@ def raw(store):
 
 
 # ----------------------------------------------------------------- conformance
-class TestMooncakeConformance(BackendTests):
+class TestMooncakeConformance(BytesBackendTests):
     @pytest.fixture(params=["raw", "zstd"])
     def backend(self, request, make):
         return make(request.param)

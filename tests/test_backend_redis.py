@@ -26,7 +26,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.loopback import ServerUnavailable
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 
 REGS = get_registries()
 
@@ -101,7 +101,7 @@ def kv_for(tokens):
 # ------------------------------------------------------------------ conformance
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 @pytest.mark.parametrize("kind", list(KINDS))
-class TestRedisConformance(BackendTests):
+class TestRedisConformance(PersistentBackendTests, BytesBackendTests):
     @pytest.fixture
     def backend(self, kind, codec, stores):
         b = open_backend(kind, stores, codec)
@@ -109,6 +109,11 @@ class TestRedisConformance(BackendTests):
         b.remove([k for k, _ in b.keys()])
         assert list(b.keys()) == []
         b.close()
+
+    @pytest.fixture
+    def reopen(self, backend, kind, codec):
+        return lambda read_only=False: _backend_cls(KINDS[kind][0])(BackendContext.standalone(
+            dict(backend.options), codec=load_codec(REGS.codecs.load, codec), read_only=read_only))
 
 
 # ------------------------------------------------------------------ URLs and options

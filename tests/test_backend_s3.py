@@ -24,7 +24,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_rejects, make_key, make_obj
 from _missing import loopback_store, missing
 
 REGS = get_registries()
@@ -86,7 +86,12 @@ def wipe(backend):
 
 
 # --------------------------------------------------------------------- conformance
-class TestS3Conformance(BackendTests):
+class TestS3Conformance(PersistentBackendTests, BytesBackendTests):
+    @pytest.fixture
+    def reopen(self, backend, S3):
+        return lambda read_only=False: open_backend(S3, dict(backend.options), codec=backend.context.codec,
+                                                    read_only=read_only)
+
     @pytest.fixture(params=["raw", "zstd"])
     def backend(self, request, S3, opts):
         pool = MemoryPool(64 << 20)

@@ -8,7 +8,7 @@ from lmcache.codecs import load_codec
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, CodecTests, PolicyTests
+from lmcache.testing import BackendTests, BytesBackendTests, CodecTests, FileBackendTests, PolicyTests
 
 REGS = get_registries()
 
@@ -23,13 +23,28 @@ class TestCPUBackend(BackendTests):
         assert pool.used == 0, "the cpu backend leaked pool memory"
 
 
-class TestDiskBackend(BackendTests):
+def _disk(path, codec=None, read_only=False):
+    return REGS.backends.load("disk")(BackendContext.standalone({"path": str(path)}, codec=codec, read_only=read_only))
+
+
+class TestDiskBackend(FileBackendTests, BytesBackendTests):
     @pytest.fixture(params=["raw", "zstd", "shuffle+zstd"])
-    def backend(self, request, tmp_path):
-        codec = load_codec(REGS.codecs.load, request.param)
-        b = REGS.backends.load("disk")(BackendContext.standalone({"path": str(tmp_path)}, codec=codec))
+    def codec(self, request):
+        return load_codec(REGS.codecs.load, request.param)
+
+    @pytest.fixture
+    def backend(self, codec, tmp_path):
+        b = _disk(tmp_path / "kv", codec)
         yield b
         b.close()
+
+    @pytest.fixture
+    def reopen(self, codec, tmp_path):
+        return lambda read_only=False: _disk(tmp_path / "kv", codec, read_only)
+
+    @pytest.fixture
+    def open_at(self):
+        return lambda path, read_only: _disk(path, read_only=read_only)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from lmcache.loopback import free_port
 from lmcache.loopback.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
+from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 from _procs import talk
 
 REGS = get_registries()
@@ -72,7 +72,7 @@ def frames(reply: bytes) -> list[tuple[proto.Frame, bytes]]:
 
 # ------------------------------------------------------------------ conformance
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
-class TestLMConformance(BackendTests):
+class TestLMConformance(PersistentBackendTests, BytesBackendTests):
     @pytest.fixture
     def backend(self, codec, server):
         b = open_backend(server, codec)
@@ -80,6 +80,11 @@ class TestLMConformance(BackendTests):
         b.remove([k for k, _ in b.keys()])
         assert list(b.keys()) == []
         b.close()
+
+    @pytest.fixture
+    def reopen(self, backend, codec):
+        return lambda read_only=False: LMBackend(BackendContext.standalone(
+            dict(backend.options), codec=load_codec(REGS.codecs.load, codec), read_only=read_only))
 
 
 # ------------------------------------------------------------------ options

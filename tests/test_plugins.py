@@ -209,3 +209,162 @@ def test_every_hook_has_a_test(hook):
     text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
     text += "\n".join(p.read_text() for p in (ROOT / "examples").rglob("test_*.py"))
     assert re.search(rf"def {hook}\b", text), f"no test implements {hook}"
+
+
+# ------------------------------------------------- what an outside plugin author met
+def _install_plugin(site: Path, dist: str, module: str, source: str) -> None:
+    """A real installed distribution (dist-info with an ``lmcache`` entry point) on ``site``."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[lmcache]\n{dist} = {module}\n")
+
+
+def _lmcache_plugins(site: Path, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, "-m", "lmcache.cli.main", "plugins", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+PLUGIN_HEAD = "from lmcache import hookimpl\n\n"
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        # the hook's argument must be called ``registry``: before, a raw pluggy traceback
+        (PLUGIN_HEAD + "@hookimpl\ndef lmcache_register_connectors(reg):\n    pass\n",
+         "plugin 'fancy-kv': hook lmcache_register_connectors must take exactly the argument 'registry'"),
+        # a misspelled hook: before, a 40-line traceback
+        (PLUGIN_HEAD + "@hookimpl\ndef lmcache_register_backend(registry):\n    pass\n",
+         "plugin 'fancy-kv' implements unknown hook 'lmcache_register_backend'; did you mean lmcache_register_backends?"),
+        # a hook that raises: the plugin and the hook are named
+        (PLUGIN_HEAD + "@hookimpl\ndef lmcache_register_codecs(registry):\n    raise RuntimeError('boom')\n",
+         "plugin 'fancy-kv': hook lmcache_register_codecs failed: RuntimeError: boom"),
+    ],
+    ids=["argument-name", "misspelled-hook", "hook-raises"],
+)
+def test_plugin_mistakes_are_one_line_errors_naming_plugin_and_hook(tmp_path, source, expected):
+    _install_plugin(tmp_path / "site", "fancy-kv", "fancy_kv_plugin", source)
+    proc = _lmcache_plugins(tmp_path / "site")
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert expected in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_hook_without_hookimpl_is_warned_about(tmp_path):
+    source = "def lmcache_register_backends(registry):\n    registry.add('fancy', 'fancy_kv_plugin:X')\n"
+    _install_plugin(tmp_path / "site", "fancy-kv", "fancy_kv_plugin", source)
+    proc = _lmcache_plugins(tmp_path / "site")
+    assert proc.returncode == 0, proc.stderr
+    assert "plugin 'fancy-kv': lmcache_register_backends is not decorated with @lmcache.hookimpl" in proc.stderr
+
+
+def test_third_party_install_hints_name_the_plugin_and_are_quoted(tmp_path):
+    """Before: ``extra=`` on a third-party plugin printed ``pip install 'lmcache[lmcache-lmdb]'``,
+    a requirement went unquoted (``pip install fancy-kv>=1.0`` redirects to a file), and
+    the message no longer named the plugin."""
+    import shlex
+
+    source = PLUGIN_HEAD + (
+        "@hookimpl\ndef lmcache_register_backends(registry):\n"
+        "    registry.add('lmdb', 'lmdb_missing_for_tests:LMDB', extra='lmdb')\n"
+        "    registry.add('fancy', 'fancy_missing_for_tests:Fancy', requires='fancy-kv>=1.0')\n"
+    )
+    _install_plugin(tmp_path / "site", "lmcache-lmdb", "lmcache_lmdb_plugin", source)
+    import os
+    import subprocess
+    import sys
+
+    code = ("from lmcache.plugin_manager import get_registries\nr = get_registries()\n"
+            "for n in ('lmdb', 'fancy'):\n    try:\n        r.backends.load(n)\n"
+            "    except Exception as e:\n        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.splitlines()
+    assert len(out) == 2, out
+    assert "backend 'lmdb' (from plugin 'lmcache-lmdb')" in out[0]
+    assert out[0].endswith("install it with: pip install 'lmcache-lmdb[lmdb]'"), out[0]
+    assert "backend 'fancy' (from plugin 'lmcache-lmdb')" in out[1]
+    hint = out[1].split("install it with: ")[1]
+    assert hint == "pip install 'fancy-kv>=1.0'" and shlex.split(hint) == ["pip", "install", "fancy-kv>=1.0"]
+
+
+def test_one_builtin_backend_can_be_disabled_alone():
+    """Before, disabling one built-in backend meant disabling lmcache.backends.builtin, all of them."""
+    regs = Registries(create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "backend:s3,codec:fp8"}))
+    assert "s3" not in regs.backends.names() and {"cpu", "disk", "redis"} <= set(regs.backends.names())
+    assert "fp8" not in regs.codecs.names() and "zstd" in regs.codecs.names()
+    with pytest.raises(UnknownPluginError, match="unknown backend 's3' \\(disabled by LMCACHE_DISABLED_PLUGINS\\)"):
+        regs.backends.entry("s3")
+
+
+def test_policy_registry_errors_say_policies():
+    with pytest.raises(UnknownPluginError, match="registered policies: "):
+        Registries(create_plugin_manager(autoload=False)).policies.entry("mru-typo")
+
+
+class _Wrapper:
+    calls: list[str] = []
+
+    @hookimpl(wrapper=True)
+    def lmcache_register_backends(self, registry):
+        _Wrapper.calls.append("before")
+        yield
+        _Wrapper.calls.append("after")
+
+
+def test_hooks_are_called_through_pluggy_so_wrappers_apply():
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_Wrapper(), name="wrapper")
+    _Wrapper.calls.clear()
+    Registries(pm)
+    assert _Wrapper.calls == ["before", "after"]
+
+
+_CAPPED = '''
+from lmcache import hookimpl
+from lmcache.errors import ConfigError
+from lmcache.backends.cpu import CPUBackend
+
+
+class Capped(CPUBackend):
+    """A store that holds at most 1 MiB."""
+
+    @classmethod
+    def check_options(cls, options, capacity=None):
+        opts = super().check_options(options)
+        if capacity is not None and capacity > 1 << 20:
+            raise ConfigError("capacity", f"this store holds at most 1MiB, not {capacity} bytes")
+        return opts
+
+
+@hookimpl
+def lmcache_register_backends(registry):
+    registry.add("capped", Capped)
+'''
+
+
+def test_check_options_sees_the_tier_capacity_at_validation(tmp_path):
+    """Before, ``check_options`` got only the backend keys, so a check against the
+    capacity passed ``lmcache config validate`` and failed when the engine started."""
+    import os
+    import subprocess
+    import sys
+
+    _install_plugin(tmp_path / "site", "capped-kv", "capped_kv_plugin", _CAPPED)
+    cfg = tmp_path / "c.yaml"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    for capacity, ok in (("512KiB", True), ("4MiB", False)):
+        cfg.write_text(f"chunk_size: 16\ntiers:\n  - backend: capped\n    capacity: {capacity}\n")
+        proc = subprocess.run([sys.executable, "-m", "lmcache.cli.main", "config", "validate", str(cfg)],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+        if not ok:
+            assert "tiers[0].capacity" in proc.stderr and "at most 1MiB" in proc.stderr, proc.stderr

@@ -12,6 +12,10 @@ this one writes, and every entry survives closing and reopening the file.
 
 Options: ``path`` (required; the database file, created with its parent directories if
 missing) and ``timeout`` (seconds to wait for a lock held by another process, default 5).
+Both are checked in :meth:`SQLiteBackend.check_options`, which ``lmcache config
+validate`` runs without opening anything. A backend opened with ``read_only`` (``lmcache
+ls --config``, ``lmcache tiers --config``) creates nothing: a database that does not
+exist yet simply has no entries.
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from lmcache.errors import BackendError, ConfigError
-from lmcache.storage import BackendContext, BytesBackend, Usage
+from lmcache import payload
+from lmcache.errors import BackendError, ConfigError, CorruptPayloadError
+from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
 #: Version of the table layout below, kept in ``PRAGMA user_version``.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _TABLE = "lmcache_payloads"
 # Stay well under SQLite's limit on host parameters in one statement.
 _BATCH = 500
@@ -36,27 +42,45 @@ _BATCH = 500
 class SQLiteBackend(BytesBackend):
     OPTIONS = {"path": None, "timeout": 5.0}
 
-    def __init__(self, context: BackendContext):
-        super().__init__(context)  # rejects keys not in OPTIONS
-        path = self.options["path"]
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Every option is checked here, so that ``lmcache config validate`` finds a bad
+        value before an engine starts; ``__init__`` only opens."""
+        opts = super().check_options(options)  # rejects keys not in OPTIONS
+        path = opts["path"]
         if not path or not isinstance(path, (str, os.PathLike)):
             raise ConfigError("path", "the sqlite backend needs a database file, e.g. path: /var/cache/lmcache/kv.db")
-        timeout = self.options["timeout"]
+        timeout = opts["timeout"]
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
             raise ConfigError("timeout", f"expected a number of seconds >= 0, got {timeout!r}")
-        self.path = Path(path).expanduser()
-        if self.path.is_dir():
-            raise ConfigError("path", f"{self.path} is a directory; give the path of a database file in it")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("path", f"cannot create directory {self.path.parent}: {exc.strerror}") from None
+        if Path(path).expanduser().is_dir():
+            raise ConfigError("path", f"{path} is a directory; give the path of a database file in it")
+        return opts
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)  # runs check_options
+        self.path = Path(self.options["path"]).expanduser()
+        self.read_only = context.read_only
         # One connection shared by all threads; the lock serialises its use.
         self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+        self._schema = SCHEMA_VERSION
+        if self.read_only and not self.path.exists():
+            return  # nothing stored yet, and inspecting must not create the file
+        if not self.read_only:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError("path", f"cannot create directory {self.path.parent}: {exc.strerror}") from None
         try:
-            self._conn: sqlite3.Connection | None = sqlite3.connect(
-                self.path, timeout=float(timeout), check_same_thread=False
-            )
+            if self.read_only:  # SQLite's own read-only mode: no file, journal or WAL is created
+                uri = f"{self.path.resolve().as_uri()}?mode=ro"
+                self._conn = sqlite3.connect(uri, uri=True, timeout=float(self.options["timeout"]),
+                                             check_same_thread=False)
+            else:
+                self._conn = sqlite3.connect(self.path, timeout=float(self.options["timeout"]),
+                                             check_same_thread=False)
         except sqlite3.Error as exc:
             raise ConfigError("path", f"cannot open SQLite database {self.path}: {exc}") from None
         try:
@@ -74,29 +98,47 @@ class SQLiteBackend(BytesBackend):
         conn = self._conn
         assert conn is not None
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise ConfigError(
-                "path", f"{self.path} has schema version {version}; this backend reads version {SCHEMA_VERSION}"
+                "path", f"{self.path} has schema version {version}; this backend reads versions 1 and {SCHEMA_VERSION}"
             )
+        self._schema = version
+        if self.read_only:
+            if version == 0:  # an empty database (or not ours yet): nothing to read
+                self._conn.close()
+                self._conn = None
+            return
+        self._schema = SCHEMA_VERSION
         # WAL: readers in other processes do not block this writer, nor it them.
         conn.execute("PRAGMA journal_mode=WAL")
         # With WAL, NORMAL never corrupts the file; a power loss may drop the last writes,
         # which a cache can afford.
         conn.execute("PRAGMA synchronous=NORMAL")
         with conn:
+            # rowid order is insertion order: keys() lists oldest first, which is the
+            # order a tier rebuilds its eviction policy in after a restart
             conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {_TABLE} ("
                 " key TEXT PRIMARY KEY NOT NULL,"
                 " data BLOB NOT NULL,"
-                " size INTEGER NOT NULL)"
+                " size INTEGER NOT NULL,"
+                " codec TEXT NOT NULL,"
+                " stored_at REAL NOT NULL)"
             )
+            if version == 1:  # version 1 had no codec or time per row: read them as unknown
+                conn.execute(f"ALTER TABLE {_TABLE} ADD COLUMN codec TEXT NOT NULL DEFAULT ''")
+                conn.execute(f"ALTER TABLE {_TABLE} ADD COLUMN stored_at REAL NOT NULL DEFAULT 0")
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextlib.contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        """The connection, held under the lock; SQLite errors become BackendError."""
+    def _db(self) -> Iterator[sqlite3.Connection | None]:
+        """The connection, held under the lock (``None`` for a read-only backend over a
+        database that does not exist); SQLite errors become BackendError."""
         with self._lock:
             if self._conn is None:
+                if self.read_only and not self._closed:
+                    yield None
+                    return
                 raise BackendError(f"sqlite tier {self.context.tier}: the backend is closed")
             try:
                 yield self._conn
@@ -106,54 +148,80 @@ class SQLiteBackend(BytesBackend):
     # ------------------------------------------------------------- BytesBackend
     def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
         data = b"".join(buffers)
-        with self._db() as conn, conn:  # `with conn`: one transaction, committed or rolled back
-            conn.execute(
-                f"INSERT OR REPLACE INTO {_TABLE} (key, data, size) VALUES (?, ?, ?)",
-                (key, data, len(data)),
-            )
+        try:  # the payload's own codec (an entry re-encoded by `lmcache compress` has another)
+            codec = payload.parse_header(data).codec
+        except CorruptPayloadError:
+            codec = self.context.codec.name
+        with self._db() as conn:
+            if conn is None:
+                raise BackendError(f"sqlite tier {self.context.tier}: opened read-only, cannot store {key}")
+            with conn:  # one transaction, committed or rolled back
+                # DELETE first: a rewritten key becomes the newest row (rowid order = age)
+                conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,))
+                conn.execute(
+                    f"INSERT INTO {_TABLE} (key, data, size, codec, stored_at) VALUES (?, ?, ?, ?, ?)",
+                    (key, data, len(data), codec, time.time()),
+                )
 
     def read(self, key: str) -> bytes | None:
         with self._db() as conn:
-            row = conn.execute(f"SELECT data FROM {_TABLE} WHERE key = ?", (key,)).fetchone()
+            row = None if conn is None else conn.execute(f"SELECT data FROM {_TABLE} WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
     def delete(self, key: str) -> bool:
-        with self._db() as conn, conn:
-            return conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,)).rowcount > 0
+        with self._db() as conn:
+            if conn is None:
+                return False
+            with conn:
+                return conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,)).rowcount > 0
 
     def exists(self, key: str) -> bool:
         with self._db() as conn:
-            return conn.execute(f"SELECT 1 FROM {_TABLE} WHERE key = ?", (key,)).fetchone() is not None
+            return conn is not None and conn.execute(f"SELECT 1 FROM {_TABLE} WHERE key = ?", (key,)).fetchone() is not None
 
     def list(self) -> Iterator[tuple[str, int]]:
         # Read everything under the lock, then yield: the caller may call other methods
-        # of this backend while iterating.
+        # of this backend while iterating. Oldest first (see _init_schema).
         with self._db() as conn:
-            rows = conn.execute(f"SELECT key, size FROM {_TABLE}").fetchall()
-        for key, size in rows:
-            yield key, size
+            rows = [] if conn is None else conn.execute(f"SELECT key, size FROM {_TABLE} ORDER BY rowid").fetchall()
+        yield from rows
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """With each entry's codec and the time it was stored (``lmcache ls`` shows them)."""
+        if self._schema < 2:  # a read-only look at a version-1 database
+            yield from super().entries()
+            return
+        with self._db() as conn:
+            rows = [] if conn is None else conn.execute(
+                f"SELECT key, size, codec, stored_at FROM {_TABLE} ORDER BY rowid").fetchall()
+        for key, size, codec, stored_at in rows:
+            yield EntryInfo(key, size, codec or None, stored_at or None)
 
     # ------------------------------------------- batch forms: one query per batch
     def contains(self, keys: Sequence[str]) -> list[bool]:
         found: set[str] = set()
         with self._db() as conn:
-            for i in range(0, len(keys), _BATCH):
+            for i in range(0, len(keys), _BATCH) if conn is not None else ():
                 part = list(keys[i : i + _BATCH])
                 marks = ",".join("?" * len(part))
                 found.update(r[0] for r in conn.execute(f"SELECT key FROM {_TABLE} WHERE key IN ({marks})", part))
         return [k in found for k in keys]
 
     def remove(self, keys: Sequence[str]) -> None:
-        with self._db() as conn, conn:
-            conn.executemany(f"DELETE FROM {_TABLE} WHERE key = ?", [(k,) for k in keys])
+        with self._db() as conn:
+            if conn is not None:
+                with conn:
+                    conn.executemany(f"DELETE FROM {_TABLE} WHERE key = ?", [(k,) for k in keys])
 
     def usage(self) -> Usage:
         with self._db() as conn:
-            n, used = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM {_TABLE}").fetchone()
+            n, used = (0, 0) if conn is None else conn.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM {_TABLE}").fetchone()
         return Usage(used, self.context.capacity, n)
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None

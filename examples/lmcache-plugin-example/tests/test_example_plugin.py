@@ -21,7 +21,7 @@ from lmcache import hookimpl, payload
 from lmcache.errors import ConfigError, PluginError
 from lmcache.plugin_manager import Registries, create_plugin_manager, plugin_source
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, CodecTests, make_key, make_obj
+from lmcache.testing import BytesBackendTests, CodecTests, FileBackendTests, assert_rejects, make_key, make_obj
 from lmcache_plugin_example.sqlite_backend import SQLiteBackend
 from lmcache_plugin_example.zlib_codec import ZlibCodec
 
@@ -33,12 +33,26 @@ def _backend(path, codec=None, **options) -> SQLiteBackend:
 # ----------------------------------------------------------------- 1. conformance
 
 
-class TestSQLiteBackend(BackendTests):
+class TestSQLiteBackend(FileBackendTests, BytesBackendTests):
     @pytest.fixture(params=["raw", "zlib"])
-    def backend(self, request, tmp_path):
-        b = _backend(tmp_path / "kv.db", codec=ZlibCodec() if request.param == "zlib" else None)
+    def codec(self, request):
+        return ZlibCodec() if request.param == "zlib" else None
+
+    @pytest.fixture
+    def backend(self, codec, tmp_path):
+        b = _backend(tmp_path / "kv.db", codec=codec)
         yield b
         b.close()
+
+    @pytest.fixture
+    def reopen(self, codec, tmp_path):
+        return lambda read_only=False: SQLiteBackend(
+            BackendContext.standalone({"path": str(tmp_path / "kv.db")}, codec=codec, read_only=read_only))
+
+    @pytest.fixture
+    def open_at(self):
+        return lambda path, read_only: SQLiteBackend(
+            BackendContext.standalone({"path": str(path / "kv.db")}, read_only=read_only))
 
 
 @pytest.mark.parametrize("level", [-1, 0, 1, 6, 9])
@@ -122,10 +136,45 @@ def test_threads_share_one_backend(tmp_path):
     ],
 )
 def test_bad_options_name_the_key(tmp_path, options, key):
+    """In check_options (what `lmcache config validate` runs) and when opening."""
     options = {k: str(tmp_path / "kv.db") if v == "PLACEHOLDER" else v for k, v in options.items()}
-    with pytest.raises(ConfigError) as info:
-        SQLiteBackend(BackendContext.standalone(options))
-    assert info.value.key == key
+    assert_rejects(SQLiteBackend, options, key)
+
+
+def test_entries_carry_codec_and_time_oldest_first(tmp_path):
+    import time
+
+    t0 = time.time()
+    with _backend(tmp_path / "kv.db", codec=ZlibCodec()) as b:
+        b.put([(make_key(i), make_obj(i)) for i in range(3)])
+        b.put([(make_key(0), make_obj(0))])  # rewritten: now the newest
+        entries = list(b.entries())
+    assert [e.key for e in entries] == [make_key(1), make_key(2), make_key(0)]
+    assert {e.codec for e in entries} == {"zlib"} and all(t0 - 1 <= e.stored_at <= time.time() for e in entries)
+
+
+def test_a_version_1_database_is_read_and_upgraded(tmp_path):
+    db = tmp_path / "kv.db"
+    with _backend(db) as b:
+        b.put([(make_key(1), make_obj(1))])
+        data = b.read(make_key(1))
+    db.unlink()
+    for extra in ("-wal", "-shm"):
+        (tmp_path / f"kv.db{extra}").unlink(missing_ok=True)
+    raw = sqlite3.connect(db)
+    with raw:
+        raw.execute("CREATE TABLE lmcache_payloads (key TEXT PRIMARY KEY NOT NULL, data BLOB NOT NULL, size INTEGER NOT NULL)")
+        raw.execute("INSERT INTO lmcache_payloads VALUES (?, ?, ?)", (make_key(1), data, len(data)))
+        raw.execute("PRAGMA user_version = 1")
+    raw.close()
+    ro = SQLiteBackend(BackendContext.standalone({"path": str(db)}, read_only=True))
+    assert [e.key for e in ro.entries()] == [make_key(1)]
+    ro.close()
+    with _backend(db) as b:
+        (got,) = b.get([make_key(1)])
+        assert got is not None and torch.equal(got.tensor, make_obj(1).tensor)
+        got.unref()
+        assert [e.codec for e in b.entries()] == [None]
 
 
 def test_a_file_that_is_not_a_database_is_a_config_error(tmp_path):
