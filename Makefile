@@ -20,7 +20,7 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
 
-.PHONY: install engines demo demo-vllm test test-engines bench-compare clean
+.PHONY: install engines servers demo demo-vllm test test-engines bench-compare clean
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,7 +72,12 @@ demo-vllm: $(STAMP) $(VLLM_CPU_VENV)/.installed
 	rm -rf .cache/demo-vllm
 	$(VENV)/bin/lmcache demo vllm --dir .cache/demo-vllm
 
-test: $(STAMP) engines $(LMCACHE_REF_VENV)/.installed
+# the system packages of the real servers the tests start (Redis, Valkey, ...): installed
+# as root on Debian, otherwise listed (the tests then say what is missing)
+servers:
+	bash requirements/install-test-servers.sh
+
+test: $(STAMP) engines servers $(LMCACHE_REF_VENV)/.installed
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-engines
 

@@ -24,7 +24,7 @@ chunk's KV plus a header of a few hundred bytes; the raw client moves exactly as
   phase, so that one side's file writes do not throttle the other's.
 
 Without ``--option url=...`` the store is started on loopback for the run
-(:mod:`lmcache.loopback`; ``--store redis-cluster`` picks a cluster), or, for ``fs`` and
+(:mod:`lmcache.testing.stores`; ``--store redis-cluster`` picks a cluster), or, for ``fs`` and
 ``gds``, a temporary directory is used.
 """
 
@@ -76,7 +76,7 @@ def open_store(backend: str, options: dict[str, Any], store: str | None) -> Iter
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
-    from lmcache import loopback
+    from lmcache.testing import stores as loopback
 
     with loopback.start(store or backend) as st:
         yield dict(st.options), f"{store or backend} started on loopback for this run"

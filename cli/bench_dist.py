@@ -46,7 +46,7 @@ from typing import Annotated, Any, Callable
 import typer
 
 from lmcache.errors import LMCacheError
-from lmcache.procs import readline, serve_until_stdin_closes, stop
+from lmcache.testing.procs import readline, serve_until_stdin_closes, stop
 
 from ._util import LMCacheGroup, err, out, print_json
 

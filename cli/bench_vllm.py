@@ -351,7 +351,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
 
     from transformers import AutoTokenizer
 
-    from lmcache import loopback
+    from lmcache.testing import stores as loopback
     from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
 
     from .bench import open_work_dir

@@ -44,7 +44,7 @@ from typing import Annotated, Any, Callable
 
 import typer
 
-from lmcache import procs
+from lmcache.testing import procs
 from lmcache.errors import LMCacheError
 
 from ._util import err, out

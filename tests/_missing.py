@@ -19,9 +19,9 @@ def missing(message: str) -> None:
 
 @contextlib.contextmanager
 def loopback_store(name: str, **kwargs: Any) -> Iterator[Any]:
-    """A store started on loopback for a test (:func:`lmcache.loopback.start`), or
+    """A store started on loopback for a test (:func:`lmcache.testing.stores.start`), or
     :func:`missing` saying why it could not start."""
-    from lmcache import loopback
+    from lmcache.testing import stores as loopback
 
     try:
         cm = loopback.start(name, **kwargs)

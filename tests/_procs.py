@@ -1,4 +1,4 @@
-"""Child processes in multi-process tests: :mod:`lmcache.procs` with the tests' default
+"""Child processes in multi-process tests: :mod:`lmcache.testing.procs` with the tests' default
 bound (a hang guard, not a timing assertion) and assertion errors instead of LMCacheError."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from lmcache import procs
+from lmcache.testing import procs
 from lmcache.errors import LMCacheError
 
 HANG = 60.0

@@ -20,7 +20,7 @@ from _kv import wave
 import yaml
 
 import lmcache
-from lmcache.procs import serve_until_stdin_closes
+from lmcache.testing.procs import serve_until_stdin_closes
 
 CHUNK = 16
 TOKENS = 64

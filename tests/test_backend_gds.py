@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _missing import missing
-from lmcache import loopback
+from lmcache.testing import stores as loopback
 from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries

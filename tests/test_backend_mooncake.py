@@ -20,7 +20,7 @@ from _kv import wave
 import lmcache
 from lmcache.codecs import load_codec
 from lmcache.errors import BackendError, ConfigError, MissingDependencyError
-from lmcache.loopback import ServerUnavailable, free_port
+from lmcache.testing.stores import ServerUnavailable, free_port
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
 from lmcache.testing import BackendTests, BytesBackendTests, assert_rejects, make_key, make_obj
@@ -43,7 +43,7 @@ def Mooncake():
 
 
 def _start(**kw):
-    from lmcache.loopback.mooncake import mooncake_store
+    from lmcache.testing.stores.mooncake import mooncake_store
 
     cm = mooncake_store(**kw)
     try:
@@ -108,7 +108,7 @@ def make(Mooncake, store, _idle):
 @pytest.fixture(scope="module")
 def raw(store):
     """A plain Mooncake client on the same master; it adds no memory to the store."""
-    from lmcache.loopback.mooncake import ensure_client
+    from lmcache.testing.stores.mooncake import ensure_client
 
     c = ensure_client().MooncakeDistributedStore()
     url = store.options["url"].removeprefix("mooncake://")

@@ -1,7 +1,7 @@
 """The ``redis`` and ``valkey`` backends against real servers on loopback ports.
 
 Standalone, 3-master cluster and sentinel stores (valkey: standalone and cluster) are
-started once per session (``lmcache.loopback.redis``); each test works under its own key
+started once per session (``lmcache.testing.stores.redis``); each test works under its own key
 prefix, so tests never see each other's entries. Fault tests start their own servers,
 because they kill them.
 """
@@ -23,14 +23,14 @@ from lmcache import payload
 from lmcache.codecs import load_codec
 from lmcache.config import KVSpec
 from lmcache.errors import BackendError, ConfigError
-from lmcache.loopback import ServerUnavailable
+from lmcache.testing.stores import ServerUnavailable
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
 from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 
 REGS = get_registries()
 
-#: store kind -> (backend name, launcher name in lmcache.loopback.redis)
+#: store kind -> (backend name, launcher name in lmcache.testing.stores.redis)
 KINDS = {
     "redis": ("redis", "redis_store"),
     "redis-cluster": ("redis", "redis_cluster_store"),
@@ -42,7 +42,7 @@ L, H, D = 2, 2, 8
 
 
 def _launcher(kind: str):
-    from lmcache.loopback import redis as lr
+    from lmcache.testing.stores import redis as lr
 
     return getattr(lr, KINDS[kind][1])
 
@@ -211,7 +211,7 @@ def test_bad_url_in_an_engine_config_names_the_tier_key():
 
 
 def test_unreachable_server_does_not_stop_the_backend_or_engine():
-    from lmcache.loopback import free_port
+    from lmcache.testing.stores import free_port
 
     port = free_port()
     for url in (f"redis://127.0.0.1:{port}/0", f"redis+cluster://127.0.0.1:{port}", f"redis+sentinel://127.0.0.1:{port}/m"):

@@ -17,7 +17,7 @@ import torch
 from _kv import wave
 
 import lmcache
-from lmcache import loopback
+from lmcache.testing import stores as loopback
 from lmcache.codecs import load_codec
 from lmcache.config import KVSpec
 from lmcache.errors import BackendError, ConfigError

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from lmcache import loopback
+from lmcache.testing import stores as loopback
 from lmcache.cli.main import app
 from _missing import missing
 

@@ -520,7 +520,7 @@ def test_subprocess_offline_after_the_instance_stops(instance):
 
 
 def test_tiers_on_a_config_whose_remote_store_is_down_says_so(tmp_path):
-    from lmcache.loopback import free_port
+    from lmcache.testing.stores import free_port
 
     cfg = tmp_path / "lmcache.yaml"
     cfg.write_text(yaml.safe_dump({"tiers": [

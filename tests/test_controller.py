@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from _procs import readline, stop, until
-from lmcache.procs import serve_until_stdin_closes
+from lmcache.testing.procs import serve_until_stdin_closes
 
 ROOT = Path(__file__).resolve().parents[1]
 CTL_TOKEN = "ctl-secret"
@@ -349,7 +349,7 @@ def test_worker_survives_a_controller_that_is_down(tmp_path):
     import torch
 
     import lmcache
-    from lmcache.loopback import free_port
+    from lmcache.testing.stores import free_port
 
     port = free_port()
     cfg = {"chunk_size": CHUNK, "kv_spec": KV_SPEC, "tiers": [{"backend": "cpu", "capacity": "8MiB"}],

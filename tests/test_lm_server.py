@@ -1,6 +1,6 @@
 """``lmcache server`` and the ``lm`` backend against real server processes on loopback.
 
-One server (``lmcache.loopback.lm``) serves the conformance and option tests, each test
+One server (``lmcache.testing.stores.lm``) serves the conformance and option tests, each test
 under its own key prefix; tests that kill, stop, fill or fuzz a server start their own.
 Nothing is mocked: the frames go through real sockets to a real server process.
 """
@@ -29,8 +29,8 @@ import lmcache
 from lmcache import server as proto
 from lmcache.codecs import load_codec
 from lmcache.errors import BackendError, ConfigError
-from lmcache.loopback import free_port
-from lmcache.loopback.lm import lm_store
+from lmcache.testing.stores import free_port
+from lmcache.testing.stores.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
 from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj

@@ -25,7 +25,7 @@ from lmcache import server as proto
 from lmcache.config import load_config
 from lmcache.controller.service import ControllerServer
 from lmcache.errors import ConfigError
-from lmcache.loopback.lm import lm_store
+from lmcache.testing.stores.lm import lm_store
 from _procs import talk
 
 HANG = 10.0  # per-socket hang guard, not a timing assertion

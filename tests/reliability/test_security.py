@@ -25,7 +25,7 @@ import lmcache
 from lmcache import server as proto
 from lmcache.config import ApiConfig, P2PConfig, load_config
 from lmcache.controller.service import ControllerServer
-from lmcache.loopback.lm import lm_store
+from lmcache.testing.stores.lm import lm_store
 
 from _procs import readline, stop
 

@@ -9,7 +9,7 @@ server comes back empty, exactly like a production cache without persistence. Cl
 nodes keep their ``nodes.conf`` in that directory, so a restarted cluster comes back with
 the same slots (and no data).
 
-Each function is a context manager yielding a :class:`~lmcache.loopback.Store` whose
+Each function is a context manager yielding a :class:`~lmcache.testing.stores.Store` whose
 ``options`` are the backend options that reach the store (``url`` plus whatever keyword
 arguments were given, e.g. ``prefix`` or ``timeout``) and whose ``servers`` are the
 server processes (``store.kill()`` / ``store.restart()`` for fault tests).

@@ -1,4 +1,5 @@
-"""Conformance suites that every storage backend, codec and eviction policy runs.
+"""Conformance suites that every storage backend, codec and eviction policy runs
+(re-exported by :mod:`lmcache.testing`).
 
 Plain pytest classes: a plugin's test module subclasses one and provides a fixture.
 
@@ -40,8 +41,8 @@ import threading
 import pytest
 import torch
 
-from .keys import CacheKey
-from .memory import MemoryPool
+from ..keys import CacheKey
+from ..memory import MemoryPool
 
 
 def make_key(i: int, namespace: str = "test", model: str = "org/model") -> str:
@@ -60,8 +61,8 @@ def make_obj(seed: int, num_tokens: int = 16, dtype: torch.dtype = torch.float16
 def assert_rejects(backend_cls, options, key: str, *, construct: bool = True) -> None:
     """``options`` is a config error naming ``key``, both in ``check_options`` (what
     ``lmcache config validate`` runs) and, with ``construct``, when the backend is built."""
-    from .errors import ConfigError
-    from .storage import BackendContext
+    from ..errors import ConfigError
+    from ..storage import BackendContext
 
     with pytest.raises(ConfigError) as info:
         backend_cls.check_options(options)
@@ -339,7 +340,7 @@ class CodecTests:
         yield torch.tensor([1.0, float("inf"), float("nan"), -2.0])  # non-finite
 
     def test_tensor_roundtrip(self, codec):
-        from .codecs import decode_tensor, encode_tensor
+        from ..codecs import decode_tensor, encode_tensor
 
         for t in self._tensors():
             enc = encode_tensor(codec, t)
@@ -354,14 +355,14 @@ class CodecTests:
                 assert bool((err <= bound).all()), f"error {float((err - bound).max())} over the documented bound"
 
     def test_tensor_max_encoded_size_bounds(self, codec):
-        from .codecs import encode_tensor
+        from ..codecs import encode_tensor
 
         for t in self._tensors():
             nbytes = t.numel() * t.element_size()
             assert len(memoryview(encode_tensor(codec, t)).cast("B")) <= codec.max_encoded_size(nbytes)
 
     def test_tensor_garbage_is_valueerror(self, codec):
-        from .codecs import decode_tensor, encode_tensor
+        from ..codecs import decode_tensor, encode_tensor
 
         t = torch.randn(2, 2, 40, 2, 8, generator=torch.Generator().manual_seed(2))
         enc = bytes(memoryview(encode_tensor(codec, t)).cast("B"))
@@ -373,7 +374,7 @@ class CodecTests:
             assert tuple(out.shape) == tuple(t.shape)
 
     def test_tensor_wrong_shape_is_valueerror(self, codec):
-        from .codecs import decode_tensor, encode_tensor
+        from ..codecs import decode_tensor, encode_tensor
 
         t = torch.randn(2, 2, 40, 2, 8, generator=torch.Generator().manual_seed(3))
         enc = encode_tensor(codec, t)
@@ -399,7 +400,7 @@ class PolicyTests:
         assert policy.victim(lambda k: True) is None
 
     def test_eviction_order_starts_with_the_victim_and_lists_every_key_once(self, policy):
-        from .policies import eviction_order
+        from ..policies import eviction_order
 
         for k in "abcdef":
             policy.on_insert(k)
@@ -433,94 +434,3 @@ class PolicyTests:
     def test_access_unknown_is_ignored(self, policy):
         policy.on_access("nope")
         assert len(policy) == 0
-
-
-def assert_hang_times_out(backend, server, match: str) -> None:
-    """A networked backend whose ``server`` (a :class:`lmcache.loopback.LocalServer`)
-    hangs (SIGSTOP) fails ``get``/``contains`` with ``BackendError`` matching ``match``
-    within its timeout, and the same backend object serves again once the server
-    continues (key ``make_key(1)`` must be stored first)."""
-    import os
-    import signal
-    import time
-
-    from .errors import BackendError
-
-    pid = server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        for call in (lambda: backend.get([make_key(1)]), lambda: backend.contains([make_key(1)])):
-            t0 = time.monotonic()
-            with pytest.raises(BackendError, match=match):
-                call()
-            assert time.monotonic() - t0 < 5  # a hang guard, not a performance bound
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert backend.contains([make_key(1)]) == [True]  # the same backend, reconnected
-
-
-def assert_survives_outage(e, store, tier: str, toks, kv_for, caplog) -> None:
-    """The fault check of a networked backend: an engine ``e`` whose tier ``tier`` lives
-    in ``store`` (a :class:`lmcache.loopback.Store`; the tier's timeout 0.5 s) and holds
-    ``toks`` keeps serving while a workload runs and the store is SIGKILLed: calls return
-    misses, never raise, stay under a hang guard, and the outage is logged once; after a
-    restart (the store comes back empty) hits resume in the same engine. ``kv_for(tokens)``
-    gives the KV stored for ``tokens``; ``caplog`` is pytest's fixture."""
-    import logging
-    import threading
-    import time
-
-    errors: list[BaseException] = []
-    seen: list[int] = []
-    slowest = [0.0]
-    stop = threading.Event()
-
-    def workload():
-        i = 0
-        while not stop.is_set():
-            i += 1
-            other = list(range(1000 * i, 1000 * i + 32))
-            t0 = time.monotonic()
-            try:
-                e.store(other, kv_for(other))
-                seen.append(e.lookup(toks))
-                e.retrieve(toks)
-            except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
-                errors.append(exc)
-            slowest[0] = max(slowest[0], time.monotonic() - t0)
-            time.sleep(0.01)
-
-    worker = threading.Thread(target=workload)
-    worker.start()
-    try:
-        time.sleep(0.3)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="lmcache.hierarchy"):
-            store.kill()
-            time.sleep(0.5)
-            t0 = time.monotonic()
-            assert e.lookup(toks) == 0
-            assert e.retrieve(toks).num_tokens == 0
-            e.store(list(range(5000, 5040)), kv_for(range(5000, 5040)))
-            assert time.monotonic() - t0 < 5  # a hang guard (timeout 0.5 s)
-            outage_logs = [r for r in caplog.records if "serving misses" in r.getMessage()]
-    finally:
-        stop.set()
-        worker.join(30)
-    assert not errors, errors
-    assert slowest[0] < 5
-    assert 0 in seen  # the workload saw misses, not exceptions
-    assert len(outage_logs) == 1, [r.getMessage() for r in outage_logs]  # once per outage
-
-    store.restart()
-    fresh_toks = list(range(10**6, 10**6 + 64))  # the store restarted empty: new chunks
-    deadline = time.monotonic() + 15
-    while True:
-        e.store(fresh_toks, kv_for(fresh_toks))
-        if e.lookup(fresh_toks) == 64:
-            break
-        assert time.monotonic() < deadline, "hits did not resume within 15 s of the restart"
-        time.sleep(0.2)
-    res = e.retrieve(fresh_toks)
-    assert res.tiers == [tier] * 4 and torch.equal(res.kv, kv_for(fresh_toks))
-    assert e.stats()["tiers"][tier]["errors"] > 0

@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from .errors import LMCacheError
+from ..errors import LMCacheError
 
 
 def readline(proc: subprocess.Popen, timeout: float) -> str:

@@ -40,14 +40,14 @@ log = logging.getLogger(__name__)
 
 #: backend name -> "module:function" of a context manager yielding a :class:`Store`
 LAUNCHERS: dict[str, str] = {
-    "redis": "lmcache.loopback.redis:redis_store",
-    "redis-cluster": "lmcache.loopback.redis:redis_cluster_store",
-    "redis-sentinel": "lmcache.loopback.redis:redis_sentinel_store",
-    "valkey": "lmcache.loopback.redis:valkey_store",
-    "valkey-cluster": "lmcache.loopback.redis:valkey_cluster_store",
-    "s3": "lmcache.loopback.s3:s3_store",
-    "mooncake": "lmcache.loopback.mooncake:mooncake_store",
-    "lm": "lmcache.loopback.lm:lm_store",
+    "redis": "lmcache.testing.stores.redis:redis_store",
+    "redis-cluster": "lmcache.testing.stores.redis:redis_cluster_store",
+    "redis-sentinel": "lmcache.testing.stores.redis:redis_sentinel_store",
+    "valkey": "lmcache.testing.stores.redis:valkey_store",
+    "valkey-cluster": "lmcache.testing.stores.redis:valkey_cluster_store",
+    "s3": "lmcache.testing.stores.s3:s3_store",
+    "mooncake": "lmcache.testing.stores.mooncake:mooncake_store",
+    "lm": "lmcache.testing.stores.lm:lm_store",
 }
 
 
@@ -89,85 +89,37 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
         return False
 
 
-def _apt_install(package: str, suite: str | None, components: str = "main") -> str:
-    """Install a Debian package (as root), adding a sources entry for ``suite`` (e.g.
-    ``bookworm-backports``) or for extra ``components`` (e.g. ``contrib non-free``) of
-    the release first; returns apt's output tail on failure, "" on success."""
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if suite or components != "main":
-        release = suite or _debian_codename()
-        name = f"lmcache-{release}-{components.replace(' ', '-')}"
-        src = Path(f"/etc/apt/sources.list.d/{name}.sources")
-        if not src.exists():
-            src.write_text(
-                "Types: deb\nURIs: http://deb.debian.org/debian\n"
-                f"Suites: {release}\nComponents: {components}\n"
-                "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
-            )
-    steps = [["apt-get", "update", "-q"]]
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends"]
-    if suite:
-        cmd += ["-t", suite]
-    steps.append(cmd + [package])
-    for argv in steps:
-        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-        if p.returncode != 0:
-            return (p.stdout + p.stderr)[-2000:]
-    return ""
-
-
-def _debian_codename() -> str:
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("VERSION_CODENAME="):
-                return line.split("=", 1)[1].strip().strip('"') or "bookworm"
-    except OSError:
-        pass
-    return "bookworm"
+#: what installs the system packages the stores need (``make test`` runs it as root)
+INSTALL_SCRIPT = "requirements/install-test-servers.sh"
 
 
 def ensure_library(soname: str, *, apt_package: str, components: str = "main") -> None:
-    """Make sure the shared library ``soname`` (e.g. ``libcuda.so.1``) can be loaded;
-    install ``apt_package`` first when it cannot and we are root on Debian. Raises
-    :class:`ServerUnavailable` saying how to get it otherwise."""
+    """Make sure the shared library ``soname`` (e.g. ``libcuda.so.1``) can be loaded, or
+    raise :class:`ServerUnavailable` naming the Debian package that provides it."""
     import ctypes
 
-    def loadable() -> bool:
-        try:
-            ctypes.CDLL(soname)
-            return True
-        except OSError:
-            return False
-
-    if loadable():
+    try:
+        ctypes.CDLL(soname)
         return
-    how = f"apt-get install -y {apt_package}" + (f" (Debian components: {components})" if components != "main" else "")
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        log.warning("installing %s (for %s) with apt-get", apt_package, soname)
-        problem = _apt_install(apt_package, None, components)
-        if loadable():
-            return
-        raise ServerUnavailable(f"{soname} cannot be loaded and `{how}` failed: {problem.strip()[-500:]}")
-    raise ServerUnavailable(f"{soname} cannot be loaded (install it with `{how}`, as root)")
+    except OSError:
+        pass
+    where = f" (Debian components: {components})" if components != "main" else ""
+    raise ServerUnavailable(
+        f"{soname} cannot be loaded: install {apt_package}{where}, e.g. `bash {INSTALL_SCRIPT}` as root"
+    )
 
 
 def ensure_binary(name: str, *, apt_package: str | None = None, suite: str | None = None) -> str:
-    """The path of executable ``name``; install ``apt_package`` first when it is missing
-    and we are root on a Debian-like system. Raises :class:`ServerUnavailable` saying how
-    to get it otherwise."""
+    """The path of executable ``name`` (on ``PATH`` or beside the interpreter), or
+    :class:`ServerUnavailable` saying which package provides it. Nothing is installed
+    here: ``requirements/install-test-servers.sh`` does that (``make test`` runs it)."""
     found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
     if found:
         return found
-    how = f"apt-get install -y {'-t ' + suite + ' ' if suite else ''}{apt_package}" if apt_package else ""
-    if apt_package and os.geteuid() == 0 and shutil.which("apt-get"):
-        log.warning("installing %s (for %s) with apt-get", apt_package, name)
-        problem = _apt_install(apt_package, suite)
-        found = shutil.which(name)
-        if found:
-            return found
-        raise ServerUnavailable(f"{name} is not installed and `{how}` failed: {problem.strip()[-500:]}")
-    hint = f" (install it with `{how}`, as root)" if how else ""
-    raise ServerUnavailable(f"{name} is not installed{hint}")
+    if apt_package:
+        how = f"apt-get install -y {'-t ' + suite + ' ' if suite else ''}{apt_package}"
+        raise ServerUnavailable(f"{name} is not installed: install it with `{how}` or `bash {INSTALL_SCRIPT}`, as root")
+    raise ServerUnavailable(f"{name} is not installed")
 
 
 class LocalServer:

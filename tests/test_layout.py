@@ -1,0 +1,97 @@
+"""The package's shape: test tooling stays out of the core, and no import circles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: folders of the core, as installed (pyproject's package-dir)
+CORE = {"lmcache": ROOT / "lmcache", "lmcache.backends": ROOT / "backends", "lmcache.plugins": ROOT / "plugins",
+        "lmcache.kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in CORE.items():
+        for f in folder.rglob("*.py"):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules ``name`` imports, at any depth (function-level imports count:
+    they run), except under ``if TYPE_CHECKING:``."""
+    found: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[: len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                subs = {f"{mod}.{a.name}" for a in child.names}
+                found.update(subs)
+                if not subs <= set(mods):  # `from pkg import submodule` imports the submodule
+                    found.add(mod)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in mods and m != name}
+
+
+def test_the_core_never_imports_the_test_tooling():
+    mods = _modules()
+    offenders = sorted(
+        f"{name} imports {dep}"
+        for name, path in mods.items() if not name.startswith("lmcache.testing")
+        for dep in _imports(name, path, mods) if dep.startswith("lmcache.testing")
+    )
+    assert not offenders, offenders
+
+
+def test_no_import_circles_in_the_core():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strongconnect(v)
+    assert not circles, circles
