@@ -14,12 +14,13 @@ need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v openssl >/dev/null || need+=(openssl)
-ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || need+=(libibverbs1)
+libs=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
+[[ $libs == *"libibverbs.so.1 "* ]] || need+=(libibverbs1)
 backports=()
 command -v valkey-server >/dev/null || backports+=(valkey-server)
 command -v valkey-cli >/dev/null || backports+=(valkey-tools)
 nonfree=()
-ldconfig -p 2>/dev/null | grep -q 'libcuda.so.1 ' || nonfree+=(libcuda1)
+[[ $libs == *"libcuda.so.1 "* ]] || nonfree+=(libcuda1)
 
 if [ ${#need[@]} -eq 0 ] && [ ${#backports[@]} -eq 0 ] && [ ${#nonfree[@]} -eq 0 ]; then
     exit 0
