@@ -78,6 +78,7 @@ servers:
 	bash requirements/install-test-servers.sh
 
 test: $(STAMP) engines servers $(LMCACHE_REF_VENV)/.installed
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-engines
 

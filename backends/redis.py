@@ -518,7 +518,7 @@ class RedisBackend(BytesBackend):
             # redis-py and valkey-py name the node's client after themselves
             conn = getattr(node, "redis_connection", None) or getattr(node, "valkey_connection", None)
             if conn is None:
-                getter = getattr(client, "get_redis_connection", None) or getattr(client, "get_valkey_connection")
+                getter = getattr(client, "get_redis_connection", None) or client.get_valkey_connection
                 conn = getter(node)
             self._send_sets(conn, vals)
 

@@ -101,7 +101,7 @@ class Workload:
         self._prefix_kv: Any = None
 
     @classmethod
-    def build(cls, *, prefix: int | None, **kw: Any) -> "Workload":
+    def build(cls, *, prefix: int | None, **kw: Any) -> Workload:
         """``prefix=None``: 512 tokens, or a quarter of the prompt, whole chunks."""
         if prefix is None:
             tokens, chunk = kw.get("tokens", cls.tokens), kw.get("chunk_size", cls.chunk_size)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

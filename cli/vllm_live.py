@@ -236,7 +236,7 @@ class VllmServer:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ __all__ = ["measure", "make_paged"]
 
 
 def make_paged(
-    layout: "str | KVLayout",
+    layout: str | KVLayout,
     *,
     num_layers: int,
     num_blocks: int,
@@ -29,7 +29,7 @@ def make_paged(
     num_heads: int,
     head_size: int,
     dtype: torch.dtype = torch.float16,
-    device: "str | torch.device" = "cpu",
+    device: str | torch.device = "cpu",
 ) -> list[torch.Tensor]:
     """``num_layers`` zeroed per-layer tensors in ``layout`` (unpaged layouts hold
     ``num_blocks * block_size`` token slots)."""
@@ -67,7 +67,7 @@ def _time(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int)
 
 
 def measure(
-    layout: "str | KVLayout",
+    layout: str | KVLayout,
     num_tokens: int = 256,
     *,
     num_layers: int = 32,
@@ -76,7 +76,7 @@ def measure(
     block_size: int = 16,
     num_blocks: int | None = None,
     dtype: torch.dtype = torch.float16,
-    device: "str | torch.device" = "cpu",
+    device: str | torch.device = "cpu",
     backend: str | None = None,
     repeat: int = 5,
     warmup: int = 1,

@@ -204,7 +204,7 @@ def register_layout(layout: KVLayout, *, replace: bool = False) -> KVLayout:
     return LAYOUTS.add(layout, replace=replace)
 
 
-def get_layout(layout: "str | KVLayout") -> KVLayout:
+def get_layout(layout: str | KVLayout) -> KVLayout:
     """The layout itself, or the registered layout of that name (``ValueError`` if unknown)."""
     if isinstance(layout, KVLayout):
         return layout

@@ -52,7 +52,7 @@ class SlotMappingError(KVShapeError):
 
 
 # --------------------------------------------------------------------------- backends
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:
     """Whether ``import triton`` works (imported on first call only)."""
     try:
@@ -220,7 +220,7 @@ def _check_slots(slots: torch.Tensor, skip: int, capacity: int, layout: KVLayout
 
 def _prepare(
     paged: PagedLayers,
-    layout: "str | KVLayout",
+    layout: str | KVLayout,
     slot_mapping: object,
     chunk: torch.Tensor,
     skip: int,
@@ -249,8 +249,8 @@ def _prepare(
 # --------------------------------------------------------------------------- API
 def gather(
     paged_layers: PagedLayers,
-    layout: "str | KVLayout",
-    slot_mapping: "torch.Tensor | Sequence[int]",
+    layout: str | KVLayout,
+    slot_mapping: torch.Tensor | Sequence[int],
     out: torch.Tensor,
     skip: int = 0,
     *,
@@ -283,8 +283,8 @@ def gather(
 
 def scatter(
     chunk: torch.Tensor,
-    layout: "str | KVLayout",
-    slot_mapping: "torch.Tensor | Sequence[int]",
+    layout: str | KVLayout,
+    slot_mapping: torch.Tensor | Sequence[int],
     paged_layers: PagedLayers,
     skip: int = 0,
     *,
@@ -313,8 +313,8 @@ def scatter(
 
 def gather_layer(
     paged: torch.Tensor,
-    layout: "str | KVLayout",
-    slot_mapping: "torch.Tensor | Sequence[int]",
+    layout: str | KVLayout,
+    slot_mapping: torch.Tensor | Sequence[int],
     out: torch.Tensor,
     skip: int = 0,
     *,
@@ -332,8 +332,8 @@ def gather_layer(
 
 def scatter_layer(
     chunk: torch.Tensor,
-    layout: "str | KVLayout",
-    slot_mapping: "torch.Tensor | Sequence[int]",
+    layout: str | KVLayout,
+    slot_mapping: torch.Tensor | Sequence[int],
     paged: torch.Tensor,
     skip: int = 0,
     *,
@@ -356,14 +356,14 @@ def scatter_layer(
     _run("scatter", backend, chunk5.device, lay, layers, slots, chunk5, skip)
 
 
-def chunk_shape(paged_layers: PagedLayers, layout: "str | KVLayout", num_tokens: int) -> tuple[int, int, int, int, int]:
+def chunk_shape(paged_layers: PagedLayers, layout: str | KVLayout, num_tokens: int) -> tuple[int, int, int, int, int]:
     """Shape of the chunk buffer for ``num_tokens`` tokens of ``paged_layers``."""
     lay = get_layout(layout)
     layers = _as_layers(paged_layers, lay)
     return lay.chunk_shape(layers[0], len(layers), num_tokens)
 
 
-def num_slots(paged: torch.Tensor, layout: "str | KVLayout") -> int:
+def num_slots(paged: torch.Tensor, layout: str | KVLayout) -> int:
     """How many token slots one layer's tensor in ``layout`` holds."""
     lay = get_layout(layout)
     lay.check_layer(paged, "paged")

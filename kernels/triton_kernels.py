@@ -161,7 +161,7 @@ def scatter(
 
 def compile_for(
     arch: int = 90, *, gather: bool = True, elem_bytes: int = 2, block_h: int = 8, block_d: int = 128
-) -> "triton.compiler.CompiledKernel":
+) -> triton.compiler.CompiledKernel:
     """Compile the kernel ahead of time for CUDA ``sm_<arch>`` (no GPU needed).
 
     A check for machines without a GPU that the kernel lowers to PTX and a cubin, with

@@ -80,9 +80,9 @@ class Admin:
 
     def __init__(
         self,
-        tiers: Sequence["Tier"],
+        tiers: Sequence[Tier],
         *,
-        engine: "CacheEngine | None" = None,
+        engine: CacheEngine | None = None,
         config: Config | None = None,
         skipped_tiers: Sequence[tuple[str, str]] = (),
         wall_clock: Callable[[], float] = time.time,
@@ -104,7 +104,7 @@ class Admin:
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def for_engine(cls, engine: "CacheEngine") -> "Admin":
+    def for_engine(cls, engine: CacheEngine) -> Admin:
         return cls(engine.hierarchy.tiers, engine=engine)
 
     @classmethod
@@ -115,7 +115,7 @@ class Admin:
         read_only: bool = True,
         tier: str | None = None,
         registries: Any = None,
-    ) -> "Admin":
+    ) -> Admin:
         """Open the tiers of ``config`` that persist outside a process (every tier
         whose backend does not hold memory objects: ``disk``, not ``cpu``) without
         starting an engine. ``read_only`` opens them for inspection only (nothing is
@@ -159,14 +159,14 @@ class Admin:
             self._on_close()
             self._on_close = None
 
-    def __enter__(self) -> "Admin":
+    def __enter__(self) -> Admin:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------ tiers
-    def tier(self, name: str) -> "Tier":
+    def tier(self, name: str) -> Tier:
         for t in self._tiers:
             if t.name == name:
                 return t
@@ -174,7 +174,7 @@ class Admin:
         extra = next((f" ({why})" for n, why in self.skipped_tiers if n == name), "")
         raise NotFoundError(f"unknown tier {name!r}{extra}; tiers: {known}")
 
-    def _select(self, tier: str | None) -> list["Tier"]:
+    def _select(self, tier: str | None) -> list[Tier]:
         if tier is None:
             return list(self._tiers)
         if not isinstance(tier, str):
@@ -210,7 +210,7 @@ class Admin:
         return config_report(self.config)
 
     # ------------------------------------------------------------ keys
-    def _entry_rows(self, t: "Tier", match: Callable[[str], bool], now: float) -> list[dict[str, Any]]:
+    def _entry_rows(self, t: Tier, match: Callable[[str], bool], now: float) -> list[dict[str, Any]]:
         rows = []
         for e, pinned in t.entries():
             if not match(e.key):
@@ -524,7 +524,7 @@ class Admin:
             return [{"tier": t, "key": k} for t, k in sorted(self._pins)]
 
 
-def _why_not(t: "Tier", key: str) -> str | None:
+def _why_not(t: Tier, key: str) -> str | None:
     if t.is_pinned(key):
         return "pinned"
     if t.backend.in_use(key):

@@ -177,7 +177,7 @@ def _check_field(name: str, value: Any, types: tuple[type, ...]) -> None:
 class ApiServer:
     """Serves an :class:`~lmcache.admin.Admin` over HTTP until :meth:`close`."""
 
-    def __init__(self, admin: "Admin", cfg: ApiConfig):
+    def __init__(self, admin: Admin, cfg: ApiConfig):
         self.admin = admin
         self.cfg = cfg
         self.creds = Credentials(cfg.token, cfg.tenants)
@@ -327,7 +327,7 @@ def _own_keys(tenant: str, keys: Any, field_name: str) -> None:
             raise HTTPError(403, f"field {where!r}: a key of namespace {ns!r}; this token is scoped to namespace {tenant!r}")
 
 
-def _scoped_body(path: str, body: dict[str, Any], tenant: str, admin: "Admin") -> dict[str, Any]:
+def _scoped_body(path: str, body: dict[str, Any], tenant: str, admin: Admin) -> dict[str, Any]:
     """A POST body as a tenant may send it: keys of its namespace only, and namespace
     selections narrowed to its own."""
     body = dict(body)
@@ -573,7 +573,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Collector:
     """Prometheus metrics read from the admin's stats at each scrape."""
 
-    def __init__(self, admin: "Admin"):
+    def __init__(self, admin: Admin):
         self.admin = admin
 
     def collect(self):  # pragma: no branch - a generator

@@ -84,7 +84,7 @@ class ApiClient:
                 raise UnreachableError(f"no answer from {self.url} within {self.timeout:g}s") from None
             why = getattr(reason, "strerror", None) or str(reason)
             raise UnreachableError(f"cannot reach {self.url}: {why}") from None
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise UnreachableError(f"no answer from {self.url} within {self.timeout:g}s") from None
         except (ConnectionError, OSError) as exc:
             raise UnreachableError(f"cannot reach {self.url}: {exc.strerror or exc}") from None
@@ -100,7 +100,7 @@ class ApiClient:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "ApiClient":
+    def __enter__(self) -> ApiClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -44,10 +44,10 @@ class Codec(Protocol):
     name: ClassVar[str]
     lossless: ClassVar[bool]
 
-    def encode(self, data: memoryview) -> "bytes | bytearray | memoryview":
+    def encode(self, data: memoryview) -> bytes | bytearray | memoryview:
         """Encoded form of ``data`` (the chunk's raw bytes)."""
 
-    def decode(self, data: memoryview, nbytes: int) -> "bytes | bytearray | memoryview":
+    def decode(self, data: memoryview, nbytes: int) -> bytes | bytearray | memoryview:
         """The ``nbytes`` raw bytes that ``data`` encodes; raises ``ValueError`` on bad input."""
 
     def max_encoded_size(self, nbytes: int) -> int:
@@ -59,7 +59,7 @@ def is_tensor_codec(codec: object) -> bool:
     return callable(getattr(codec, "encode_tensor", None)) and callable(getattr(codec, "decode_tensor", None))
 
 
-def encode_tensor(codec: object, t: Any) -> "bytes | bytearray | memoryview":
+def encode_tensor(codec: object, t: Any) -> bytes | bytearray | memoryview:
     """Encode tensor ``t`` with ``codec``, through its tensor methods where it has them."""
     import torch
 
@@ -118,7 +118,7 @@ class CodecChain:
     def __repr__(self) -> str:
         return f"CodecChain({self.name!r})"
 
-    def _finish(self, first: "bytes | bytearray | memoryview") -> bytes:
+    def _finish(self, first: bytes | bytearray | memoryview) -> bytes:
         lens = []
         data = _bytes_view(first)
         for s in self.stages[1:]:
@@ -144,7 +144,7 @@ class CodecChain:
     def encode(self, data: memoryview) -> bytes:
         return self._finish(self.stages[0].encode(data))  # type: ignore[attr-defined]
 
-    def decode(self, data: memoryview, nbytes: int) -> "bytes | bytearray | memoryview":
+    def decode(self, data: memoryview, nbytes: int) -> bytes | bytearray | memoryview:
         body = self._unwind(data)
         out = self.stages[0].decode(body, nbytes)  # type: ignore[attr-defined]
         if len(out) != nbytes:
@@ -164,12 +164,12 @@ class CodecChain:
         return self._lens.size + nbytes
 
 
-def _bytes_view(data: "bytes | bytearray | memoryview") -> memoryview:
+def _bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
     mv = data if isinstance(data, memoryview) else memoryview(data)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def chain_names(spec: "str | Sequence[str]") -> list[str]:
+def chain_names(spec: str | Sequence[str]) -> list[str]:
     """``"int8+zstd"`` or ``["int8", "zstd"]`` -> ``["int8", "zstd"]``."""
     if isinstance(spec, str):
         return spec.split(CHAIN_SEP)
@@ -178,7 +178,7 @@ def chain_names(spec: "str | Sequence[str]") -> list[str]:
 
 def load_codec(
     load: Callable[[str], type],
-    spec: "str | Sequence[str]",
+    spec: str | Sequence[str],
     options: Mapping[str, Any] | None = None,
 ) -> object:
     """Build the codec ``spec`` names (one name, ``a+b`` or a list) with ``load(name)`` returning

@@ -102,7 +102,7 @@ class KVSpec:
             raise ConfigError("kv_spec.layout", f"must be a name of letters, digits and '_', got {self.layout!r}")
 
     @classmethod
-    def from_signature(cls, signature: str) -> "KVSpec":
+    def from_signature(cls, signature: str) -> KVSpec:
         """The spec whose :attr:`signature` is ``signature`` (``ValueError`` if none is)."""
         m = _SIGNATURE.fullmatch(signature)
         if m is None:

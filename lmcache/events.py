@@ -72,7 +72,7 @@ class KVEventPublisher:
     ``error``); every method is then a cheap no-op.
     """
 
-    def __init__(self, cfg: "KVEventsConfig", *, namespace: str, model: str) -> None:
+    def __init__(self, cfg: KVEventsConfig, *, namespace: str, model: str) -> None:
         self.cfg = cfg
         self.enabled = False
         self.error: str | None = None
@@ -146,7 +146,7 @@ class KVEventPublisher:
         self._ctx = self._pub = self._replay = None
 
     # ------------------------------------------------------------ the engine's side
-    def remember(self, tokens: Any, chunks: "Sequence[Chunk]", keys: Sequence[str]) -> None:
+    def remember(self, tokens: Any, chunks: Sequence[Chunk], keys: Sequence[str]) -> None:
         """Note the parent hash and token ids of chunks the engine is about to store or
         promote, for the ``BlockStored`` events their admission will cause."""
         if not self.enabled or not chunks:

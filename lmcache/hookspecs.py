@@ -20,7 +20,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def lmcache_register_backends(registry: "Registry") -> None:
+def lmcache_register_backends(registry: Registry) -> None:
     """Register storage backends.
 
     Called once per plugin manager, when the backend registry is first needed, as
@@ -37,7 +37,7 @@ def lmcache_register_backends(registry: "Registry") -> None:
 
 
 @hookspec
-def lmcache_register_codecs(registry: "Registry") -> None:
+def lmcache_register_codecs(registry: Registry) -> None:
     """Register payload codecs.
 
     Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is
@@ -50,7 +50,7 @@ def lmcache_register_codecs(registry: "Registry") -> None:
 
 
 @hookspec
-def lmcache_register_connectors(registry: "Registry") -> None:
+def lmcache_register_connectors(registry: Registry) -> None:
     """Register engine connectors (vLLM, SGLang, transformers, ...).
 
     Called once per plugin manager. ``registry.add(name, "module:Class", extra=...)``;
@@ -60,7 +60,7 @@ def lmcache_register_connectors(registry: "Registry") -> None:
 
 
 @hookspec
-def lmcache_register_policies(registry: "Registry") -> None:
+def lmcache_register_policies(registry: Registry) -> None:
     """Register eviction policies.
 
     Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is

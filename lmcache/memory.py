@@ -94,7 +94,7 @@ class MemoryObj:
 
     __slots__ = ("_pool", "offset", "size", "nbytes", "shape", "dtype", "_tensor", "_refs", "_lock", "writer_refs", "__weakref__")
 
-    def __init__(self, pool: "MemoryPool | None", offset: int, size: int, shape: Sequence[int], dtype: torch.dtype, tensor: torch.Tensor):
+    def __init__(self, pool: MemoryPool | None, offset: int, size: int, shape: Sequence[int], dtype: torch.dtype, tensor: torch.Tensor):
         self._pool = pool
         self.offset = offset
         self.size = size  # bytes reserved in the pool (aligned)
@@ -126,7 +126,7 @@ class MemoryObj:
         """The object's bytes as a flat uint8 tensor (shares memory)."""
         return self.tensor.reshape(-1).view(torch.uint8)
 
-    def ref(self) -> "MemoryObj":
+    def ref(self) -> MemoryObj:
         with self._lock:
             if self._refs <= 0:
                 raise MemoryPoolError("use after free: ref() on a memory object that was freed")

@@ -81,7 +81,7 @@ class _Held(list):
 class EngineStore:
     """:class:`lmcache.server.Store` over a cache engine's hierarchy."""
 
-    def __init__(self, engine: "CacheEngine"):
+    def __init__(self, engine: CacheEngine):
         self.engine = engine
         self.hierarchy = engine.hierarchy
         self.raw = self.hierarchy._codec("raw")
@@ -158,7 +158,7 @@ class EngineStore:
         log.info("peer endpoint: refused a PUT: %s", msg)
         return False
 
-    def put(self, key: str, value: "bytearray | memoryview") -> bool:
+    def put(self, key: str, value: bytearray | memoryview) -> bool:
         e = self.engine
         try:
             tier_name, key = split_tier(key)
@@ -210,7 +210,7 @@ class PeerEndpoint:
     """This engine's peer endpoint: an :class:`lmcache.server.CacheServer` over
     :class:`EngineStore`, serving on a daemon thread until :meth:`close`."""
 
-    def __init__(self, engine: "CacheEngine", cfg: "P2PConfig"):
+    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
         from .errors import ConfigError
 
         self.store = EngineStore(engine)
@@ -243,7 +243,7 @@ class Peers:
     """Clients to other instances' endpoints (one ``lm`` backend per address and tier
     prefix, each with its connection pool), with a backoff per address."""
 
-    def __init__(self, engine: "CacheEngine", cfg: "P2PConfig"):
+    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
         self.engine = engine
         self.cfg = cfg
         self._clients: dict[tuple[str, str], Any] = {}
@@ -314,7 +314,7 @@ class P2PStats:
 class P2P:
     """An engine's peer-to-peer part: its endpoint, fetch on miss, push."""
 
-    def __init__(self, engine: "CacheEngine", cfg: "P2PConfig"):
+    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
         self.engine = engine
         self.cfg = cfg
         self.stats = P2PStats()

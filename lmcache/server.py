@@ -182,7 +182,7 @@ def decode_list_page(data: bytes | bytearray | memoryview) -> list[tuple[str, in
 LAZY_ALLOC = 64 << 10
 
 
-def alloc(n: int) -> "bytearray | memoryview":
+def alloc(n: int) -> bytearray | memoryview:
     """A writable buffer of ``n`` bytes. Large ones are not zero-filled (numpy ``empty``):
     their pages are committed only as received bytes land in them, so a peer that
     declares a large value and then sends little of it costs little memory, and a large
@@ -194,7 +194,7 @@ def alloc(n: int) -> "bytearray | memoryview":
     return memoryview(np.empty(n, dtype=np.uint8))
 
 
-def recv_exact(sock: socket.socket, n: int) -> "bytearray | memoryview":
+def recv_exact(sock: socket.socket, n: int) -> bytearray | memoryview:
     """Exactly ``n`` bytes, or :class:`ConnectionError` when the peer closes first."""
     buf = alloc(n)
     recv_into_exact(sock, memoryview(buf))
@@ -239,8 +239,8 @@ class Store(Protocol):
     ``put`` returns True, or False after which ``refusal(value)`` says why (an ERROR
     response; the connection stays open)."""
 
-    def put(self, key: str, value: "bytearray | memoryview") -> bool: ...
-    def refusal(self, value: "bytearray | memoryview") -> str: ...
+    def put(self, key: str, value: bytearray | memoryview) -> bool: ...
+    def refusal(self, value: bytearray | memoryview) -> str: ...
     def get(self, key: str) -> Any: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> bool: ...
@@ -370,7 +370,7 @@ class _ConnIO:
                 raise ConnectionError("connection closed in the middle of a frame")
         return True
 
-    def take(self, n: int) -> "bytearray | memoryview":
+    def take(self, n: int) -> bytearray | memoryview:
         """The next ``n`` bytes as a buffer of their own."""
         have = self.end - self.start
         if n >= LAZY_ALLOC or n > self.BUF:
@@ -476,7 +476,7 @@ class CacheServer:
         host, port = self._sock.getsockname()[:2]
         return host, port
 
-    def bind(self) -> "CacheServer":
+    def bind(self) -> CacheServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -493,7 +493,7 @@ class CacheServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stop.is_set():
@@ -518,7 +518,7 @@ class CacheServer:
                 continue
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="lmcache-server-conn").start()
 
-    def start(self) -> "CacheServer":
+    def start(self) -> CacheServer:
         """Serve in a background thread (tests, embedding)."""
         if self._sock is None:
             self.bind()
@@ -540,7 +540,7 @@ class CacheServer:
             except OSError:
                 pass
 
-    def __enter__(self) -> "CacheServer":
+    def __enter__(self) -> CacheServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -600,7 +600,7 @@ class CacheServer:
             except OSError:
                 pass
 
-    def _loop(self, conn: socket.socket, io: "_ConnIO", authed: list[bool]) -> None:
+    def _loop(self, conn: socket.socket, io: _ConnIO, authed: list[bool]) -> None:
         while True:
             # the first byte may take forever (an idle pooled connection); EOF here is a clean close
             if not io.wait(HEADER_SIZE):
@@ -639,7 +639,7 @@ class CacheServer:
                 raise ProtocolError(why)
             self._handle(io, f, key, value)
 
-    def _handle(self, io: "_ConnIO", f: Frame, key: str, value: bytearray | memoryview) -> None:
+    def _handle(self, io: _ConnIO, f: Frame, key: str, value: bytearray | memoryview) -> None:
         op, seq = f.op, f.seq
         if op == GET:
             v = self.store.get(key)

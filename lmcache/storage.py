@@ -93,7 +93,7 @@ class BackendContext:
         pool: MemoryPool | None = None,
         tier: str = "test",
         read_only: bool = False,
-    ) -> "BackendContext":
+    ) -> BackendContext:
         """A context for using a backend on its own (tests, tools)."""
         from .plugin_manager import get_registries
 
@@ -223,7 +223,7 @@ class StorageBackend:
         the default says the backend has no raw baseline."""
         raise NotImplementedError(f"backend {cls.__name__} has no raw baseline")
 
-    def __enter__(self) -> "StorageBackend":
+    def __enter__(self) -> StorageBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,10 +247,10 @@ class BytesBackend(StorageBackend):
         super().__init__(context)
         self.integrity = IntegrityStats()
 
-    def read(self, key: str) -> "bytes | bytearray | memoryview | None":
+    def read(self, key: str) -> bytes | bytearray | memoryview | None:
         raise NotImplementedError
 
-    def write(self, key: str, buffers: Sequence["bytes | memoryview"]) -> None:
+    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
         """Store the concatenation of ``buffers`` under ``key``, atomically."""
         raise NotImplementedError
 
@@ -279,7 +279,7 @@ class BytesBackend(StorageBackend):
                 log.exception("tier %s: could not delete corrupt entry %s", self.context.tier, key)
         return obj
 
-    def decode_checked(self, key: str, data: "bytes | bytearray | memoryview") -> MemoryObj | None:
+    def decode_checked(self, key: str, data: bytes | bytearray | memoryview) -> MemoryObj | None:
         """Decode a payload read from the store, or ``None`` if it fails its checks
         (counted in ``integrity`` and logged; the caller deletes the entry). Backends that
         override the batch reads decode through this, so every path drops corrupt data."""

@@ -43,7 +43,7 @@ def talk(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, bool]:
                 chunk = s.recv(65536)
             except ConnectionResetError:
                 return bytes(got), True
-            except socket.timeout:
+            except TimeoutError:
                 return bytes(got), False
             if not chunk:
                 return bytes(got), True

@@ -29,7 +29,7 @@ def prompt(name: str) -> tuple[list[int], torch.Tensor]:
     return tokens, kv
 
 
-def check(engine: "lmcache.CacheEngine", name: str) -> tuple[int, bool]:
+def check(engine: lmcache.CacheEngine, name: str) -> tuple[int, bool]:
     tokens, kv = prompt(name)
     r = engine.retrieve(tokens)
     exact = r.num_tokens > 0 and torch.equal(r.kv, kv[:, :, : r.num_tokens])

@@ -21,7 +21,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
 

@@ -23,7 +23,7 @@ from lmcache.errors import BackendError, ConfigError, MissingDependencyError
 from lmcache.testing.stores import ServerUnavailable, free_port
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BytesBackendTests, assert_rejects, make_key, make_obj
 from _missing import missing
 
 REGS = get_registries()

@@ -26,7 +26,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.testing.stores import ServerUnavailable
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
+from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 
 REGS = get_registries()
 

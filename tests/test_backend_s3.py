@@ -24,7 +24,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_rejects, make_key, make_obj
+from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_rejects, make_key, make_obj
 from _missing import loopback_store, missing
 
 REGS = get_registries()

@@ -33,7 +33,7 @@ from lmcache.testing.stores import free_port
 from lmcache.testing.stores.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
+from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 from _procs import talk
 
 REGS = get_registries()

@@ -520,7 +520,7 @@ class ControllerServer:
         self.server.server_close()
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "ControllerServer":
+    def __enter__(self) -> ControllerServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -44,7 +44,7 @@ class ControllerWorker:
     """Registers ``engine`` with the controller and keeps its index up to date until
     :meth:`close`."""
 
-    def __init__(self, engine: "CacheEngine", cfg: ControllerConfig):
+    def __init__(self, engine: CacheEngine, cfg: ControllerConfig):
         assert cfg.url, "the worker needs controller.url"
         self.engine = engine
         self.cfg = cfg

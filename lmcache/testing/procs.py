@@ -36,11 +36,11 @@ def readline(proc: subprocess.Popen, timeout: float) -> str:
     return line.strip()
 
 
-_readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
+_readers: weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue] = weakref.WeakKeyDictionary()
 _readers_lock = threading.Lock()
 
 
-def _lines(proc: subprocess.Popen) -> "queue.Queue[str | None]":
+def _lines(proc: subprocess.Popen) -> queue.Queue[str | None]:
     with _readers_lock:
         q = _readers.get(proc)
         if q is None:

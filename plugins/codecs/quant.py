@@ -149,8 +149,8 @@ def _join(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
 
 def bound_by_parts(
     t: torch.Tensor,
-    quantizable: "Callable[[torch.Tensor], bool]",
-    part_bound: "Callable[[torch.Tensor, float], torch.Tensor]",
+    quantizable: Callable[[torch.Tensor], bool],
+    part_bound: Callable[[torch.Tensor, float], torch.Tensor],
 ) -> torch.Tensor:
     """Per-element error bound of a lossy codec: zeros for a tensor it stores as it is,
     else ``part_bound(part, eps)`` of each float32 part of :func:`_parts`, joined back;

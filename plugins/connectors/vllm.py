@@ -164,12 +164,12 @@ class _Lookup:
 
 
 #: worker-role connectors of this process by (vLLM instance, DP rank) -> {TP rank: connector}
-_LOCAL_WORKERS: dict[tuple[str, int], dict[int, "LMCacheConnector"]] = {}
+_LOCAL_WORKERS: dict[tuple[str, int], dict[int, LMCacheConnector]] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- shapes
-def kv_spec_of(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", tp_rank: int = 0) -> tuple[KVSpec, bool, int]:
+def kv_spec_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tp_rank: int = 0) -> tuple[KVSpec, bool, int]:
     """``(kv_spec, is_mla, block_size)`` of this vLLM instance's KV cache (one TP rank).
 
     MLA's one latent vector per token is stored as ``num_kv_heads=1`` with its two halves
@@ -282,7 +282,7 @@ def _truthy(v: Any) -> bool:
 class LMCacheConnector(KVConnectorBase_V1):
     """lmcache as a vLLM v1 KV connector (see the module doc)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: "KVConnectorRole", kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         try:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         except TypeError:  # vLLM < 0.11: (vllm_config, role)
@@ -352,7 +352,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._start_lookup_server()
 
     @staticmethod
-    def _tp_rank(vllm_config: "VllmConfig") -> int:
+    def _tp_rank(vllm_config: VllmConfig) -> int:
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -388,7 +388,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         return {"chunk_size": self.chunk_size, "tp_rank": self.tp_rank, "kv": self.kv_spec.signature,
                 "tiers": [t.name for t in self.engine.hierarchy.tiers]}
 
-    def _local_workers(self) -> list["LMCacheConnector"] | None:
+    def _local_workers(self) -> list[LMCacheConnector] | None:
         """This instance's worker connectors if all of them live in this process."""
         with _LOCAL_LOCK:
             ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank)) or {}
@@ -445,7 +445,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             log.exception("lmcache: releasing a lookup's pins failed (they expire on their own)")
 
     # ================================================================ scheduler role
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         lk = self._lookups.get(req_id)
         now = time.monotonic()
@@ -482,7 +482,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         lk.local = num_computed_tokens
         return usable - num_computed_tokens, lk.is_async
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """Split a hit between vLLM's host / disk / external labels by the tier it comes from."""
         got = self._hit_sources.pop(request.request_id, None)
         if not num_external_tokens:
@@ -514,7 +514,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             out[label] = out.get(label, 0) + n
         return out
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         st = self._reqs.get(req_id)
         if st is None:
@@ -541,7 +541,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         if is_async:
             self._async_pending.add(req_id)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> LMCacheConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata()
         scheduled: list[tuple[str, int]] = []
         # asynchronous loads start now, into the blocks allocated for them; the request is
@@ -587,7 +587,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._async_pending.discard(req_id)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
         return False, None  # saves are synchronous: vLLM may free the blocks now
 
@@ -692,7 +692,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._failed.update(bad)
             self._async_done.add(spec.req_id)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         self._layer_loads = []
         if meta is None or not meta.loads:

@@ -210,7 +210,7 @@ class LookupServer:
 class _Rank:
     """One connection to one worker, with a reader thread that files replies by sequence number."""
 
-    def __init__(self, path: str, client: "LookupClient"):
+    def __init__(self, path: str, client: LookupClient):
         self.path = path
         self.client = client
         self.sock: socket.socket | None = None

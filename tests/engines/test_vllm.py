@@ -68,7 +68,7 @@ def model_config(tmp_path_factory):
     return ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=2048)
 
 
-def make_config(model_config, policy: str = "recompute", **extra) -> "VllmConfig":
+def make_config(model_config, policy: str = "recompute", **extra) -> VllmConfig:
     extra.setdefault("lmcache.chunk_size", CHUNK)
     extra.setdefault("lmcache.namespace", f"t{next(_ids)}")  # a fresh cache engine per test
     vc = VllmConfig(
@@ -90,7 +90,7 @@ def make_config(model_config, policy: str = "recompute", **extra) -> "VllmConfig
     return vc
 
 
-def kv_cache_config(mla: bool, dtype=torch.float32) -> "KVCacheConfig":
+def kv_cache_config(mla: bool, dtype=torch.float32) -> KVCacheConfig:
     if mla:
         spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=dtype)
     else:
@@ -175,7 +175,7 @@ class Engine:
         self.workers.append(w)
         return w
 
-    def submit(self, req_id: str, prompt: list[int]) -> "Request":
+    def submit(self, req_id: str, prompt: list[int]) -> Request:
         r = Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=self.hasher)
         self.sched.add_request(r)
         return r

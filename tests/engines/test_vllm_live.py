@@ -84,7 +84,7 @@ def lmcache_cfg(tmp_path: Path, tiers: list[dict], **extra) -> dict:
     return lmcache_kv_config(path)
 
 
-def hits(srv: "VllmServer") -> float:
+def hits(srv: VllmServer) -> float:
     return srv.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
 
 

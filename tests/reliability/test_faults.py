@@ -115,7 +115,7 @@ class Workload:
             self.step()
             time.sleep(self.pause)
 
-    def __enter__(self) -> "Workload":
+    def __enter__(self) -> Workload:
         self._thread.start()
         return self
 

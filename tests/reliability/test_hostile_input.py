@@ -431,7 +431,7 @@ def _trickle(port: int, data: bytes, gap: float, bound: float) -> tuple[float, b
                 try:
                     if s.recv(1 << 16) == b"":
                         return time.monotonic() - t0, True
-                except socket.timeout:
+                except TimeoutError:
                     pass
             except (BrokenPipeError, ConnectionResetError):
                 return time.monotonic() - t0, True

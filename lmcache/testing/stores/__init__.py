@@ -62,7 +62,7 @@ class Store:
 
     backend: str
     options: dict[str, Any]
-    servers: list["LocalServer"] = field(default_factory=list)
+    servers: list[LocalServer] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def kill(self) -> None:
@@ -153,7 +153,7 @@ class LocalServer:
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / f"{name}.log"
 
-    def start(self) -> "LocalServer":
+    def start(self) -> LocalServer:
         logf = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
@@ -218,7 +218,7 @@ class LocalServer:
                 self.kill()
         self.proc = None
 
-    def restart(self) -> "LocalServer":
+    def restart(self) -> LocalServer:
         self.stop()
         return self.start()
 
@@ -227,7 +227,7 @@ class LocalServer:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
