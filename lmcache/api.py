@@ -51,7 +51,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .auth import ADMIN, Credentials, Unauthorized, foreign
 from .config import ApiConfig
-from .errors import AdminError, ConfigError
+from .errors import AdminError, ConfigError, LMCacheError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .admin import Admin
@@ -147,7 +147,9 @@ _QUERIES = {
 }
 
 
-class HTTPError(Exception):
+class HTTPError(LMCacheError):
+    """An HTTP reply other than 200, raised inside a handler (the status is this layer's)."""
+
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status

@@ -22,7 +22,7 @@ import hmac
 import re
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, LMCacheError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -30,7 +30,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 ADMIN = None
 
 
-class Unauthorized(Exception):
+class Unauthorized(LMCacheError):
     """No token, or not one of the configured ones."""
 
 

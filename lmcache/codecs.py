@@ -31,11 +31,13 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
+from .errors import LMCacheError
+
 Buffer = "bytes | bytearray | memoryview"
 CHAIN_SEP = "+"
 
 
-class ChainError(ValueError):
+class ChainError(LMCacheError, ValueError):
     """A chain of codecs that cannot work (empty, or a tensor codec after the first stage)."""
 
 

@@ -62,6 +62,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from .errors import LMCacheError
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"LMCS"
@@ -94,7 +96,7 @@ DEFAULT_PORT = 7171
 _ENTRY = struct.Struct("<HQ")
 
 
-class ProtocolError(Exception):
+class ProtocolError(LMCacheError):
     """A frame broke the protocol; the connection that carried it is closed."""
 
 

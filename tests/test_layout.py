@@ -95,3 +95,24 @@ def test_no_import_circles_in_the_core():
         if v not in index:
             strongconnect(v)
     assert not circles, circles
+
+
+def test_every_error_lmcache_defines_is_an_lmcache_error():
+    """One tree: a caller catches ``LMCacheError`` and gets every error raised on purpose."""
+    import importlib
+
+    from lmcache.errors import LMCacheError
+
+    stray = []
+    for name in _modules():
+        if name.startswith("lmcache.testing") or name.endswith(("connectors.vllm", "connectors.sglang")):
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:  # an optional dependency (kvikio, triton, ...) that is absent
+            continue
+        for attr, obj in vars(mod).items():
+            if (isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == name
+                    and not attr.startswith("_") and not issubclass(obj, LMCacheError)):
+                stray.append(f"{name}.{attr}")
+    assert not stray, stray
