@@ -9,6 +9,7 @@ longest cached prefix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -133,11 +134,11 @@ class CacheEngine:
     @classmethod
     def from_config(
         cls,
-        source: "str | os.PathLike[str] | Mapping[str, Any] | Config | None" = None,
+        source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
         *,
         kv_spec: KVSpec | Mapping[str, Any] | None = None,
         **overrides: Any,
-    ) -> "CacheEngine":
+    ) -> CacheEngine:
         """Build an engine from a YAML path, a mapping or a :class:`Config`
         (then environment variables, then ``overrides``)."""
         cfg = load_config(source, **overrides)
@@ -163,7 +164,7 @@ class CacheEngine:
     def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
         return self.tokens.chunk_keys(tokens, self._key_prefix())
 
-    def _adopt_spec(self, kv: "_KV") -> KVSpec:
+    def _adopt_spec(self, kv: _KV) -> KVSpec:
         with self._lock:
             if self.kv_spec is None:
                 self.kv_spec = KVSpec(
@@ -258,11 +259,13 @@ class CacheEngine:
                     break
             n = min(len(tiers) * self.tokens.chunk_size, _length(tokens))
         if pin:
-            for key, tname in zip(keys, tiers):
-                self.hierarchy.tier(tname).lease(key, self.config.lookup_pin_timeout)
+            held = self.hierarchy.lease_prefix(keys, tiers, self.config.lookup_pin_timeout)
+            if held < len(tiers):  # evicted between the lookup and its lease: promise what is held
+                tiers = tiers[:held]
+                n = min(held * self.tokens.chunk_size, _length(tokens))
         return n, tiers
 
-    def store(self, tokens: Any, kv: "torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]") -> StoreResult:
+    def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StoreResult:
         """Store the KV of ``tokens``.
 
         ``kv`` is a tensor ``(layers, 2, len(tokens), heads, head_size)``, or one
@@ -286,36 +289,39 @@ class CacheEngine:
         # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held)
         pipeline = todo > 1 and getattr(self.hierarchy.tiers[0].backend, "streams_gets", False)
         pending: list[Any] = []
-        try:
-            for chunk, key, here in zip(chunks, keys, present):
-                if here:
-                    skipped += chunk.num_tokens
-                    continue
-                obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
-                if obj is None and pending:  # wait for the writes in flight to give memory back
-                    for f in pending:
-                        f.result()
-                    pending.clear()
+        # the lower tiers' writes of these chunks wait until their copies are done
+        storing = self.hierarchy.storing() if todo and len(self.hierarchy.tiers) > 1 else contextlib.nullcontext()
+        with storing:
+            try:
+                for chunk, key, here in zip(chunks, keys, present):
+                    if here:
+                        skipped += chunk.num_tokens
+                        continue
                     obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
-                if obj is None:
-                    dropped += chunk.num_tokens
-                    log.debug("memory pool exhausted: not storing chunk %s", key)
-                    continue
-                try:
-                    src.copy_chunk(chunk.start, chunk.end, obj.tensor)
-                except BaseException:
-                    obj.unref()
-                    raise
-                if pipeline:
-                    pending.append(self._put_pool().submit(self._put_and_release, key, obj))
-                    if len(pending) >= PUTS_IN_FLIGHT:
-                        pending.pop(0).result()
-                else:
-                    self._put_and_release(key, obj)
-                stored += chunk.num_tokens
-        finally:
-            for f in pending:  # the store returns when every chunk is in the top tier
-                f.result()
+                    if obj is None and pending:  # wait for the writes in flight to give memory back
+                        for f in pending:
+                            f.result()
+                        pending.clear()
+                        obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+                    if obj is None:
+                        dropped += chunk.num_tokens
+                        log.debug("memory pool exhausted: not storing chunk %s", key)
+                        continue
+                    try:
+                        src.copy_chunk(chunk.start, chunk.end, obj.tensor)
+                    except BaseException:
+                        obj.unref()
+                        raise
+                    if pipeline:
+                        pending.append(self._put_pool().submit(self._put_and_release, key, obj))
+                        if len(pending) >= PUTS_IN_FLIGHT:
+                            pending.pop(0).result()
+                    else:
+                        self._put_and_release(key, obj)
+                    stored += chunk.num_tokens
+            finally:
+                for f in pending:  # the store returns when every chunk is in the top tier
+                    f.result()
         return StoreResult(stored, skipped, dropped)
 
     def _put_and_release(self, key: str, obj: MemoryObj) -> None:
@@ -395,7 +401,7 @@ class CacheEngine:
         if self.kv_spec is not None:
             self.hierarchy.release_leases(self.chunk_keys(tokens)[1])
 
-    def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0) -> "LayerwiseRetrieval":
+    def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0) -> LayerwiseRetrieval:
         """Start a retrieve that fills ``out`` one layer at a time.
 
         The cached chunks are fetched from their tiers before this returns (so
@@ -580,7 +586,7 @@ class CacheEngine:
 
     # ---- end kv events
 
-    def __enter__(self) -> "CacheEngine":
+    def __enter__(self) -> CacheEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -679,7 +685,7 @@ class _KV:
             self.dtype = k0.dtype
 
     @classmethod
-    def wrap(cls, kv: Any) -> "_KV":
+    def wrap(cls, kv: Any) -> _KV:
         if isinstance(kv, torch.Tensor):
             if kv.dim() != 5 or kv.shape[1] != 2:
                 raise KVShapeError(

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 BACKOFF_START = 0.05
 _writer_lock = threading.Lock()
 BACKOFF_MAX = 10.0
+#: the longest the lower-tier writer holds a write back while stores copy (see
+#: :meth:`StorageHierarchy.storing`): a bound, so that no chain of stores starves it
+WRITER_YIELD_MAX = 0.25
 
 
 @dataclass
@@ -204,6 +207,16 @@ class Tier:
                 for k in [k for k, v in self._leases.items() if max(v) <= now]:
                     del self._leases[k]
             self._leases.setdefault(key, []).append(now + seconds)
+
+    def lease_held(self, key: str, seconds: float) -> bool:
+        """Lease ``key`` if this tier still holds it (checked under the lock, so that an
+        eviction between a lookup's ``contains`` and its lease cannot leave a lease on
+        nothing); a shared store's index is not authoritative, so there it always leases."""
+        with self._lock:
+            if not self.backend.shared and key not in self._index:
+                return False
+            self._leases.setdefault(key, []).append(self.clock() + seconds)
+        return True
 
     def release_lease(self, key: str) -> None:
         with self._lock:
@@ -760,6 +773,12 @@ class StorageHierarchy:
         # object that a finished write released.
         self._inflight: dict[str, tuple[list[MemoryObj], int]] = {}
         self._closed = False
+        # stores copying into the top tier right now (see storing()), and the queue length
+        # at which the writer stops yielding to them
+        self._stores = 0
+        self._stores_cv = threading.Condition(threading.Lock())
+        self._stores_need_memory = False  # the writer's queued objects may free pool memory
+        self._yield_backlog = max(1, config.write_queue_size // 2)
         self._worker = threading.Thread(target=self._run_writes, name="lmcache-tier-writer", daemon=True)
         self._worker.start()
 
@@ -788,6 +807,8 @@ class StorageHierarchy:
         obj = self.pool.allocate(shape, dtype)
         if obj is not None:
             return obj
+        if self._stores:  # objects that queued writes hold come back to the pool when written
+            self._writer_stop_yielding()
         nbytes = 1
         for d in shape:
             nbytes *= int(d)
@@ -871,6 +892,23 @@ class StorageHierarchy:
         promoted into the tiers above."""
         found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
+        # queued writes are taken before the tiers are asked: a write that lands (and
+        # leaves the queue) while its tier is being read must not fall between the two
+        queued: dict[int, tuple[MemoryObj, int]] = {}
+        if self._inflight:
+            for j, key in enumerate(keys):
+                if key in self._inflight:
+                    pending = self._inflight_get(key)
+                    if pending is not None:
+                        queued[j] = pending
+        try:
+            return self._get_tiers(keys, found, remaining, queued, on_ready, accept)
+        except BaseException:
+            for obj, _ in queued.values():
+                obj.unref()
+            raise
+
+    def _get_tiers(self, keys, found, remaining, queued, on_ready, accept) -> list[tuple[MemoryObj, Tier] | None]:
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
@@ -891,12 +929,14 @@ class StorageHierarchy:
                 found[j] = (obj, tier)
             remaining = nxt
         for j in remaining:
-            pending = self._inflight_get(keys[j])
+            pending = queued.pop(j, None) or self._inflight_get(keys[j])
             if pending is not None:
                 obj, target = pending
                 if target > 0 and (accept is None or accept(j, obj)):
                     obj = self._promote(keys[j], obj, target)
                 found[j] = (obj, self.tiers[target])
+        for obj, _ in queued.values():  # found in a tier after all
+            obj.unref()
         return found
 
     def _promote(self, key: str, obj: MemoryObj, found_at: int) -> MemoryObj:
@@ -978,6 +1018,10 @@ class StorageHierarchy:
         except queue.Full:
             self.stats.dropped_writes += 1
             self._release(w)
+            return
+        if self._stores and self._queue.qsize() >= self._yield_backlog:
+            with self._stores_cv:  # a long store: the writer stops waiting for it
+                self._stores_cv.notify_all()
 
     def _release(self, w: _Write) -> None:
         with _writer_lock:
@@ -1001,12 +1045,53 @@ class StorageHierarchy:
                 return None
             return entry[0][-1].ref(), entry[1]  # the newest queued object: still referenced
 
+    @contextlib.contextmanager
+    def storing(self) -> Iterator[None]:
+        """Around a store's copies into the top tier: until it ends, the lower-tier writer
+        holds its next write back (the one under way finishes), so that the store's copy
+        has the cores to itself and its writes follow it.
+
+        Why: a write-behind of pool memory into a file (checksum, then ``writev`` into
+        fresh page cache, kernel time) on one core of a small machine makes torch's
+        multi-threaded gather copy wait for its slowest thread, the one sharing that
+        core: a 256-token SmolLM2 fp32 chunk (11.8 MB) took 3.5 to 5 ms on average with
+        a writer busy beside it instead of 0.9 (2 cores, 2 torch threads), which halved
+        a CPU tier's store over a disk tier. The writer stops waiting once half its queue
+        is waiting (a long store then drops nothing), when the memory pool runs short
+        (what queued writes hold is freed once they are written) or after
+        ``WRITER_YIELD_MAX``."""
+        with self._stores_cv:
+            self._stores += 1
+        try:
+            yield
+        finally:
+            with self._stores_cv:
+                self._stores -= 1
+                if not self._stores:
+                    self._stores_need_memory = False
+                    self._stores_cv.notify_all()
+
+    def _writer_stop_yielding(self) -> None:
+        with self._stores_cv:
+            self._stores_need_memory = True
+            self._stores_cv.notify_all()
+
+    def _yield_to_stores(self) -> None:
+        with self._stores_cv:
+            self._stores_cv.wait_for(
+                lambda: not self._stores or self._stores_need_memory or self._closed
+                or self._queue.qsize() >= self._yield_backlog,
+                timeout=WRITER_YIELD_MAX,
+            )
+
     def _run_writes(self) -> None:
         while True:
             w = self._queue.get()
             try:
                 if w is None:
                     return
+                if self._stores and not self._stores_need_memory:
+                    self._yield_to_stores()
                 try:
                     self.tiers[w.tier].put(w.key, w.obj)
                 finally:
@@ -1034,8 +1119,27 @@ class StorageHierarchy:
                 for k in keys:
                     tier.unpin(k)
 
+    def lease_prefix(self, keys: Sequence[str], tiers: Sequence[str], seconds: float) -> int:
+        """Lease ``keys[i]`` in tier ``tiers[i]`` (what :meth:`contains_prefix` found), in
+        order, while each is still there (or still queued for its tier); the number leased.
+        A key evicted since it was found ends the prefix: a lookup never promises a chunk
+        that its lease does not hold."""
+        for i, (key, name) in enumerate(zip(keys, tiers)):
+            found = self.tier(name)
+            if not found.lease_held(key, seconds):
+                if key not in self._inflight:
+                    return i
+                found.lease(key, seconds)  # its write is queued: the lease waits for it in that tier
+            # the lease covers the key in every tier, one per tier, as :meth:`release_leases`
+            # drops it: a release never ends a lease another lookup took in another tier
+            # (before, leases were taken in one tier and dropped in all)
+            for tier in self.tiers:
+                if tier is not found:
+                    tier.lease(key, seconds)
+        return min(len(keys), len(tiers))
+
     def release_leases(self, keys: Sequence[str]) -> None:
-        """Drop one lookup lease of each key, in whichever tier holds it."""
+        """Drop one lookup lease of each key (one in every tier: see :meth:`lease_prefix`)."""
         for tier in self.tiers:
             for key in keys:
                 tier.release_lease(key)

@@ -54,10 +54,22 @@ def test_bench_compare_quick_json(tmp_path):
         assert t["chunk_bytes"] == theirs[(t["shape"], t["tier"])]["chunk_bytes"]
         assert t["bytes"] == theirs[(t["shape"], t["tier"])]["bytes"]
 
+    # CPU over disk: SmolLM2 fp32, 16 chunks from one buffer, torch's default threads, both sides
+    od = spec["cpu_over_disk"]
+    assert (od["layers"], od["kv_heads"], od["head_size"], od["dtype"], od["chunks"]) == (30, 3, 64, "float32", 16)
+    for side in (data["ours"], ref):
+        t = side["cpu_over_disk"]
+        assert t["exact"] and t["complete"] and t["threads"] == od["threads"], t
+        assert t["stored_chunks"] == t["disk_chunks"] == 16 and t["bytes"] == od["bytes"] == 16 * 256 * 46080
+        assert len(t["store_seconds"]) == od["repeats"] and t["store_gbps"] > 0
+    assert ref["cpu_over_disk"]["backends"] == ["LocalCPUBackend", "LocalDiskBackend"]
+
     assert data["exact"] == {"ours": True, "lmcache": True} and data["complete"] == {"ours": True, "lmcache": True}
     assert data["physical"]["memcpy_gbps"] > 0 and set(data["physical"]["file_io"]) == {"llama3-8b", "smollm2"}
+    assert data["physical"]["memcpy_over_disk_gbps"] > 0
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 3 + 2 * len(spec["lookup_inputs"]) * len(spec["lookup_lengths"])
+    assert len(rows) == 2 * 2 * 3 + 1 + 2 * len(spec["lookup_inputs"]) * len(spec["lookup_lengths"])
+    assert sum(r["workload"].startswith("cpu over disk smollm2 float32 store") for r in rows) == 1
     for r in rows:
         assert r["ours"] > 0 and r["lmcache"] > 0 and r["ours_over_lmcache"] > 0 and r["exact"]
         assert r["limit"] and r["ours_vs_limit"] > 0 and r["lmcache_vs_limit"] > 0

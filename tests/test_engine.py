@@ -246,6 +246,31 @@ def test_another_callers_retrieve_never_ends_a_lease():
         assert e.lookup(b) == 32 and e.lookup(a) == 0
 
 
+def test_a_release_never_ends_a_lease_taken_in_another_tier(tmp_path):
+    """Found under stress: A's lookup leased a chunk in the disk tier, B's lookup (after a
+    promotion) found it in the cpu tier, and B's release dropped one lease in every tier,
+    A's included; the disk tier then evicted what A was promised. A lease now covers the
+    key in every tier, and a release drops exactly one of each."""
+    a = list(range(32))
+    chunk_bytes = L * 2 * 16 * H * D * 4
+    with engine(tmp_path, cpu="4MiB", disk=2 * chunk_bytes + 4096) as e:  # room for a or b
+        cpu, disk = e.hierarchy.tiers
+        e.store(a, kv_for(a))
+        e.flush()
+        cpu.remove(e.chunk_keys(a)[1])
+        assert e.locate(a, pin=True) == (32, ["disk", "disk"])  # A
+        assert e.retrieve(a).tiers == ["disk", "disk"]  # (promoted into cpu)
+        assert e.locate(a, pin=True) == (32, ["cpu", "cpu"])  # B
+        e.release(a)  # B is done
+        cpu.remove(e.chunk_keys(a)[1])
+        b = list(range(500, 532))
+        e.store(b, kv_for(b))
+        e.flush()  # the disk tier wants room: a is still A's
+        r = e.retrieve(a)
+        assert r.num_tokens == 32 and torch.equal(r.kv, kv_for(a)), r.tiers
+        e.release(a)
+
+
 def test_lookup_pin_without_retrieve_expires():
     class Clock:
         t = 0.0

@@ -375,3 +375,71 @@ def test_get_many_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
             obj.unref()
     finally:
         h.close()
+
+
+def _wait_until(cond, deadline=30.0):
+    import time
+
+    end = time.monotonic() + deadline
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_lower_tier_writes_wait_for_the_store_in_progress(tmp_path, regs, monkeypatch):
+    import time
+
+    import lmcache.hierarchy as hierarchy
+
+    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    h, pool = _h(tmp_path, regs, cpu_chunks=8)
+    try:
+        cpu, disk = h.tiers
+        with h.storing():
+            for i in range(3):
+                _put(h, pool, i)
+            time.sleep(0.2)
+            assert len(cpu) == 3 and len(disk) == 0  # queued behind the store's copies
+            assert h.contains_prefix([make_key(i) for i in range(3)]) == [cpu.name] * 3
+        h.flush()
+        assert len(disk) == 3
+    finally:
+        h.close()
+
+
+def test_writer_stops_yielding_when_half_its_queue_waits(tmp_path, regs, monkeypatch):
+    import lmcache.hierarchy as hierarchy
+
+    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    h, pool = _h(tmp_path, regs, cpu_chunks=8, write_queue_size=2)
+    try:
+        with h.storing():  # a long store: its writes go on beside it, none is dropped
+            for i in range(2):
+                _put(h, pool, i)
+            _wait_until(lambda: len(h.tiers[1]) >= 1)
+        h.flush()
+        assert len(h.tiers[1]) == 2 and h.stats.dropped_writes == 0
+    finally:
+        h.close()
+
+
+def test_writer_stops_yielding_when_the_pool_runs_short(tmp_path, regs, monkeypatch):
+    import lmcache.hierarchy as hierarchy
+
+    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    h, pool = _h(tmp_path, regs, cpu_chunks=4)
+    held = []
+    try:
+        with h.storing():
+            for i in range(2):
+                _put(h, pool, i)
+            while (o := pool.allocate(CHUNK, torch.float16)) is not None:
+                held.append(o)
+            got = h.allocate(CHUNK, torch.float16)  # short: what the queued writes hold is needed
+            if got is not None:
+                got.unref()
+            _wait_until(lambda: len(h.tiers[1]) == 2)
+    finally:
+        for o in held:
+            o.unref()
+        h.close()

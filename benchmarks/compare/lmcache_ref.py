@@ -16,7 +16,10 @@ tensor and LMCache's memory objects):
   ``_process_tokens_internal`` and ``batched_to_gpu`` as a ``copy_``);
 - hashing: ``process_tokens`` with keys made (what store, retrieve and lookup run first);
 - lookup: ``process_tokens`` -> ``StorageManager.batched_contains`` -> hit tokens
-  (``LMCacheEngine.lookup`` without pinning).
+  (``LMCacheEngine.lookup`` without pinning);
+- CPU over disk: ``local_cpu`` with ``local_disk`` (the disk writes go on behind the
+  store, on LMCache's disk workers): the store's wall time as above, up to
+  ``batched_put`` returning, with torch's default threads (``spec["cpu_over_disk"]``).
 
 KV is in LMCache's own layout (``KV_2LTD``: ``(2, layers, tokens, heads * head_size)``), so
 a chunk is ``2 * layers`` strided blocks, as it is in ``(layers, 2, tokens, heads,
@@ -73,13 +76,15 @@ class Ref:
         self.dtype = getattr(torch, spec["dtype"])
         gib = capacity / 1024**3
         cfg: dict[str, Any] = {"chunk_size": cs, "max_local_cpu_size": gib}
+        rounds = max(1, spec.get("store_rounds", 1))
         if tier == "cpu":
             cfg.update(local_cpu=True, local_disk=None, max_local_disk_size=0)
+        elif tier == "cpu+disk":  # the disk tier behind the CPU one; room for every round (below)
+            cfg.update(local_cpu=True, local_disk=directory, max_local_disk_size=gib * rounds)
         else:  # the CPU backend stays as the allocator (staging buffers), holding nothing
             # LocalDiskBackend.remove() (0.5.6) lowers `usage` but not the admission
             # budget (`current_cache_size`), so the removal between store rounds does not
             # give the bytes back: room for every round, or round 2 is refused
-            rounds = max(1, spec.get("store_rounds", 1))
             cfg.update(local_cpu=False, local_disk=directory, max_local_disk_size=gib * rounds)
         self.config = LMCacheEngineConfig.from_dict(cfg)
         L, H, D = shape["layers"], shape["kv_heads"], shape["head_size"]
@@ -90,8 +95,9 @@ class Ref:
         self.fmt = MemoryFormat.KV_2LTD
         self.sm = StorageManager(self.config, self.metadata, EventManager())
         self.db = ChunkedTokenDatabase(self.config, self.metadata)
-        self.tier_name = "LocalCPUBackend" if tier == "cpu" else "LocalDiskBackend"
+        self.tier_name = "LocalDiskBackend" if tier == "disk" else "LocalCPUBackend"
         self.backend = self.sm.storage_backends[self.tier_name]
+        self.disk = self.sm.storage_backends.get("LocalDiskBackend")
 
     def shape(self, tokens: int) -> tuple[int, ...]:
         L, _, _, H, D = self.metadata.kv_shape
@@ -114,12 +120,14 @@ class Ref:
             self.sm.batched_put(keys, objs)
         return keys
 
-    def wait_stored(self, keys: list[Any], timeout: float = 120.0) -> bool:
-        """Until every key is in the measured tier (the disk writes are asynchronous)."""
+    def wait_stored(self, keys: list[Any], timeout: float = 120.0, backend: Any = None) -> bool:
+        """Until every key is in the measured tier, or ``backend`` (the disk writes are
+        asynchronous)."""
+        backend = backend or self.backend
         pending = list(keys)
         deadline = time.perf_counter() + timeout
         while pending:
-            pending = [k for k in pending if not self.backend.contains(k)]
+            pending = [k for k in pending if not backend.contains(k)]
             if pending:
                 if time.perf_counter() > deadline:
                     return False
@@ -236,6 +244,62 @@ def run_tier(shape: dict[str, Any], spec: dict[str, Any], tier: str, base_dir: s
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def run_cpu_over_disk(spec: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """A CPU tier with a disk tier behind it; see ``run_ours_cpu_over_disk`` on our side."""
+    import statistics
+
+    import torch
+
+    od = spec["cpu_over_disk"]
+    cs, n = od["chunk_size"], od["chunks"] * od["chunk_size"]
+    gen = torch.Generator().manual_seed(spec["seed"] + 2)
+    toks = torch.randint(0, 128256, (n,), generator=gen).tolist()
+    directory = tempfile.mkdtemp(prefix="ref-cpu-over-disk-", dir=base_dir)
+    threads = torch.get_num_threads()
+    ref = None
+    try:
+        ref = Ref(od, {**spec, "dtype": od["dtype"], "chunk_size": cs, "store_rounds": od["repeats"]}, "cpu+disk",
+                  od["capacity"], directory)
+        shape = ref.shape(n)  # one engine buffer, LMCache's layout
+        kv = torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32).view(torch.float32)
+        seconds: list[float] = []
+        keys: list[Any] = []
+        on_disk = 0
+        torch.set_num_threads(od["threads"])
+        for r in range(od["repeats"]):
+            if r:  # the previous store's disk writes are done; its chunks removed from both tiers
+                ref.remove(keys)
+            t0 = time.perf_counter()
+            keys = ref.store(toks, kv)
+            seconds.append(time.perf_counter() - t0)
+            ref.wait_stored(keys, backend=ref.disk)
+            on_disk = sum(ref.disk.contains(k) for k in keys)
+        out = torch.empty(shape, dtype=torch.float32)
+        got = ref.retrieve(toks, out)
+        exact = got == n and torch.equal(out.view(torch.int32), kv.view(torch.int32))
+        return {
+            "tier": "cpu over disk",
+            "shape": od["name"],
+            "dtype": od["dtype"],
+            "threads": torch.get_num_threads(),
+            "backends": sorted(ref.sm.storage_backends),
+            "chunks": od["chunks"],
+            "bytes": kv.numel() * kv.element_size(),
+            "stored_chunks": len(keys),
+            "disk_chunks": on_disk,
+            "store_seconds": seconds,
+            "store_gbps": kv.numel() * kv.element_size() / statistics.median(seconds) / GB,
+            "store_best_gbps": kv.numel() * kv.element_size() / min(seconds) / GB,
+            "exact": exact,
+            "complete": len(keys) == od["chunks"] and on_disk == od["chunks"],
+        }
+    finally:
+        torch.set_num_threads(threads)
+        if ref is not None:
+            ref.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run_lookup(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
@@ -301,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_tier(shape, spec, tier, base_dir)
             tiers.append({"shape": shape["name"], **row})
     lookup = run_lookup(spec) if spec["lookup_lengths"] else []
+    over_disk = run_cpu_over_disk(spec, base_dir) if spec.get("cpu_over_disk") else None
     doc = {
         "side": "LMCache",
         "lmcache_version": version("lmcache"),
@@ -311,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "hash": "python builtin hash (LMCache's default pre_caching_hash_algorithm without vLLM)",
         "tiers": tiers,
         "lookup": lookup,
+        "cpu_over_disk": over_disk,
         "seconds": time.perf_counter() - t0,
     }
     sys.stdout.write(json.dumps(doc) + "\n")

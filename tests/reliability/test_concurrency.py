@@ -92,8 +92,12 @@ def worker(engine, plist, seed: int, deadline: float, counts: Counts, errors: li
                     check(r.kv, r.num_tokens, tokens, "lookup+retrieve")
                     counts.add("tokens_checked", r.num_tokens)
                     counts.add("pinned_retrieves")
-                    if r.num_tokens < n:  # promised more than served: counted (see the test's print)
-                        counts.add("pinned_short")
+                    if r.num_tokens < n and any(t.backend.shared for t in h.tiers):
+                        counts.add("pinned_short")  # another process may evict a shared store's entries
+                    else:
+                        # a pinned lookup's promise holds in this process's own tiers: before, a
+                        # queued write landing between the tier read and the queue check cost ~1%
+                        assert r.num_tokens >= n, f"lookup(pin=True) promised {n} tokens, retrieve served {r.num_tokens}"
                 engine.release(tokens[:n])
                 counts.add("lookup_pin")
             elif op == 5:
