@@ -75,48 +75,50 @@ class CacheEngine:
         self._closed = False
         self._puts: Any = None  # the store's I/O threads for a file-like top tier
         self._admin = None
-        self.kv_events = None  # kv events: set by _start_kv_events
-        self.api = None
-        self.controller_worker = None
-        self.p2p = None  # p2p: the peer endpoint, fetch on miss and push (lmcache.p2p)
         #: this instance's name in the controller (``controller.instance_id`` or a generated one)
         self.instance_id: str = config.controller.instance_id or _default_instance_id()
-        if config.api.enabled:
-            from .api import ApiServer
+        #: hooks of the data path that services add to (see :mod:`lmcache.services`):
+        #: ``filler(chunks, keys, have) -> fetched`` asked when a lookup misses after
+        #: ``have`` chunks; ``observer(tokens, chunks, keys)`` told before chunks are stored
+        #: or promoted
+        self.miss_fillers: list[Callable[[list[Chunk], list[str], int], int]] = []
+        self.store_observers: list[Callable[[Any, list[Chunk], list[str]], None]] = []
+        #: the started services by name (:data:`lmcache.services.SERVICES`), closed in reverse
+        self.services: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        self._stack.callback(self.hierarchy.close)  # unwound last
+        try:
+            self._start_services()
+        except BaseException:
+            self._stack.close()
+            raise
 
-            try:
-                self.api = ApiServer(self.admin, config.api)
-            except BaseException:
-                self.hierarchy.close()
-                raise
-        # ---- p2p: started before the controller worker, which registers its address
-        if config.p2p.enabled:
-            from .p2p import P2P
+    def _start_services(self) -> None:
+        from .services import SERVICES
 
-            try:
-                self.p2p = P2P(self, config.p2p)
-            except BaseException:
-                if self.api is not None:
-                    self.api.close()
-                self.hierarchy.close()
-                raise
-        # ---- end p2p
-        if config.controller.url:
-            from .controller.worker import ControllerWorker
+        for spec in SERVICES:
+            if spec.enabled(self.config):
+                svc = spec.start(self)
+                self._stack.callback(svc.close)
+                self.services[spec.name] = svc
 
-            try:
-                self.controller_worker = ControllerWorker(self, config.controller)
-            except BaseException:
-                if self.p2p is not None:  # p2p
-                    self.p2p.close()
-                if self.api is not None:
-                    self.api.close()
-                self.hierarchy.close()
-                raise
-        # ---- kv events: vLLM-compatible BlockStored/BlockRemoved/AllBlocksCleared on ZMQ
-        if config.kv_events.enabled:
-            self._start_kv_events()
-        # ---- end kv events
+    # the services by their old attribute names (connectors, tools and tests read them)
+    @property
+    def api(self) -> Any:
+        return self.services.get("api")
+
+    @property
+    def p2p(self) -> Any:
+        return self.services.get("p2p")
+
+    @property
+    def controller_worker(self) -> Any:
+        return self.services.get("controller")
+
+    @property
+    def kv_events(self) -> Any:
+        svc = self.services.get("kv_events")
+        return svc.publisher if svc is not None else None
 
     @property
     def kv_spec(self) -> KVSpec | None:
@@ -241,11 +243,14 @@ class CacheEngine:
         self._check_open()
         if self.kv_spec is None and self._spec_from_tiers() is None:
             return 0, []
-        if self.p2p is not None and self.p2p.fetching:  # p2p: fetch the rest from a peer
+        if self.miss_fillers:  # a service fetches what the tiers miss (the p2p endpoint)
             chunks, keys = self.chunk_keys(tokens)
             tiers = self.hierarchy.contains_prefix(keys)
-            if len(tiers) < len(keys) and self.p2p.fill(chunks, keys, len(tiers)):
-                tiers = self.hierarchy.contains_prefix(keys)
+            for fill in self.miss_fillers:
+                if len(tiers) == len(keys):
+                    break
+                if fill(chunks, keys, len(tiers)):
+                    tiers = self.hierarchy.contains_prefix(keys)
             n = chunks[len(tiers) - 1].end if tiers else 0
         else:
             # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
@@ -278,8 +283,8 @@ class CacheEngine:
         chunks, keys = self.chunk_keys(tokens)
         if src.num_tokens != _length(tokens):
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
-        if self.kv_events is not None:  # kv events: token ids for BlockStored
-            self.kv_events.remember(tokens, chunks, keys)
+        for observe in self.store_observers:  # (the KV-event publisher: token ids for BlockStored)
+            observe(tokens, chunks, keys)
         present = self.hierarchy.contains_any(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         stored = skipped = dropped = 0
@@ -355,10 +360,10 @@ class CacheEngine:
         if out is not None:
             _check_out_dtype(out, spec)  # before anything is read: never a silent conversion
         chunks, keys = self.chunk_keys(tokens)
-        if self.kv_events is not None:  # kv events: promotions are BlockStored too
-            self.kv_events.remember(tokens, chunks, keys)
+        for observe in self.store_observers:  # promotions are stored chunks too
+            observe(tokens, chunks, keys)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
-        self._p2p_fill(chunks, keys)  # p2p
+        self._fill_misses(chunks, keys)
         # chunks that a file-like tier reads on its I/O threads are copied into `out` there,
         # as each arrives, overlapping the reads of the next ones (`out` past the cached
         # prefix may then hold KV of chunks after a miss; it is not part of the result)
@@ -417,9 +422,9 @@ class CacheEngine:
         spec = self.kv_spec
         _check_out_dtype(out, spec)
         chunks, keys = self.chunk_keys(tokens)
-        if self.kv_events is not None:  # kv events: promotions are BlockStored too
-            self.kv_events.remember(tokens, chunks, keys)
-        self._p2p_fill(chunks, keys)  # p2p
+        for observe in self.store_observers:  # promotions are stored chunks too
+            observe(tokens, chunks, keys)
+        self._fill_misses(chunks, keys)
         with self.hierarchy.pinned(keys):
             got = self._fetch(chunks, keys, spec)
         n = got[-1][0].end if got else 0
@@ -464,15 +469,17 @@ class CacheEngine:
                     r[0].unref()
         return got
 
-    # --------------------------------------------------------------- p2p (see lmcache.p2p)
-    def _p2p_fill(self, chunks: list[Chunk], keys: list[str]) -> None:
+    # --------------------------------------------------------------- services' data path
+    def _fill_misses(self, chunks: list[Chunk], keys: list[str]) -> None:
         """Before a retrieve: chunks missing after the local prefix come from a peer
         (usually a no-op: the lookup before it already fetched them)."""
-        if self.p2p is None or not self.p2p.fetching or not keys:
+        if not self.miss_fillers or not keys:
             return
-        have = len(self.hierarchy.contains_prefix(keys))
-        if have < len(keys):
-            self.p2p.fill(chunks, keys, have)
+        for fill in self.miss_fillers:
+            have = len(self.hierarchy.contains_prefix(keys))
+            if have == len(keys):
+                return
+            fill(chunks, keys, have)
 
     @property
     def peer_url(self) -> str | None:
@@ -499,7 +506,6 @@ class CacheEngine:
             keys = self.chunk_keys(tokens)[1]
         return self.p2p.push(list(keys), target, tier=tier, target_tier=target_tier, remove_source=remove_source,
                              prefix_only=tokens is not None)
-    # ---- end p2p
 
     # --------------------------------------------------------------- admin
     def flush(self) -> None:
@@ -536,10 +542,11 @@ class CacheEngine:
                 "pending_writes": self.hierarchy.pending_writes(),
             },
         }
-        if self.p2p is not None:  # p2p
-            out["p2p"] = self.p2p.info()
-        if self.kv_events is not None:  # kv events
-            out["kv_events"] = self.kv_events.stats()
+        for name, svc in self.services.items():
+            info = getattr(svc, "info", None)
+            got = info() if info is not None else None
+            if got is not None:
+                out[name] = got
         return out
 
     def _check_open(self) -> None:
@@ -551,40 +558,9 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
-        if self.controller_worker is not None:
-            self.controller_worker.close()
-        if self.p2p is not None:  # p2p
-            self.p2p.close()
-        if self.api is not None:
-            self.api.close()
         if self._puts is not None:
             self._puts.shutdown(wait=True)
-        self.hierarchy.close()
-        if self.kv_events is not None:  # kv events: after the last queued tier writes were admitted
-            self.kv_events.close()
-
-    # ---- kv events (see lmcache.events)
-    def _start_kv_events(self) -> None:
-        """Start the publisher and chain it after the hierarchy's current listener (the
-        controller worker's, if any). A publisher that cannot start only logs why."""
-        from .events import KVEventPublisher
-
-        pub = KVEventPublisher(self.config.kv_events, namespace=self.config.namespace, model=self.config.model)
-        self.kv_events = pub
-        if not pub.enabled:
-            return
-        prev = self.hierarchy.tiers[0].listener if self.hierarchy.tiers else None
-        if prev is None:
-            listener = pub.on_tier_event
-        else:
-
-            def listener(op: str, tier: str, key: str) -> None:
-                prev(op, tier, key)
-                pub.on_tier_event(op, tier, key)
-
-        self.hierarchy.set_listener(listener)
-
-    # ---- end kv events
+        self._stack.close()  # the services in reverse start order, then the hierarchy
 
     def __enter__(self) -> CacheEngine:
         return self

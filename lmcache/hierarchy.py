@@ -1151,11 +1151,35 @@ class StorageHierarchy:
     def pending_writes(self) -> int:
         return self._queue.qsize()
 
+    def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        """Call ``listener(op, tier, key)`` whenever a tier admits (``"admit"``) or drops
+        (``"evict"``) a key, after the listeners added before it (the controller worker's
+        index feed, the KV-event publisher); called with the tier's lock held, so it must
+        not block. See :attr:`Tier.listener`."""
+        self._listeners = [*getattr(self, "_listeners", []), listener]
+        self._wire_listeners()
+
+    def remove_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        self._listeners = [f for f in getattr(self, "_listeners", []) if f is not listener]
+        self._wire_listeners()
+
     def set_listener(self, listener: Callable[[str, str, str], None] | None) -> None:
-        """Call ``listener(op, tier, key)`` whenever a tier admits (``"admit"``) or
-        drops (``"evict"``) a key; ``None`` stops it. See :attr:`Tier.listener`."""
+        """Replace every listener with ``listener`` (``None``: none)."""
+        self._listeners = [] if listener is None else [listener]
+        self._wire_listeners()
+
+    def _wire_listeners(self) -> None:
+        listeners = tuple(self._listeners)
+        if not listeners:
+            call = None
+        elif len(listeners) == 1:
+            call = listeners[0]
+        else:
+            def call(op: str, tier: str, key: str) -> None:
+                for f in listeners:
+                    f(op, tier, key)
         for t in self.tiers:
-            t.listener = listener
+            t.listener = call
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

@@ -5,7 +5,7 @@ Started by :class:`~lmcache.engine.CacheEngine` when the config has
 ``controller: {url: ...}``. It registers the instance (id, API URL and token, namespace,
 model, kv signature, chunking, tiers), heartbeats on a daemon thread, and reports what
 the tiers admit and drop as batched events, fed by the hierarchy's listener
-(:meth:`~lmcache.hierarchy.StorageHierarchy.set_listener`).
+(:meth:`~lmcache.hierarchy.StorageHierarchy.add_listener`).
 
 Why it is shaped like this: the engine must never wait for the controller. The listener
 only appends to a bounded queue (it runs under a tier's lock, on the engine's path); one
@@ -64,7 +64,7 @@ class ControllerWorker:
         self.dropped_events = 0
         self.registrations = 0
         self.failed_calls = 0
-        engine.hierarchy.set_listener(self._on_event)
+        engine.hierarchy.add_listener(self._on_event)
         self._thread = threading.Thread(target=self._run, name="lmcache-controller-worker", daemon=True)
         self._thread.start()
 
