@@ -25,7 +25,7 @@ from .units import parse_duration, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import CacheEngine
-    from .hierarchy import Tier
+    from .tier import Tier
 
 #: most entries one ``keys`` call returns
 MAX_PAGE = 10_000

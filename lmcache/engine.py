@@ -22,7 +22,8 @@ import torch
 from .config import Config, KVSpec, load_config
 from .dtypes import dtype_from_name, dtype_name
 from .errors import KVShapeError, LMCacheError
-from .hierarchy import StorageHierarchy, Tier
+from .hierarchy import StorageHierarchy
+from .tier import Tier
 from .keys import Chunk, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
@@ -528,7 +529,7 @@ class CacheEngine:
         return self.api.url if self.api is not None else None
 
     def stats(self) -> dict[str, Any]:
-        """Counters and usage: per tier (:meth:`lmcache.hierarchy.Tier.info`: hits,
+        """Counters and usage: per tier (:meth:`lmcache.tier.Tier.info`: hits,
         misses, hit_rate, bytes_in, bytes_out, evictions, used_bytes, capacity_bytes,
         entries, ...), the memory pool and the hierarchy's write queue."""
         out = {

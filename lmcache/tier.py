@@ -1,0 +1,597 @@
+"""One storage tier: a backend plus capacity accounting, eviction, pins and leases, and
+health (backoff after failures, and writes a device refuses).
+
+:class:`Tier` owns a tier's books: the index of keys and their stored bytes, the eviction
+policy and the listeners, all changed under the tier's lock; the backend is asked only to
+move entries. :class:`lmcache.hierarchy.StorageHierarchy` orders tiers and moves entries
+between them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from .config import TierConfig
+from .errors import EntryPathError
+from .memory import MemoryObj
+from .policies import EvictionPolicy, eviction_order
+from .storage import EntryInfo, StorageBackend, Usage
+
+log = logging.getLogger("lmcache.hierarchy")  # the tiers' messages keep the logger operators filter on
+
+#: a failing tier serves misses for BACKOFF_START seconds, doubling up to BACKOFF_MAX
+BACKOFF_START = 0.05
+BACKOFF_MAX = 10.0
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    get_seconds: float = 0.0
+    puts: int = 0
+    put_bytes: int = 0
+    put_seconds: float = 0.0
+    evictions: int = 0
+    skipped_puts: int = 0  # did not fit (everything pinned, or larger than the tier)
+    errors: int = 0
+    corrupt: int = 0  # entries dropped by a check above the backend (the engine's shape/dtype check)
+    refused_writes: int = 0  # puts and removes the device refused (full, or read-only)
+    last_error: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Health:
+    failures: int = 0
+    down_until: float = 0.0
+    since: float = 0.0
+
+
+#: errors with which a device refuses writes while its reads still work
+_WRITE_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _write_refused(exc: BaseException) -> bool:
+    return isinstance(exc, EntryPathError) or (isinstance(exc, OSError) and exc.errno in _WRITE_REFUSALS)
+
+
+class Tier:
+    """One backend plus capacity, eviction policy, pins and health."""
+
+    def __init__(
+        self,
+        cfg: TierConfig,
+        backend: StorageBackend,
+        policy: EvictionPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        trim: bool = True,
+    ):
+        """``trim``: evict at once if the backend already holds more than the capacity
+        (off when a tier is only opened for inspection)."""
+        self.cfg = cfg
+        self.name = cfg.name
+        self.capacity = cfg.capacity
+        self.backend = backend
+        self.policy = policy
+        self.clock = clock
+        self.stats = TierStats()
+        self._lock = threading.RLock()
+        self._index: dict[str, int] = {}  # key -> stored bytes accounted here
+        #: key -> the number of the put that stored it (0: found at start): a read that
+        #: misses may forget a key only if no put stored it again while the read ran
+        self._born: dict[str, int] = {}
+        self._puts_seen = 0
+        self._reserved = 0
+        self.used = 0
+        self._pins: dict[str, int] = {}
+        self._leases: dict[str, list[float]] = {}
+        self._health = _Health()
+        #: why the device refuses writes (full, read-only), since when; None: it takes them
+        self._write_refusal: tuple[str, float, int] | None = None
+        #: called with (key, obj) for each evicted entry when the hierarchy demotes
+        self.on_evict: Callable[[str, MemoryObj], None] | None = None
+        #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
+        self.demote_if: Callable[[str], bool] | None = None
+        #: called as ``listener(op, tier name, key)`` with op ``"admit"`` when this tier
+        #: stored a key and ``"evict"`` when it dropped one (the controller worker's
+        #: event feed); called with the tier's lock held, so it must not block
+        self.listener: Callable[[str, str, str], None] | None = None
+        if not backend.shared:
+            try:
+                for key, size in backend.keys():
+                    self._index[key] = size
+                    self.used += size
+                    policy.on_insert(key)
+            except Exception as exc:  # unreachable at start: serve misses, retry later
+                self._failed("listing entries", exc)
+        if trim and self.used > self.capacity:
+            with self._lock:
+                self._make_room(0)
+
+    # -------------------------------------------------------------- health
+    @property
+    def available(self) -> bool:
+        return self.clock() >= self._health.down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """An error from the backend: serve misses for a while (doubling each time), and
+        say so once per outage, not once per call."""
+        h = self._health
+        h.failures += 1
+        delay = min(BACKOFF_START * (2 ** (h.failures - 1)), BACKOFF_MAX)
+        h.down_until = self.clock() + delay
+        self.stats.errors += 1
+        self.stats.last_error = f"{what}: {type(exc).__name__}: {exc}"
+        if h.failures == 1:
+            h.since = self.clock()
+            log.warning(
+                "tier %s: %s failed (%s: %s); serving misses and retrying with backoff until it recovers",
+                self.name, what, type(exc).__name__, exc,
+            )
+        else:
+            log.debug("tier %s: %s failed again (%s); next try in %.2fs", self.name, what, exc, delay)
+
+    def _ok(self) -> None:
+        h = self._health
+        if h.failures:
+            self._health = _Health()
+            log.warning(
+                "tier %s: recovered after %d failed calls over %.1fs", self.name, h.failures, self.clock() - h.since
+            )
+
+    def _refused(self, what: str, exc: BaseException) -> None:
+        """The device refused a write (full, or remounted read-only): that write is
+        skipped, and the tier keeps serving what it holds; no backoff, since reads still
+        work. Said once when it starts and once when writes are taken again, not per call."""
+        self.stats.refused_writes += 1
+        self.stats.last_error = f"{what}: {exc}"
+        if isinstance(exc, EntryPathError):
+            return  # one entry's path is blocked, not the device
+        if self._write_refusal is None:
+            self._write_refusal = (f"{type(exc).__name__}: {exc}", self.clock(), self.stats.refused_writes)
+            log.warning(
+                "tier %s: the device refuses writes (%s); stores to it are skipped while it keeps serving "
+                "its %d entries", self.name, exc, len(self._index),
+            )
+
+    def _writes_ok(self) -> None:
+        r = self._write_refusal
+        if r is not None:
+            self._write_refusal = None
+            log.warning(
+                "tier %s: takes writes again after %d refused over %.1fs",
+                self.name, self.stats.refused_writes - r[2] + 1, self.clock() - r[1],
+            )
+
+    # ---------------------------------------------------------------- pins
+    def pin(self, key: str) -> None:
+        with self._lock:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            n = self._pins.get(key, 0)
+            if n <= 1:
+                self._pins.pop(key, None)
+            else:
+                self._pins[key] = n - 1
+
+    def lease(self, key: str, seconds: float) -> None:
+        with self._lock:
+            now = self.clock()
+            if len(self._leases) > 4096:
+                for k in [k for k, v in self._leases.items() if max(v) <= now]:
+                    del self._leases[k]
+            self._leases.setdefault(key, []).append(now + seconds)
+
+    def lease_held(self, key: str, seconds: float) -> bool:
+        """Lease ``key`` if this tier still holds it (checked under the lock, so that an
+        eviction between a lookup's ``contains`` and its lease cannot leave a lease on
+        nothing); a shared store's index is not authoritative, so there it always leases."""
+        with self._lock:
+            if not self.backend.shared and key not in self._index:
+                return False
+            self._leases.setdefault(key, []).append(self.clock() + seconds)
+        return True
+
+    def release_lease(self, key: str) -> None:
+        with self._lock:
+            v = self._leases.get(key)
+            if v:
+                v.remove(min(v))
+                if not v:
+                    del self._leases[key]
+
+    def is_pinned(self, key: str) -> bool:
+        if key in self._pins:
+            return True
+        v = self._leases.get(key)
+        if not v:
+            return False
+        now = self.clock()
+        live = [t for t in v if t > now]
+        if live:
+            if len(live) != len(v):
+                self._leases[key] = live
+            return True
+        del self._leases[key]
+        return False
+
+    def _evictable(self, key: str) -> bool:
+        return not self.is_pinned(key) and not self.backend.in_use(key)
+
+    def _forget(self, key: str) -> int | None:
+        """Drop ``key`` from the books (index, bytes, policy, listeners); its size, or
+        ``None`` if it was not there. Called with the lock held; the backend is not touched."""
+        size = self._index.pop(key, None)
+        self._born.pop(key, None)
+        if size is None:
+            return None
+        self.used -= size
+        self.policy.on_remove(key)
+        if self.listener is not None:
+            self.listener("evict", self.name, key)
+        return size
+
+    # --------------------------------------------------------- data path
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        if not self.available:
+            return [False] * len(keys)
+        try:
+            out = self.backend.contains(keys)
+        except Exception as exc:
+            self._failed("contains", exc)
+            return [False] * len(keys)
+        self._ok()
+        if self.backend.shared:
+            # a shared store loses entries behind our back (a peer evicts, the server
+            # restarts empty, maxmemory): forget them, or a later put would skip them
+            with self._lock:
+                for key, present in zip(keys, out):
+                    if not present:
+                        self._forget(key)
+        return out
+
+    def get(self, key: str) -> MemoryObj | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+        """Objects for ``keys`` in one batch call to the backend (a pipeline or a
+        concurrent fetch for remote stores); the caller owns one reference of each.
+        A backend with ``streams_gets`` calls ``on_ready(i, obj)`` (from its I/O threads)
+        as each object arrives, before this returns; others do not call it."""
+        if not keys:
+            return []
+        if not self.available:
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
+        with self._lock:
+            born = [self._born.get(k) for k in keys]
+        t0 = time.perf_counter()
+        try:
+            if on_ready is not None and getattr(self.backend, "streams_gets", False):
+                objs = self.backend.get(keys, on_ready=on_ready)
+            else:
+                objs = self.backend.get(keys) if len(keys) > 1 else [self.backend.get_one(keys[0])]
+        except Exception as exc:
+            self._failed("get", exc)
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
+        self._ok()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            for key, obj, b in zip(keys, objs, born):
+                if obj is None:
+                    self.stats.misses += 1
+                    # vanished (corrupt, or removed by a peer): forget it, unless a put
+                    # stored it again while this read ran (its file is there and counted)
+                    if self._born.get(key) == b:
+                        self._forget(key)
+                    continue
+                self.stats.hits += 1
+                self.stats.hit_bytes += obj.nbytes
+                if key in self._index:
+                    self.policy.on_access(key)
+            self.stats.get_seconds += dt
+        return objs
+
+    def _make_room(self, need: int) -> bool:
+        """Evict until ``need`` more bytes fit. Called with the lock held."""
+        while self.used + self._reserved + need > self.capacity:
+            victim = self.policy.victim(lambda k: not self._evictable(k))
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, key: str) -> None:
+        demote = None
+        if self.on_evict is not None and (self.demote_if is None or self.demote_if(key)):
+            try:
+                demote = self.backend.get_one(key)
+            except Exception as exc:  # the entry is lost to the lower tier, not to correctness
+                self._failed("read for demotion", exc)
+        try:
+            self.backend.remove_one(key)
+        except Exception as exc:
+            if _write_refused(exc):
+                self._refused("remove", exc)
+            else:
+                self._failed("remove", exc)
+        self._forget(key)
+        self.stats.evictions += 1
+        if demote is not None:
+            self.on_evict(key, demote)  # takes over the reference
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Count a use of entries without reading them (a store that found them cached)."""
+        with self._lock:
+            for k in keys:
+                if k in self._index:
+                    self.policy.on_access(k)
+
+    def evict_bytes(self, nbytes: int) -> int:
+        """Evict unpinned entries until ``nbytes`` were freed (or nothing is left)."""
+        freed = 0
+        with self._lock:
+            while freed < nbytes:
+                victim = self.policy.victim(lambda k: not self._evictable(k))
+                if victim is None:
+                    break
+                freed += self._index.get(victim, 0)
+                self._evict(victim)
+        return freed
+
+    def put(self, key: str, obj: MemoryObj) -> bool:
+        """Store ``obj`` unless present; the caller keeps its reference. True if stored."""
+        if not self.available:
+            self.stats.skipped_puts += 1
+            return False
+        need = self.backend.reserve_size(key, obj)
+        with self._lock:
+            if key in self._index:
+                return True
+            if need > self.capacity or not self._make_room(need):
+                self.stats.skipped_puts += 1
+                return False
+            self._reserved += need
+        t0 = time.perf_counter()
+        try:
+            stored = self.backend.put_one(key, obj)
+        except Exception as exc:
+            with self._lock:
+                self._reserved -= need
+            if _write_refused(exc):
+                # a full or read-only device (or one blocked path): this chunk is not
+                # written, but the tier still serves what it holds; not an outage
+                self.stats.skipped_puts += 1
+                self._refused("put", exc)
+                return False
+            self._failed("put", exc)
+            return False
+        self._ok()
+        self._writes_ok()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._reserved -= need
+            old = self._index.get(key)
+            if old is None:
+                self.policy.on_insert(key)
+                if self.listener is not None:
+                    self.listener("admit", self.name, key)
+            self._index[key] = stored
+            self._puts_seen += 1
+            self._born[key] = self._puts_seen
+            self.used += stored - (old or 0)
+            if stored > need:  # a backend that under-reserved: settle at once
+                self._make_room(0)
+            self.stats.puts += 1
+            self.stats.put_bytes += stored
+            self.stats.put_seconds += dt
+        return True
+
+    def remove(self, keys: Sequence[str]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                try:
+                    removed = self.backend.remove_one(k)
+                except Exception as exc:
+                    if _write_refused(exc):
+                        self._refused("remove", exc)
+                    else:
+                        self._failed("remove", exc)
+                    continue
+                size = self._forget(k)
+                n += bool(removed or size is not None)
+        return n
+
+    def usage(self) -> Usage:
+        return Usage(self.used, self.capacity, len(self._index))
+
+    # --------------------------------------------------------- inspection
+    def info(self) -> dict:
+        """Counters and usage as plain data (``CacheEngine.stats()["tiers"][name]``).
+
+        ``bytes_in`` are the bytes written into the tier, ``bytes_out`` those read from
+        it by hits; ``hit_rate`` is hits / (hits + misses), ``None`` before any get.
+        """
+        st = self.stats.as_dict()
+        integrity = getattr(self.backend, "integrity", None)  # a byte backend's checksum/header failures
+        st["corrupt"] += integrity.corrupt if integrity is not None else 0
+        looked = st["hits"] + st["misses"]
+        with self._lock:
+            pinned = sum(1 for k in self._pins if k in self._index)
+        return {
+            "name": self.name,
+            "backend": self.cfg.backend,
+            "codec": self.cfg.codec,
+            "policy": self.cfg.policy,
+            **st,
+            **self.usage().__dict__,
+            "hit_rate": st["hits"] / looked if looked else None,
+            "bytes_in": st["put_bytes"],
+            "bytes_out": st["hit_bytes"],
+            "pinned": pinned,
+            "available": self.available,
+            # None, or why the device refuses writes (full, read-only): reads still served
+            "write_refused": None if self._write_refusal is None else self._write_refusal[0],
+            # a store other processes share: usage counts only what this instance wrote
+            "shared": self.backend.shared,
+        }
+
+    def entries(self) -> Iterator[tuple[EntryInfo, bool]]:
+        """``(entry, pinned)`` for every entry the tier accounts for (for a shared store:
+        every entry in it, adopted into the index, see :meth:`refresh`)."""
+        if self.backend.shared:
+            found = list(self.backend.entries())
+            self._adopt([(e.key, e.size) for e in found])
+            for e in found:
+                yield e, self.is_pinned(e.key)
+            return
+        index = self._index
+        for e in self.backend.entries():
+            if e.key in index:
+                yield e, self.is_pinned(e.key)
+
+    def refresh(self) -> None:
+        """For a shared store, which is not listed when the tier opens: list it now and
+        account for what it holds (entries other processes wrote are adopted, entries
+        that vanished are dropped), so that an operator's ``ls``, ``evict`` or
+        ``compress`` sees the whole store. A no-op for other tiers."""
+        if not self.backend.shared:
+            return
+        try:
+            listed = list(self.backend.keys())
+        except Exception as exc:
+            self._failed("listing entries", exc)
+            return
+        self._ok()
+        self._adopt(listed)
+
+    def _adopt(self, listed: Sequence[tuple[str, int]]) -> None:
+        with self._lock:
+            present = dict(listed)
+            for key in [k for k in self._index if k not in present]:
+                self._forget(key)
+            for key, size in listed:
+                old = self._index.get(key)
+                if old is None:
+                    self.policy.on_insert(key)
+                    if self.listener is not None:
+                        self.listener("admit", self.name, key)
+                self._index[key] = size
+                self.used += size - (old or 0)
+
+    def eviction_order(self) -> list[str]:
+        """The keys this tier's policy would evict next, first first (pinned ones and
+        those a reader holds left out)."""
+        with self._lock:
+            return [k for k in eviction_order(self.policy) if k in self._index and self._evictable(k)]
+
+    def size_of(self, key: str) -> int | None:
+        return self._index.get(key)
+
+    def key_list(self) -> list[str]:
+        """The keys this tier accounts for, copied under its lock (a consistent
+        snapshot for the controller worker: events after it arrive through
+        :attr:`listener`)."""
+        with self._lock:
+            return list(self._index)
+
+    def evict_keys(self, keys: Sequence[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+        """Evict these entries now (an operator's request: nothing is demoted to the
+        tier below). Returns ``([(key, bytes)], [(key, why not)])``: a pinned entry, one a
+        reader holds and one the tier does not have are skipped."""
+        done: list[tuple[str, int]] = []
+        skipped: list[tuple[str, str]] = []
+        with self._lock:
+            for key in keys:
+                size = self._index.get(key)
+                if size is None:
+                    skipped.append((key, "not in this tier"))
+                    continue
+                if self.is_pinned(key):
+                    skipped.append((key, "pinned"))
+                    continue
+                if self.backend.in_use(key):
+                    skipped.append((key, "in use by a reader"))
+                    continue
+                try:
+                    self.backend.remove_one(key)
+                except Exception as exc:
+                    self._failed("remove", exc)
+                    skipped.append((key, f"remove failed: {exc}"))
+                    continue
+                self._forget(key)
+                self.stats.evictions += 1
+                done.append((key, size))
+        return done, skipped
+
+    def recode(self, keys: Sequence[str], codec: object) -> tuple[list[tuple[str, int, int]], list[tuple[str, str]]]:
+        """Re-encode entries in place with ``codec`` (``lmcache compress``/``decompress``).
+
+        Only tiers that store encoded bytes can be re-encoded. Each entry is read (its
+        checks pass or it is a miss), encoded anew and written over the old one atomically
+        (a backend's ``write`` replaces whole entries), so a reader sees the old or the new
+        payload, never a mix. The entry is pinned while it is worked on; a larger encoding
+        makes room by evicting others, or the entry is skipped. Returns
+        ``([(key, bytes before, bytes after)], [(key, why not)])``.
+        """
+        from . import payload
+        from .storage import BytesBackend
+
+        if not isinstance(self.backend, BytesBackend):
+            raise ValueError(
+                f"tier {self.name!r} ({self.cfg.backend}) does not store encoded bytes; only such tiers can be re-encoded"
+            )
+        done: list[tuple[str, int, int]] = []
+        skipped: list[tuple[str, str]] = []
+        for key in keys:
+            if key not in self._index:
+                skipped.append((key, "not in this tier"))
+                continue
+            self.pin(key)
+            try:
+                obj = self.backend.get_one(key)
+                if obj is None:
+                    skipped.append((key, "unreadable (removed as corrupt)"))
+                    continue
+                try:
+                    bufs = payload.encode(key, obj, codec)  # type: ignore[arg-type]
+                finally:
+                    obj.unref()
+                new = sum(len(b) for b in bufs)
+                with self._lock:
+                    old = self._index.get(key)
+                    if old is None:
+                        skipped.append((key, "evicted meanwhile"))
+                        continue
+                    if new > old and not self._make_room(new - old):
+                        skipped.append((key, "no room in the tier for the larger encoding"))
+                        continue
+                    self.backend.write(key, bufs)
+                    self._index[key] = new
+                    self.used += new - old
+                done.append((key, old, new))
+            except Exception as exc:
+                skipped.append((key, f"{type(exc).__name__}: {exc}"))
+            finally:
+                self.unpin(key)
+        return done, skipped
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"Tier({self.name!r}, backend={self.cfg.backend}, used={self.used}/{self.capacity})"
