@@ -1,0 +1,183 @@
+"""What goes into and comes out of a :class:`lmcache.CacheEngine`: the KV a store is
+given (one tensor, or one ``(key, value)`` pair per layer, any strides), the results of a
+store and a retrieve, and a layer-wise retrieve in progress."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import KVSpec
+from .dtypes import dtype_from_name, dtype_name
+from .errors import KVShapeError
+from .keys import Chunk
+
+
+@dataclass
+class RetrieveResult:
+    """What :meth:`CacheEngine.retrieve` found.
+
+    ``kv`` holds the first ``num_tokens`` tokens' KV (or is ``None`` on a total miss
+    when no ``out`` was given); ``tiers`` names, per retrieved chunk, the tier it came
+    from.
+    """
+
+    num_tokens: int
+    kv: torch.Tensor | None
+    tiers: list[str] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass
+class StoreResult:
+    stored_tokens: int  # tokens in chunks newly written
+    skipped_tokens: int  # tokens in chunks already cached
+    dropped_tokens: int  # tokens not stored (no memory)
+
+
+def _check_out_dtype(out: torch.Tensor, spec: KVSpec) -> None:
+    want = dtype_from_name(spec.dtype)
+    if out.dtype != want:
+        raise KVShapeError(
+            f"out is {dtype_name(out.dtype)} but this engine's KV is {spec.dtype} ({spec.signature}); "
+            f"pass an out of dtype {spec.dtype} (KV is never converted on the way out)"
+        )
+
+
+def _check_out(out: torch.Tensor, n: int, spec: KVSpec) -> None:
+    if out.dim() != 5 or out.shape[2] < n or tuple(out.shape[:2]) + tuple(out.shape[3:]) != (
+        spec.num_layers, 2, spec.num_kv_heads, spec.head_size
+    ):
+        raise KVShapeError(f"out of shape {tuple(out.shape)} cannot hold {n} tokens of {spec.signature}")
+
+
+class LayerwiseRetrieval:
+    """A retrieve in progress: layers land in ``out`` in order (see
+    :meth:`CacheEngine.retrieve_layerwise`)."""
+
+    def __init__(self, got: list, num_tokens: int, out: torch.Tensor, num_layers: int,
+                 on_done: Callable[[], None] | None, timeout: float):
+        self.num_tokens = num_tokens
+        self.kv = out
+        self.tiers = [t.name for _, _, t in got]
+        self.chunks = [c for c, _, _ in got]
+        self.timeout = timeout
+        self._got = got
+        self._on_done = on_done
+        self._error: BaseException | None = None
+        self._events = [threading.Event() for _ in range(num_layers)]
+        if got:
+            self._thread = threading.Thread(target=self._run, name="lmcache-layerwise", daemon=True)
+            self._thread.start()
+        else:
+            for e in self._events:
+                e.set()
+            if on_done:
+                on_done()
+
+    def _run(self) -> None:
+        try:
+            # a buffer made under inference_mode may only be written under it
+            with torch.inference_mode(self.kv is not None and self.kv.is_inference()):
+                self._copy_layers()
+        except BaseException as exc:  # reported to whoever waits
+            self._error = exc
+        finally:
+            for _, obj, _ in self._got:
+                obj.unref()
+            self._got = []
+            if self._on_done:
+                self._on_done()
+            for e in self._events:
+                e.set()
+
+    def _copy_layers(self) -> None:
+        for layer, ev in enumerate(self._events):
+            dst = self.kv[layer]
+            for chunk, obj, _ in self._got:
+                dst[:, chunk.start : chunk.end].copy_(obj.tensor[layer])
+            ev.set()
+
+    def wait(self, layer: int) -> None:
+        """Block until layer ``layer`` is in ``kv``."""
+        if not self._events[layer].wait(self.timeout):
+            raise TimeoutError(f"layer {layer} of a layer-wise retrieve not ready after {self.timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def wait_all(self) -> None:
+        for i in range(len(self._events)):
+            self.wait(i)
+
+
+class _KV:
+    """A KV source: a 5-D tensor or per-layer (key, value) pairs of (T, H, D)."""
+
+    def __init__(self, tensor: torch.Tensor | None, layers: list[tuple[torch.Tensor, torch.Tensor]] | None):
+        self.tensor = tensor
+        self.layers = layers
+        if tensor is not None:
+            self.num_layers, _, self.num_tokens, self.num_kv_heads, self.head_size = tensor.shape
+            self.dtype = tensor.dtype
+        else:
+            assert layers
+            k0 = layers[0][0]
+            self.num_layers = len(layers)
+            self.num_tokens, self.num_kv_heads, self.head_size = k0.shape
+            self.dtype = k0.dtype
+
+    @classmethod
+    def wrap(cls, kv: Any) -> _KV:
+        if isinstance(kv, torch.Tensor):
+            if kv.dim() != 5 or kv.shape[1] != 2:
+                raise KVShapeError(
+                    f"kv must have shape (num_layers, 2, num_tokens, num_kv_heads, head_size), got {tuple(kv.shape)}"
+                )
+            return cls(kv, None)
+        layers = list(kv)
+        if not layers:
+            raise KVShapeError("kv has no layers")
+        shape = dtype = None
+        for i, pair in enumerate(layers):
+            if len(pair) != 2:
+                raise KVShapeError(f"layer {i}: expected a (key, value) pair")
+            for t in pair:
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    raise KVShapeError(f"layer {i}: key and value must be (num_tokens, heads, head_size) tensors")
+                shape = shape or tuple(t.shape)
+                dtype = dtype or t.dtype
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise KVShapeError(f"layer {i}: {tuple(t.shape)} {t.dtype} differs from layer 0's {shape} {dtype}")
+        return cls(None, [tuple(p) for p in layers])  # type: ignore[misc]
+
+    def copy_chunk(self, start: int, end: int, out: torch.Tensor) -> None:
+        if self.tensor is not None:
+            out.copy_(self.tensor[:, :, start:end])
+            return
+        for i, (k, v) in enumerate(self.layers):  # type: ignore[union-attr]
+            out[i, 0].copy_(k[start:end])
+            out[i, 1].copy_(v[start:end])
+
+
+def _default_instance_id() -> str:
+    import socket
+    import uuid
+
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname()) or "host"
+    return f"{host.lstrip('._-') or 'host'}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def _fits(out: torch.Tensor, n: int, spec: KVSpec) -> bool:
+    try:
+        _check_out(out, n, spec)
+    except KVShapeError:
+        return False
+    return True
+
+
+def _length(tokens: Any) -> int:
+    return len(tokens) if not hasattr(tokens, "shape") else int(tokens.shape[0])
