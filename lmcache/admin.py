@@ -432,7 +432,7 @@ class Admin:
             total = sum(r["before"] for r in rows)
             return {"tier": tier, "codec": getattr(chosen, "name", codec), "recoded": rows, "skipped": [],
                     "bytes_before": total, "bytes_after": None, "dry_run": True}
-        done, skipped = t.recode(selected, chosen)
+        done, skipped = _recode(t, selected, chosen)
         return {
             "tier": tier,
             "codec": getattr(chosen, "name", codec),
@@ -565,3 +565,42 @@ def _check_selection(
         except ValueError as exc:
             raise AdminError(f"older_than: {exc}") from None
     return n, age
+
+
+def _recode(t: Tier, keys: Sequence[str], codec: object) -> tuple[list[tuple[str, int, int]], list[tuple[str, str]]]:
+    """Re-encode entries of tier ``t`` in place with ``codec``. Each entry is read (its
+    checks pass or it is a miss), encoded anew and written over the old one atomically
+    (:meth:`Tier.rewrite`), pinned while it is worked on; a larger encoding makes room by
+    evicting others, or the entry is skipped. ``([(key, bytes before, bytes after)],
+    [(key, why not)])``."""
+    from . import payload
+    from .storage import BytesBackend
+
+    if not isinstance(t.backend, BytesBackend):
+        raise AdminError(f"tier {t.name!r} ({t.cfg.backend}) does not store encoded bytes; only such tiers can be re-encoded")
+    done: list[tuple[str, int, int]] = []
+    skipped: list[tuple[str, str]] = []
+    for key in keys:
+        if t.size_of(key) is None:
+            skipped.append((key, "not in this tier"))
+            continue
+        t.pin(key)
+        try:
+            obj = t.backend.get_one(key)
+            if obj is None:
+                skipped.append((key, "unreadable (removed as corrupt)"))
+                continue
+            try:
+                bufs = payload.encode(key, obj, codec)  # type: ignore[arg-type]
+            finally:
+                obj.unref()
+            result = t.rewrite(key, bufs)
+            if isinstance(result, str):
+                skipped.append((key, result))
+            else:
+                done.append((key, *result))
+        except Exception as exc:
+            skipped.append((key, f"{type(exc).__name__}: {exc}"))
+        finally:
+            t.unpin(key)
+    return done, skipped

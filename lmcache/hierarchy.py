@@ -35,7 +35,6 @@ from .tier import Tier
 
 log = logging.getLogger(__name__)
 
-_writer_lock = threading.Lock()
 #: the longest the lower-tier writer holds a write back while stores copy (see
 #: :meth:`StorageHierarchy.storing`): a bound, so that no chain of stores starves it
 WRITER_YIELD_MAX = 0.25
@@ -173,6 +172,7 @@ class StorageHierarchy:
     ):
         self.config = config
         self.pool = pool
+        self._writer_lock = threading.Lock()  # guards _inflight and writer_refs; one per hierarchy
         #: the most bytes one entry read from a tier may claim: a whole chunk of the
         #: engine's kv_spec once it is known (set by the engine), else the largest tier
         self.max_entry_bytes: int | None = None
@@ -436,7 +436,7 @@ class StorageHierarchy:
         if self._closed:
             w.obj.unref()
             return
-        with _writer_lock:
+        with self._writer_lock:
             w.obj.writer_refs += 1
             entry = self._inflight.get(w.key)
             if entry is None:
@@ -454,7 +454,7 @@ class StorageHierarchy:
                 self._stores_cv.notify_all()
 
     def _release(self, w: _Write) -> None:
-        with _writer_lock:
+        with self._writer_lock:
             w.obj.writer_refs -= 1
             entry = self._inflight.get(w.key)
             if entry is not None:
@@ -469,7 +469,7 @@ class StorageHierarchy:
 
     def _inflight_get(self, key: str) -> tuple[MemoryObj, int] | None:
         """A queued (not yet written) entry: it is served from memory, never lost."""
-        with _writer_lock:
+        with self._writer_lock:
             entry = self._inflight.get(key)
             if entry is None:
                 return None

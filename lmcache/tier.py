@@ -538,57 +538,23 @@ class Tier:
                 done.append((key, size))
         return done, skipped
 
-    def recode(self, keys: Sequence[str], codec: object) -> tuple[list[tuple[str, int, int]], list[tuple[str, str]]]:
-        """Re-encode entries in place with ``codec`` (``lmcache compress``/``decompress``).
-
-        Only tiers that store encoded bytes can be re-encoded. Each entry is read (its
-        checks pass or it is a miss), encoded anew and written over the old one atomically
-        (a backend's ``write`` replaces whole entries), so a reader sees the old or the new
-        payload, never a mix. The entry is pinned while it is worked on; a larger encoding
-        makes room by evicting others, or the entry is skipped. Returns
-        ``([(key, bytes before, bytes after)], [(key, why not)])``.
-        """
-        from . import payload
-        from .storage import BytesBackend
-
-        if not isinstance(self.backend, BytesBackend):
-            raise ValueError(
-                f"tier {self.name!r} ({self.cfg.backend}) does not store encoded bytes; only such tiers can be re-encoded"
-            )
-        done: list[tuple[str, int, int]] = []
-        skipped: list[tuple[str, str]] = []
-        for key in keys:
-            if key not in self._index:
-                skipped.append((key, "not in this tier"))
-                continue
-            self.pin(key)
-            try:
-                obj = self.backend.get_one(key)
-                if obj is None:
-                    skipped.append((key, "unreadable (removed as corrupt)"))
-                    continue
-                try:
-                    bufs = payload.encode(key, obj, codec)  # type: ignore[arg-type]
-                finally:
-                    obj.unref()
-                new = sum(len(b) for b in bufs)
-                with self._lock:
-                    old = self._index.get(key)
-                    if old is None:
-                        skipped.append((key, "evicted meanwhile"))
-                        continue
-                    if new > old and not self._make_room(new - old):
-                        skipped.append((key, "no room in the tier for the larger encoding"))
-                        continue
-                    self.backend.write(key, bufs)
-                    self._index[key] = new
-                    self.used += new - old
-                done.append((key, old, new))
-            except Exception as exc:
-                skipped.append((key, f"{type(exc).__name__}: {exc}"))
-            finally:
-                self.unpin(key)
-        return done, skipped
+    def rewrite(self, key: str, buffers: Sequence[bytes | memoryview]) -> tuple[int, int] | str:
+        """Replace the stored bytes of ``key`` with ``buffers`` in one atomic backend
+        ``write`` (a reader sees the old payload or the new one), settling the books:
+        ``(bytes before, bytes after)``, or why not (the key left the tier, or a larger
+        payload found no room). The admin layer's re-encoding (``lmcache compress``) uses
+        it; the caller pins the key while it prepares ``buffers``."""
+        new = sum(len(b) for b in buffers)
+        with self._lock:
+            old = self._index.get(key)
+            if old is None:
+                return "evicted meanwhile"
+            if new > old and not self._make_room(new - old):
+                return "no room in the tier for the larger encoding"
+            self.backend.write(key, buffers)  # type: ignore[attr-defined]
+            self._index[key] = new
+            self.used += new - old
+        return old, new
 
     def __len__(self) -> int:
         return len(self._index)
