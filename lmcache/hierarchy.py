@@ -213,7 +213,8 @@ class StorageHierarchy:
         self._worker.start()
 
     # ------------------------------------------------------------ building
-    def _codec(self, name: str, options: dict | None = None):
+    def codec(self, name: str, options: dict | None = None):
+        """The codec (or chain) named ``name``, built once per name without options."""
         if options:
             return load_codec(self.registries.codecs.load, name, options)
         c = self._codecs.get(name)
@@ -223,7 +224,7 @@ class StorageHierarchy:
 
     def _build_tier(self, i: int, tcfg: TierConfig) -> Tier:
         return build_tier(
-            i, tcfg, source=self.config.source, registries=self.registries, codec_for=self._codec,
+            i, tcfg, source=self.config.source, registries=self.registries, codec_for=self.codec,
             allocate=self.allocate_transient, clock=self.clock, pool=self.pool,
         )
 

@@ -84,7 +84,7 @@ class EngineStore:
     def __init__(self, engine: CacheEngine):
         self.engine = engine
         self.hierarchy = engine.hierarchy
-        self.raw = self.hierarchy._codec("raw")
+        self.raw = self.hierarchy.codec("raw")
         self.capacity = sum(t.capacity for t in self.hierarchy.tiers)
         self._why = threading.local()
         #: counters: chunks served to peers and received from them, refused PUTs
@@ -190,7 +190,7 @@ class EngineStore:
             return obj
 
         try:
-            obj = payload.decode(value, key, self.hierarchy._codec, allocate)
+            obj = payload.decode(value, key, self.hierarchy.codec, allocate)
         except (CorruptPayloadError, MemoryError) as exc:
             return self._refuse(str(exc))
         try:
@@ -255,16 +255,16 @@ class Peers:
         return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 
     def client(self, url: str, prefix: str = ""):
-        from .backends.lm import LMBackend
         from .storage import BackendContext
 
         with self._lock:
             c = self._clients.get((url, prefix))
             if c is None:
                 h = self.engine.hierarchy
+                LMBackend = h.registries.backends.load("lm")  # a peer speaks the lm server protocol
                 opts = LMBackend.check_options({"url": url, "timeout": self.cfg.timeout, "token": self.cfg.token,
                                                 "prefix": prefix, "batch": BATCH})
-                ctx = BackendContext(f"peer {url}", 1 << 62, opts, h._codec("raw"), h._codec, self._allocate,
+                ctx = BackendContext(f"peer {url}", 1 << 62, opts, h.codec("raw"), h.codec, self._allocate,
                                      self.engine.clock)
                 c = self._clients[(url, prefix)] = LMBackend(ctx)
             return c
