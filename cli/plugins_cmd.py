@@ -11,7 +11,7 @@ from ._util import out, print_json
 
 app = typer.Typer(add_completion=False)
 
-KINDS = ("backend", "codec", "connector", "policy")
+KINDS = ("backend", "codec", "connector", "policy", "layout")
 
 
 def plugin_rows() -> list[dict[str, Any]]:
@@ -21,10 +21,15 @@ def plugin_rows() -> list[dict[str, Any]]:
 
     regs = Registries(create_plugin_manager())
     rows = []
-    for registry in (regs.backends, regs.codecs, regs.connectors, regs.policies):
+    for registry in (regs.backends, regs.codecs, regs.connectors, regs.policies, regs.layouts):
         for e in registry.entries():
             dist, version = plugin_source(e.plugin)
-            target = e.target if isinstance(e.target, str) else f"{e.target.__module__}:{e.target.__qualname__}"
+            if isinstance(e.target, str):
+                target = e.target
+            elif isinstance(e.target, type):
+                target = f"{e.target.__module__}:{e.target.__qualname__}"
+            else:  # an instance (a layout)
+                target = f"{type(e.target).__module__}:{type(e.target).__qualname__}({e.name!r})"
             rows.append(
                 {
                     "kind": e.kind,

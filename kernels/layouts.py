@@ -163,15 +163,37 @@ class _Registry(Mapping[str, KVLayout]):
 
     def __init__(self) -> None:
         self._layouts: dict[str, KVLayout] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._from_plugins = False
+
+    def _load_plugins(self) -> None:
+        """On first use: every layout the plugins register (``lmcache_register_layouts``,
+        the built-ins included), so that nothing is registered at import time."""
+        if self._from_plugins:
+            return
+        with self._lock:
+            if self._from_plugins:
+                return
+            self._from_plugins = True
+            from lmcache.plugin_manager import get_registries
+
+            reg = get_registries().layouts
+            for name in reg.names():
+                layout = reg.load(name)
+                if not isinstance(layout, KVLayout) or layout.name != name:
+                    raise ValueError(f"layout {name!r} of plugin {reg.entry(name).plugin!r} is not a KVLayout named {name!r}")
+                self.add(layout)
 
     def __getitem__(self, name: str) -> KVLayout:
+        self._load_plugins()
         return self._layouts[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._layouts)
+        self._load_plugins()
+        return iter(list(self._layouts))
 
     def __len__(self) -> int:
+        self._load_plugins()
         return len(self._layouts)
 
     def add(self, layout: KVLayout, *, replace: bool = False) -> KVLayout:
@@ -195,7 +217,8 @@ class _Registry(Mapping[str, KVLayout]):
         return f"LAYOUTS({', '.join(self._layouts)})"
 
 
-#: Every named layout; ``get_layout(name)`` looks names up here.
+#: Every named layout (those the plugins register through ``lmcache_register_layouts``, on
+#: first use, and those given to :func:`register_layout`); ``get_layout(name)`` looks here.
 LAYOUTS = _Registry()
 
 
@@ -214,45 +237,33 @@ def get_layout(layout: str | KVLayout) -> KVLayout:
         raise ValueError(f"unknown KV layout {layout!r}; known layouts: {', '.join(sorted(LAYOUTS))}") from None
 
 
-VLLM_FLASH_ATTN = register_layout(
-    KVLayout(
-        "vllm_flash_attn",
-        kv_axis=0, block_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
-        description="vLLM FlashAttention backend, one tensor per layer",
-    )
+VLLM_FLASH_ATTN = KVLayout(
+    "vllm_flash_attn",
+    kv_axis=0, block_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
+    description="vLLM FlashAttention backend, one tensor per layer",
 )  # fmt: skip
-BLOCKS_FIRST = register_layout(
-    KVLayout(
-        "blocks_first",
-        block_axis=0, kv_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
-        description="K and V of a block side by side (vLLM FlashInfer and other block-major backends)",
-    )
+BLOCKS_FIRST = KVLayout(
+    "blocks_first",
+    block_axis=0, kv_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
+    description="K and V of a block side by side (vLLM FlashInfer and other block-major backends)",
 )  # fmt: skip
-FLASHINFER_NHD = register_layout(
-    KVLayout(
-        "flashinfer_nhd",
-        block_axis=0, kv_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
-        description='FlashInfer paged KV cache, kv_layout="NHD"',
-    )
+FLASHINFER_NHD = KVLayout(
+    "flashinfer_nhd",
+    block_axis=0, kv_axis=1, offset_axis=2, heads_axis=3, dim_axis=4,
+    description='FlashInfer paged KV cache, kv_layout="NHD"',
 )  # fmt: skip
-FLASHINFER_HND = register_layout(
-    KVLayout(
-        "flashinfer_hnd",
-        block_axis=0, kv_axis=1, heads_axis=2, offset_axis=3, dim_axis=4,
-        description='FlashInfer paged KV cache, kv_layout="HND"',
-    )
+FLASHINFER_HND = KVLayout(
+    "flashinfer_hnd",
+    block_axis=0, kv_axis=1, heads_axis=2, offset_axis=3, dim_axis=4,
+    description='FlashInfer paged KV cache, kv_layout="HND"',
 )  # fmt: skip
-MLA = register_layout(
-    KVLayout(
-        "mla",
-        block_axis=0, offset_axis=1, dim_axis=2,
-        description="multi-head latent attention: one latent vector per token (chunk: (L, 1, T, 1, latent))",
-    )
+MLA = KVLayout(
+    "mla",
+    block_axis=0, offset_axis=1, dim_axis=2,
+    description="multi-head latent attention: one latent vector per token (chunk: (L, 1, T, 1, latent))",
 )  # fmt: skip
-CONTIGUOUS = register_layout(
-    KVLayout(
-        "contiguous",
-        kv_axis=0, offset_axis=1, heads_axis=2, dim_axis=3,
-        description="unpaged per-layer KV; the slot is the token index",
-    )
+CONTIGUOUS = KVLayout(
+    "contiguous",
+    kv_axis=0, offset_axis=1, heads_axis=2, dim_axis=3,
+    description="unpaged per-layer KV; the slot is the token index",
 )  # fmt: skip

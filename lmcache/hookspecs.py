@@ -68,3 +68,15 @@ def lmcache_register_policies(registry: Registry) -> None:
     it records accesses and proposes victims, while the core accounts bytes and skips
     pinned entries. Returns nothing.
     """
+
+
+@hookspec
+def lmcache_register_layouts(registry: Registry) -> None:
+    """Register KV memory layouts (how an engine lays out its paged KV cache).
+
+    Called once per plugin manager. ``registry.add(name, "module:LAYOUT")`` where the
+    target is a :class:`lmcache.kernels.KVLayout` instance whose ``name`` is ``name``;
+    :func:`lmcache.kernels.get_layout` finds it by that name, and the gather/scatter
+    kernels then move KV between that layout and chunk buffers. Names are unique across
+    all plugins. Returns nothing.
+    """

@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "lmcache.plugins.codecs.builtin",
     "lmcache.plugins.connectors.builtin",
     "lmcache.policies",
+    "lmcache.kernels.builtin",
 )
 
 KINDS = {
@@ -46,6 +47,7 @@ KINDS = {
     "codec": "lmcache_register_codecs",
     "connector": "lmcache_register_connectors",
     "policy": "lmcache_register_policies",
+    "layout": "lmcache_register_layouts",
 }
 
 
@@ -343,11 +345,13 @@ class Registries:
         self.codecs = Registry("codec")
         self.connectors = Registry("connector")
         self.policies = Registry("policy")
+        self.layouts = Registry("layout")
         by_kind = {
             "backend": self.backends,
             "codec": self.codecs,
             "connector": self.connectors,
             "policy": self.policies,
+            "layout": self.layouts,
         }
         _check_pending(pm)  # also for plugins registered on ``pm`` by hand
         dropped = getattr(pm, "_lmcache_dropped", set())

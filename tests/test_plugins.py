@@ -149,6 +149,11 @@ class EchoConnector:
     """A stand-in engine connector class; the connector contract arrives with engines."""
 
 
+from lmcache.kernels import KVLayout  # noqa: E402
+
+THIRD_PARTY_LAYOUT = KVLayout("thirdparty_hnd", block_axis=0, heads_axis=1, kv_axis=2, offset_axis=3, dim_axis=4)
+
+
 class _ThirdParty:
     """Implements every hook, as a package's plugin module would."""
 
@@ -168,6 +173,10 @@ class _ThirdParty:
     def lmcache_register_policies(self, registry):
         registry.add("mru", MRUPolicy)
 
+    @hookimpl
+    def lmcache_register_layouts(self, registry):
+        registry.add("thirdparty_hnd", THIRD_PARTY_LAYOUT)
+
 
 def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     import torch
@@ -179,6 +188,7 @@ def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     regs = Registries(pm)
     assert regs.hooks_of("thirdparty") == HOOKS
     assert regs.connectors.load("echo") is EchoConnector
+    assert regs.layouts.load("thirdparty_hnd") is THIRD_PARTY_LAYOUT
     assert regs.connectors.entry("echo").plugin == "thirdparty"
     cfg = lmcache.load_config(
         {"chunk_size": 4, "tiers": [{"backend": "cpu2", "capacity": 3 * 4 * 2 * 4 * 4, "codec": "raw2", "policy": "mru"}]}
@@ -368,3 +378,14 @@ def test_check_options_sees_the_tier_capacity_at_validation(tmp_path):
         assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
         if not ok:
             assert "tiers[0].capacity" in proc.stderr and "at most 1MiB" in proc.stderr, proc.stderr
+
+
+def test_builtin_layouts_come_through_the_hook():
+    """The kernels' layouts are registered by a plugin (lmcache.kernels.builtin), not at import."""
+    from lmcache.kernels import get_layout
+    from lmcache.plugin_manager import get_registries
+
+    regs = get_registries()
+    assert regs.layouts.entry("mla").plugin == "lmcache.kernels.builtin"
+    assert get_layout("flashinfer_hnd") is regs.layouts.load("flashinfer_hnd")
+    assert {"vllm_flash_attn", "blocks_first", "contiguous"} <= set(regs.layouts.names())
