@@ -495,13 +495,26 @@ class MooncakeBackend(BytesBackend):
             idx = [order[j] for j in group]
 
             def run(store: Any, idx: list[int] = idx) -> list[int]:
-                return [store.upsert_parts(self._name(items[i][0]), *parts[i]) for i in idx]
+                return [self._upsert(store, self._name(items[i][0]), parts[i]) for i in idx]
 
             codes = self._call_with("upsert_parts", run)
             bad = [c for c in codes if c != 0]
             if bad:
                 raise MooncakeError(f"upsert_parts of {len(idx)} entries", bad[0])
         return sizes
+
+    @staticmethod
+    def _upsert(store: Any, name: str, parts: Sequence[Any]) -> int:
+        """``upsert_parts``, again when it reports OBJECT_NOT_FOUND: two clients upserting
+        one key at once race inside the store (the replaced object vanishes under the
+        other's update, seen with 4 threads on one key); the retry makes the later write
+        win, as an overwrite should."""
+        rc = store.upsert_parts(name, *parts)
+        for _ in range(3):
+            if rc != OBJECT_NOT_FOUND:
+                break
+            rc = store.upsert_parts(name, *parts)
+        return rc
 
     def remove(self, keys: Sequence[str]) -> None:
         self._remove(keys)

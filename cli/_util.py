@@ -1,6 +1,7 @@
 """Shared pieces of the ``lmcache`` command: consoles, error handling, option parsing.
 
-Data goes to stdout (``out``), diagnostics and progress to stderr (``err``). Errors that
+Data goes to stdout (``out``), diagnostics and progress to stderr (``err``); those two and
+``print_json``/``size_option`` live in :mod:`lmcache.benchmarks.harness`, shared with the benchmarks. Errors that
 lmcache raises on purpose (:class:`lmcache.errors.LMCacheError`), usage errors and
 operating-system errors print one line and exit non-zero; ``LMCACHE_DEBUG=1`` shows the
 traceback instead.
@@ -8,64 +9,22 @@ traceback instead.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Sequence
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
+from lmcache.benchmarks.harness import err, need_pyplot, out, print_json, pyplot, size_option  # noqa: F401 (shared)
 from lmcache.errors import LMCacheError
-from lmcache.units import parse_duration, parse_size
+from lmcache.units import parse_duration
 
 PROG = "lmcache"
 
 
-def _console(stderr: bool) -> Console:
-    stream = sys.stderr if stderr else sys.stdout
-    # Rich falls back to 80 columns when not writing to a terminal; the tables are wider.
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
-    return Console(file=stream, stderr=stderr, width=width, highlight=False)
-
-
-def out() -> Console:
-    """A console on the current stdout (built per call so test runners can swap it)."""
-    return _console(stderr=False)
-
-
-def err() -> Console:
-    return _console(stderr=True)
-
-
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the file-only Agg backend, for the benches' ``--plot``; a
-    clear error when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise LMCacheError("--plot needs matplotlib; install it with: pip install 'lmcache[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def need_pyplot(plot_path: Any) -> None:
-    """Fail before any work when ``--plot`` is given and matplotlib is missing."""
-    if plot_path is not None:
-        pyplot()
-
-
 def debug_enabled() -> bool:
     return os.environ.get("LMCACHE_DEBUG", "").lower() in ("1", "true", "yes")
-
-
-def print_json(data: Any) -> None:
-    """Machine-readable output: plain JSON on stdout, nothing else."""
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    sys.stdout.flush()
 
 
 def error_line(message: str) -> None:
@@ -123,19 +82,6 @@ def duration_option(value: str, option: str) -> float:
         return parse_duration(value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
-
-
-def size_option(value: str, option: str, auto: bool = True) -> int | None:
-    """Parse a ``--*-capacity`` value: ``"auto"`` (``None``) or a size like ``"512MiB"``."""
-    if auto and value.strip().lower() == "auto":
-        return None
-    try:
-        n = parse_size(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
-    if n <= 0:
-        raise typer.BadParameter("must be larger than 0", param_hint=f"'{option}'")
-    return n
 
 
 class LMCacheGroup(TyperGroup):

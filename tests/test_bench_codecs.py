@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from lmcache.cli import bench_codecs
+from lmcache.benchmarks import codecs as bench_codecs
 from lmcache.cli.main import app
 
 pytestmark = pytest.mark.slow

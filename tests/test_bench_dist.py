@@ -20,7 +20,7 @@ HANG = 180  # a guard against a hung child, not a timing assertion
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmcache.cli.bench_dist", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lmcache.cli.main", "bench", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=HANG)
 
 
@@ -67,7 +67,7 @@ def test_registered_as_typer_commands():
     import typer
     from typer.testing import CliRunner
 
-    from lmcache.cli import bench_dist
+    from lmcache.benchmarks import dist as bench_dist
 
     app = typer.Typer()
     app.command("controller")(bench_dist.lookup_cmd)
@@ -79,7 +79,7 @@ def test_registered_as_typer_commands():
 
 
 def test_held_prefixes():
-    from lmcache.cli.bench_dist import held_prefixes
+    from lmcache.benchmarks.dist import held_prefixes
 
     assert held_prefixes(3, 8192, 256) == [2560, 5376, 8192]
     assert held_prefixes(1, 1024, 256) == [1024]

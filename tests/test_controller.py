@@ -8,7 +8,7 @@ through the workers' events; commands dispatched through the controller take eff
 the instance (checked through the instance's own API); a killed instance drops out; a
 restarted controller is healed by the workers; tokens are enforced.
 
-Lookup latency is measured by ``lmcache bench controller`` (cli/bench_dist.py).
+Lookup latency is measured by ``lmcache bench controller`` (benchmarks/dist.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _command() -> list[str]:
     names = {c.name for c in demo.app.registered_commands}
     if "distributed" in names:
         return [sys.executable, "-m", "lmcache.cli.main", "demo", "distributed"]
-    return [sys.executable, "-m", "lmcache.cli.demo_distributed"]
+    return [sys.executable, "-m", "lmcache.benchmarks.demo_distributed"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_the_killed_instance_is_gone(run):
 
 def test_an_instance_that_cannot_start_is_an_error_not_a_hang(tmp_path):
     """A broken instance (here: its spec file is missing) is reported with its log, promptly."""
-    from lmcache.cli.demo_distributed import Instance
+    from lmcache.benchmarks.demo_distributed import Instance
     from lmcache.errors import LMCacheError
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
@@ -112,7 +112,7 @@ def test_an_instance_that_cannot_start_is_an_error_not_a_hang(tmp_path):
 
 
 def test_instance_roles():
-    from lmcache.cli.demo_distributed import DECODE, PEER, PREFILL, instance_config
+    from lmcache.benchmarks.demo_distributed import DECODE, PEER, PREFILL, instance_config
 
     cfgs = {i: instance_config(i, "http://127.0.0.1:1", "c", "p", "a", 256, 0.5, "256MiB") for i in (PREFILL, DECODE, PEER)}
     assert [c["p2p"]["fetch"] for c in cfgs.values()] == [True, False, True]  # decode gets only what is pushed

@@ -1,4 +1,5 @@
-"""The package's shape: test tooling stays out of the core, and no import circles."""
+"""The package's shape: test tooling stays out of the core, no import circles, and imports
+that run one way: ``lmcache.cli`` -> ``lmcache.benchmarks`` -> the core."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ ROOT = Path(__file__).resolve().parents[1]
 #: folders of the core, as installed (pyproject's package-dir)
 CORE = {"lmcache": ROOT / "lmcache", "lmcache.backends": ROOT / "backends", "lmcache.plugins": ROOT / "plugins",
         "lmcache.kernels": ROOT / "kernels"}
+#: the front: the command and the benchmarks/demos it runs (their .py files; benchmarks/
+#: also holds plain scripts in subfolders, e.g. compare/lmcache_ref.py, that are no modules)
+FRONT = {"lmcache.cli": ROOT / "cli", "lmcache.benchmarks": ROOT / "benchmarks"}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(folders: dict[str, Path] | None = None) -> dict[str, Path]:
     out = {}
-    for pkg, folder in CORE.items():
-        for f in folder.rglob("*.py"):
+    for pkg, folder in (folders or CORE).items():
+        for f in (folder.glob("*.py") if folders is FRONT else folder.rglob("*.py")):
             parts = list(f.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -61,16 +65,15 @@ def test_the_core_never_imports_the_test_tooling():
     assert not offenders, offenders
 
 
-def test_no_import_circles_in_the_core():
-    mods = _modules()
-    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     circles: list[list[str]] = []
 
-    def strongconnect(v: str) -> None:  # Tarjan's strongly connected components
+    def strongconnect(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -94,7 +97,34 @@ def test_no_import_circles_in_the_core():
     for v in graph:
         if v not in index:
             strongconnect(v)
+    return circles
+
+
+def test_no_import_circles_in_the_core():
+    mods = _modules()
+    circles = _circles({name: _imports(name, path, mods) for name, path in mods.items()})
     assert not circles, circles
+
+
+def test_no_import_circles_in_the_cli_and_benchmarks():
+    mods = _modules(FRONT)
+    circles = _circles({name: _imports(name, path, mods) for name, path in mods.items()})
+    assert not circles, circles
+
+
+def test_imports_run_one_way_cli_then_benchmarks_then_core():
+    """The core imports neither the command nor the benchmarks, and the benchmarks never
+    import the command (``cli -> benchmarks -> lmcache``)."""
+    core, front = _modules(), _modules(FRONT)
+    both = {**core, **front}
+    offenders = sorted(
+        f"{name} imports {dep}"
+        for name, path in both.items()
+        for dep in _imports(name, path, both)
+        if (name in core and dep in front)
+        or (name.startswith("lmcache.benchmarks") and dep.startswith("lmcache.cli"))
+    )
+    assert not offenders, offenders
 
 
 def test_every_error_lmcache_defines_is_an_lmcache_error():

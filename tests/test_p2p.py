@@ -9,7 +9,7 @@ with its own real endpoint, API and the controller on loopback) check move, a pe
 is down or silent, and tokens.
 
 Fetch throughput next to raw loopback TCP is measured by ``lmcache bench p2p``
-(cli/bench_dist.py, across two processes; tests/test_bench_dist.py runs it small).
+(benchmarks/dist.py, across two processes; tests/test_bench_dist.py runs it small).
 """
 
 from __future__ import annotations

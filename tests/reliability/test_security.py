@@ -30,7 +30,7 @@ from lmcache.testing.stores.lm import lm_store
 from _procs import readline, stop
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ["lmcache", "backends", "plugins", "kernels", "cli"]
+PRODUCT = ["lmcache", "backends", "plugins", "kernels", "cli", "benchmarks"]
 TOKEN = "sec-token"
 KV_SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float32"}
 HANG = 10.0

@@ -44,7 +44,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._util import err, out, print_json
+from .harness import emit, err, out
 
 DEFAULT_LENGTHS = "1024,4096,16384,32768,131072"
 QUICK_LENGTHS = "1024,4096"
@@ -322,7 +322,7 @@ def print_tables(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -380,28 +380,20 @@ def lookup_cmd(
         raise typer.BadParameter("expected list or numpy", param_hint="'--input'")
     lens = _lengths(lengths or (QUICK_LENGTHS if quick else DEFAULT_LENGTHS))
     n_indexed = indexed or (QUICK_INDEXED if quick else 1_000_000)
-    from ._util import need_pyplot
+    from .harness import need_pyplot
 
     need_pyplot(plot_path)
-    from .bench import machine_info, warn_if_busy
+    from .harness import machine_info, warn_if_busy
 
     machine = machine_info()
     warn_if_busy(machine)
     data = run(lens, chunk_size, hash_algorithm, n_indexed, input_kind, budget or (0.05 if quick else 0.3))
     data["machine"] = machine
-    if plot_path is not None:
-        plot(data, plot_path)
-        data["plot"] = str(plot_path)
-    if as_json:
-        print_json(data)
-    else:
-        print_tables(data)
-        if plot_path is not None:
-            out().print(f"Plot written to {plot_path}.")
+    emit(data, as_json, print_tables, plot_path, plot)
 
 
 def _main(argv: list[str]) -> None:
-    """``python -m lmcache.cli.bench_lookup [OPTIONS]`` runs the bench outside the CLI."""
+    """``python -m lmcache.benchmarks.lookup [OPTIONS]`` runs the bench outside the CLI."""
     root = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     root.command()(lookup_cmd)
     root(prog_name="lmcache bench lookup", args=argv)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from lmcache.errors import LMCacheError
 
-from ._util import err, out, print_json
+from .harness import emit, err, out
 
 #: prompts answered by every mode, in this order
 ALL_MODES = ("vllm", "vllm-simple-cpu", "vllm-offloading", "lmcache-cpu", "lmcache-disk", "lmcache-redis")
@@ -323,7 +323,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
     ok = [m for m in data["modes"] if m["ok"]]
@@ -353,7 +353,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
     from lmcache.testing import stores as loopback
     from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
 
-    from .bench import open_work_dir
+    from .harness import open_work_dir
     from .vllm_live import find_vllm
 
     for m in modes:
@@ -407,13 +407,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
     data.update({"machine": f"{platform.machine()} {os.cpu_count()} cpus", "kv_tokens": kv_tokens,
                  "docs": docs, "doc_tokens": doc_tokens, "rounds": rounds, "chat_turns": chat_turns,
                  "cpu_capacity": cpu_capacity, "chunk_size": chunk_size, "block_size": BLOCK, "threads": threads, "max_tokens": max_tokens, "work_dir": str(wd.path)})
-    if as_json:
-        print_json(data)
-    else:
-        print_table(data)
-    if plot_path is not None:
-        plot(data, plot_path)
-        say(f"plot written to {plot_path}")
+    emit(data, as_json, print_table, plot_path, plot)
     if wd.temporary:
         import shutil
 

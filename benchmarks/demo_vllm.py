@@ -21,7 +21,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
-from ._util import out
+from .harness import out
 
 CHUNK = 256
 
@@ -41,7 +41,7 @@ def demo_vllm_cmd(
 
     from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
 
-    from .bench import open_work_dir
+    from .harness import open_work_dir
     from .demo import build_document
     from .vllm_live import VllmServer, find_vllm, lmcache_kv_config
 

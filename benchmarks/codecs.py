@@ -39,7 +39,7 @@ from lmcache.codecs import decode_tensor, encode_tensor, load_codec
 from lmcache.errors import LMCacheError
 from lmcache.plugin_manager import get_registries
 
-from ._util import err, out, print_json
+from .harness import emit, err, out
 
 GB = 1e9
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "codec_text.txt"
@@ -270,7 +270,7 @@ def run(
             row["greedy"] = sum(prefix_fr) / len(prefix_fr) if prefix_fr else None
             row["greedy_positions"] = sum(pos_fr) / len(pos_fr) if pos_fr else None
         results.append(row)
-    from .bench import machine_info
+    from .harness import machine_info
 
     shape = list(kv32.shape)
     return {
@@ -323,7 +323,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Compression ratio against first-token top-1 agreement, one point per row."""
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -349,14 +349,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def main(rows: Sequence[str], text: Path | None, tokens: int, chunk_size: int, prompts: int, gen_prompts: int,
          gen_tokens: int, repeats: int, group_size: int | None, threads: int | None, as_json: bool,
          plot_path: Path | None = None) -> None:
-    from .bench import set_threads
+    from .harness import set_threads
 
     set_threads(threads)
     data = run(rows, text=text or DEFAULT_TEXT, tokens=tokens, chunk_size=chunk_size, prompts=prompts,
                gen_prompts=gen_prompts, gen_tokens=gen_tokens, repeats=repeats, group_size=group_size)
-    if plot_path is not None:
-        plot(data, plot_path)
-    if as_json:
-        print_json(data)
-    else:
-        print_table(data)
+    emit(data, as_json, print_table, plot_path, plot)

@@ -8,7 +8,7 @@ tier, as a restarted server would, and retrieves everything again. Throughput of
 tier is put next to memcpy and raw file I/O measured in the same run.
 
 No model is involved: this is the storage path alone, at a realistic KV size. The real
-model demo is ``lmcache demo`` (:mod:`lmcache.cli.demo`), which registers this function
+model demo is ``lmcache demo`` (:mod:`lmcache.benchmarks.demo`), which registers this function
 as its ``synthetic`` subcommand.
 """
 
@@ -23,8 +23,8 @@ from rich.table import Table
 
 from lmcache.units import format_size
 
-from . import bench
-from ._util import err, out, size_option
+from . import harness, tiers
+from .harness import err, out, size_option
 
 def _tiers_text(tiers: dict[str, int]) -> str:
     return " + ".join(f"{name} x{n}" for name, n in tiers.items()) or "-"
@@ -39,64 +39,64 @@ def _gbps(v: float | None) -> str:
 
 
 def synthetic(
-    layers: bench.Layers = 32,
-    kv_heads: bench.KVHeads = 8,
-    head_size: bench.HeadSize = 128,
-    dtype: bench.DType = "float16",
-    prompts: bench.Prompts = 8,
-    tokens: bench.Tokens = 2048,
-    prefix: bench.Prefix = None,
-    chunk_size: bench.ChunkSize = 256,
-    seed: bench.Seed = 0,
-    cpu_capacity: bench.CPUCapacity = "auto",
-    disk_capacity: bench.DiskCapacity = "auto",
-    directory: bench.Dir = None,
-    memcpy_size: bench.MemcpySize = "256MiB",
-    file_io_size: bench.FileIOSize = "auto",
-    threads: bench.Threads = None,
-    pin: bench.Pin = True,
+    layers: tiers.Layers = 32,
+    kv_heads: tiers.KVHeads = 8,
+    head_size: tiers.HeadSize = 128,
+    dtype: tiers.DType = "float16",
+    prompts: tiers.Prompts = 8,
+    tokens: tiers.Tokens = 2048,
+    prefix: tiers.Prefix = None,
+    chunk_size: tiers.ChunkSize = 256,
+    seed: tiers.Seed = 0,
+    cpu_capacity: tiers.CPUCapacity = "auto",
+    disk_capacity: tiers.DiskCapacity = "auto",
+    directory: tiers.Dir = None,
+    memcpy_size: tiers.MemcpySize = "256MiB",
+    file_io_size: tiers.FileIOSize = "auto",
+    threads: tiers.Threads = None,
+    pin: tiers.Pin = True,
     restart: Annotated[
         bool, typer.Option("--restart/--no-restart", help="Retrieve again from a new process that opens only the disk tier.")
     ] = True,
 ) -> None:
     """Store and retrieve synthetic Llama-like KV through a CPU tier and a disk tier."""
-    wl = bench.build_workload(layers, kv_heads, head_size, dtype, prompts, tokens, prefix, chunk_size, seed)
+    wl = tiers.build_workload(layers, kv_heads, head_size, dtype, prompts, tokens, prefix, chunk_size, seed)
     cpu_cap = size_option(cpu_capacity, "--cpu-capacity")
     disk_cap = size_option(disk_capacity, "--disk-capacity")
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     file_bytes = size_option(file_io_size, "--file-io-size") or wl.unique_bytes
-    bench.set_threads(threads)
+    harness.set_threads(threads)
     auto_cpu, auto_disk = wl.default_capacities()
     cpu_cap, disk_cap = cpu_cap or auto_cpu, disk_cap or auto_disk
 
-    wd = bench.open_work_dir(directory, "lmcache-demo-")
+    wd = harness.open_work_dir(directory, "lmcache-demo-")
     try:
-        cfg = bench.tiers_config(wl, wd.path, cpu_cap, disk_cap)  # a bad config fails here, before any work
+        cfg = tiers.tiers_config(wl, wd.path, cpu_cap, disk_cap)  # a bad config fails here, before any work
     except BaseException:
         if wd.temporary:
             shutil.rmtree(wd.path, ignore_errors=True)
         raise
     o, e = out(), err()
-    machine = bench.machine_info(wd.path)
+    machine = harness.machine_info(wd.path)
     _intro(o, wl, cpu_cap, disk_cap, wd, machine)
-    bench.warn_if_busy(machine)
+    harness.warn_if_busy(machine)
     try:
         e.print("measuring memcpy ...")
-        physical = bench.measure_memcpy(memcpy_bytes)
+        physical = harness.measure_memcpy(memcpy_bytes)
 
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=e, transient=True,
         ) as progress:
             task = progress.add_task("storing prompts", total=wl.prompts)
-            run = bench.run_tiers(wl, wd.path, config=cfg, pin=pin, on_store=lambda rec: progress.advance(task))
+            run = tiers.run_tiers(wl, wd.path, config=cfg, pin=pin, on_store=lambda rec: progress.advance(task))
         e.print("measuring raw file I/O next to the disk tier's files ...")
-        physical.update(bench.measure_file_io(wd.path, wl.chunk_bytes, file_bytes))
+        physical.update(harness.measure_file_io(wd.path, wl.chunk_bytes, file_bytes))
         restart_report = None
         if restart:
             e.print("retrieving from a new process that opens only the disk tier ...")
-            restart_report = bench.spawn_restart_check(wl, wd.path, run.disk_capacity, threads)
-        data = bench.report(run, physical, machine, restart_report)
+            restart_report = tiers.spawn_restart_check(wl, wd.path, run.disk_capacity, threads)
+        data = tiers.report(run, physical, machine, restart_report)
     finally:
         if wd.temporary:
             shutil.rmtree(wd.path, ignore_errors=True)
@@ -117,7 +117,7 @@ def synthetic(
 # --------------------------------------------------------------------------- sections
 
 
-def _intro(o, wl: bench.Workload, cpu_cap: int, disk_cap: int, wd: bench.WorkDir, machine: dict[str, Any]) -> None:
+def _intro(o, wl: tiers.Workload, cpu_cap: int, disk_cap: int, wd: harness.WorkDir, machine: dict[str, Any]) -> None:
     o.print("[bold]lmcache demo synthetic[/]: synthetic KV through a CPU tier and a disk tier")
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -176,7 +176,7 @@ def _physical(o, ph: dict[str, Any]) -> None:
     o.print(t)
 
 
-def _stores(o, run: bench.TierRun) -> None:
+def _stores(o, run: tiers.TierRun) -> None:
     wl = run.workload
     t = Table(title="Store (each prompt's KV handed to CacheEngine.store)", title_justify="left")
     for col in ("prompt", "tokens", "stored", "already cached", "dropped", "store ms", "GB/s", "write-through ms"):
@@ -185,7 +185,7 @@ def _stores(o, run: bench.TierRun) -> None:
         nbytes = s.stored_tokens * wl.bytes_per_token
         t.add_row(
             str(s.prompt), str(s.tokens), str(s.stored_tokens), str(s.skipped_tokens), str(s.dropped_tokens),
-            f"{s.seconds * 1e3:.1f}", _gbps(nbytes / s.seconds / bench.GB if s.seconds > 0 else None),
+            f"{s.seconds * 1e3:.1f}", _gbps(nbytes / s.seconds / harness.GB if s.seconds > 0 else None),
             f"{s.flush_seconds * 1e3:.1f}",
         )
     o.print()
@@ -212,7 +212,7 @@ def _stores(o, run: bench.TierRun) -> None:
     )
 
 
-def _retrieves(o, run: bench.TierRun) -> None:
+def _retrieves(o, run: tiers.TierRun) -> None:
     t = Table(
         title=(
             "Lookup and retrieve (most recent prompt first; "
@@ -280,7 +280,7 @@ def _restart(o, r: dict[str, Any], raw: dict[str, Any], kv_dir: str) -> None:
     for col in ("prompt", "tokens", "cached", "retrieved", "served from (chunks)", "retrieve ms", "GB/s", "exact"):
         t.add_column(col, justify="left" if col.startswith("served") else "right")
     for q in r["requests"]:
-        gbps = q["nbytes"] / q["seconds"] / bench.GB if q["seconds"] > 0 else None
+        gbps = q["nbytes"] / q["seconds"] / harness.GB if q["seconds"] > 0 else None
         t.add_row(
             str(q["prompt"]), str(q["tokens"]), str(q["cached_tokens"]), str(q["retrieved_tokens"]),
             _tiers_text(q["tiers"]), f"{q['seconds'] * 1e3:.1f}", _gbps(gbps),
@@ -293,7 +293,7 @@ def _restart(o, r: dict[str, Any], raw: dict[str, Any], kv_dir: str) -> None:
     )
 
 
-def _summary(o, data: dict[str, Any], run: bench.TierRun) -> bool:
+def _summary(o, data: dict[str, Any], run: tiers.TierRun) -> bool:
     reqs = run.retrieves
     first = [r for r in reqs if r.phase == "retrieve"]
     exact = sum(r.exact for r in reqs)

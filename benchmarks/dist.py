@@ -3,7 +3,7 @@ against the machine's own limits in the same run.
 
 Why separate processes: a controller lookup and a peer fetch cross a process boundary
 in production, so the numbers must too. Everything here starts real processes on
-loopback (``python -m lmcache.cli.bench_dist controller|engine|p2p-peer SPEC``), each
+loopback (``python -m lmcache.benchmarks.dist controller|engine|p2p-peer SPEC``), each
 watching its stdin: when this process exits, even killed, their stdin closes and they
 stop, so a failed bench leaves nothing behind.
 
@@ -46,9 +46,8 @@ from typing import Annotated, Any, Callable
 import typer
 
 from lmcache.errors import LMCacheError
-from lmcache.testing.procs import readline, serve_until_stdin_closes, stop
 
-from ._util import LMCacheGroup, err, out, print_json
+from .harness import child_procs, err, out, print_json
 
 HANG = 120.0  # seconds a child may take to start or a cluster to settle; a guard, not a budget
 _U64 = struct.Struct("<Q")
@@ -58,25 +57,25 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the results as JSON
 
 # --------------------------------------------------------------------------- child processes
 def _spawn(mode: str, spec: dict[str, Any], workdir: Path, name: str) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``python -m lmcache.cli.bench_dist MODE SPEC`` and return it with its READY line's fields.
+    """Start ``python -m lmcache.benchmarks.dist MODE SPEC`` and return it with its READY line's fields.
     The spec (it may hold tokens) goes into a 0600 file of the private work directory."""
     path = workdir / f"{name}.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(spec, f)
     log = open(workdir / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.cli.bench_dist", mode, str(path)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache.benchmarks.dist", mode, str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=log, text=True)
     log.close()
     try:
-        line = readline(proc, HANG)
+        line = child_procs().readline(proc, HANG)
     except LMCacheError:
-        stop(proc)
+        child_procs().stop(proc)
         tail = (workdir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise LMCacheError(f"{name} did not start: {' | '.join(tail) or 'no output'}") from None
     fields = line.split()
     if fields[:1] != ["READY"]:
-        stop(proc)
+        child_procs().stop(proc)
         raise LMCacheError(f"{name} did not start: {line[:200]!r}")
     return proc, fields[1:]
 
@@ -105,7 +104,7 @@ def _pct(sorted_s: list[float]) -> dict[str, float]:
 
 
 def _machine() -> dict[str, Any]:
-    from .bench import machine_info, warn_if_busy  # lazy: cli.bench imports this module
+    from .harness import machine_info, warn_if_busy  # lazy: cli.bench imports this module
 
     m = machine_info()
     warn_if_busy(m)
@@ -170,7 +169,7 @@ def run_lookup(instances: int, tokens: int, chunk_size: int, count: int) -> dict
                     lt.append(t2 - t1)
         finally:
             for p in reversed(procs):
-                stop(p)
+                child_procs().stop(p)
     lt.sort()
     ht.sort()
     lookup_ms, health_ms = _pct(lt), _pct(ht)
@@ -306,7 +305,7 @@ def run_p2p(chunks: int, chunk_size: int, layers: int, kv_heads: int, head_size:
             if me is not None:
                 me.close()
             if peer is not None:
-                stop(peer)
+                child_procs().stop(peer)
     gb = total / 1e9
     return {
         "bench": "p2p", "chunks": chunks, "chunk_size": chunk_size, "kv_spec": spec,
@@ -353,7 +352,7 @@ def _controller_main(spec: dict[str, Any]) -> None:
 
     server = ControllerServer("127.0.0.1", 0, token=spec["token"], instance_timeout=10.0)
     try:
-        serve_until_stdin_closes(f"READY {server.url}")
+        child_procs().serve_until_stdin_closes(f"READY {server.url}")
     finally:
         server.close()
 
@@ -368,7 +367,7 @@ def _engine_main(spec: dict[str, Any]) -> None:
         s = engine.kv_spec
         engine.store(tokens, torch.randn(s.num_layers, 2, len(tokens), s.num_kv_heads, s.head_size))
         engine.flush()
-        serve_until_stdin_closes(f"READY {engine.instance_id}")
+        child_procs().serve_until_stdin_closes(f"READY {engine.instance_id}")
 
 
 def _raw_source(lsock: socket.socket, token: bytes, values: list[list[Any]]) -> None:
@@ -426,7 +425,7 @@ def _p2p_peer_main(spec: dict[str, Any]) -> None:
         lsock.listen(1)
         threading.Thread(target=_raw_source, args=(lsock, spec["token"].encode(), held), daemon=True).start()
         try:
-            serve_until_stdin_closes(f"READY {engine.peer_url} {lsock.getsockname()[1]}")
+            child_procs().serve_until_stdin_closes(f"READY {engine.peer_url} {lsock.getsockname()[1]}")
         finally:
             lsock.close()
             for h in held:
@@ -437,12 +436,13 @@ _MODES = {"controller": _controller_main, "engine": _engine_main, "p2p-peer": _p
 
 
 def _main(argv: list[str]) -> None:
-    """``python -m lmcache.cli.bench_dist MODE SPEC.json`` runs a child process of the
-    benches; ``controller``/``p2p`` run the benches themselves (as ``lmcache bench ...``)."""
+    """``python -m lmcache.benchmarks.dist MODE SPEC.json`` runs a child process of the
+    benches; ``controller``/``p2p`` run the benches themselves (``lmcache bench controller``
+    and ``lmcache bench p2p`` are the same commands, with the CLI's one-line errors)."""
     if len(argv) == 2 and argv[0] in _MODES:
         _MODES[argv[0]](json.loads(Path(argv[1]).read_text()))
         return
-    root = typer.Typer(cls=LMCacheGroup, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+    root = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
     root.command("controller")(lookup_cmd)
     root.command("p2p")(p2p_cmd)
     root(prog_name="lmcache bench", args=argv)

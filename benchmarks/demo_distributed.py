@@ -5,7 +5,7 @@ Why real processes: what the walk-through shows (a router's lookup, a peer fetch
 skips a prefill, a prefill -> decode push, a move, an instance dying) only means
 something across process boundaries, so every piece runs as a user would run it: the
 controller is ``lmcache controller serve``; each instance is its own Python process
-(this module run as ``python -m lmcache.cli.demo_distributed instance SPEC``) loading
+(this module run as ``python -m lmcache.benchmarks.demo_distributed instance SPEC``) loading
 SmolLM2-135M-Instruct on the CPU with the transformers connector over a
 :class:`~lmcache.engine.CacheEngine` that has a CPU tier, the instance API, a peer
 endpoint and a controller worker; and every operator step is the real ``lmcache
@@ -44,10 +44,9 @@ from typing import Annotated, Any, Callable
 
 import typer
 
-from lmcache.testing import procs
 from lmcache.errors import LMCacheError
 
-from ._util import err, out
+from .harness import child_procs, err, out
 
 PREFILL, DECODE, PEER = "prefill-a", "decode-b", "peer-c"
 ROLES = (PREFILL, DECODE, PEER)
@@ -140,7 +139,7 @@ class Instance:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.cli.demo_distributed", "instance", str(spec_path)],
+            [sys.executable, "-m", "lmcache.benchmarks.demo_distributed", "instance", str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -189,7 +188,7 @@ class Instance:
 
     def stop(self) -> None:
         """Close stdin (a clean engine close, which deregisters), then SIGTERM, SIGKILL."""
-        procs.stop(self.proc, grace=15)
+        child_procs().stop(self.proc, grace=15)
         self._log.close()
 
 
@@ -421,7 +420,7 @@ def distributed_cmd(
                                    stderr=log, text=True, env=env)
         assert ctl.stdout is not None
         try:
-            ctl_url = procs.readline(ctl, 60.0)  # a hang guard
+            ctl_url = child_procs().readline(ctl, 60.0)  # a hang guard
         except LMCacheError:
             ctl_url = ""
         if not ctl_url.startswith("http"):
@@ -450,7 +449,7 @@ def distributed_cmd(
         for inst in insts.values():
             inst.stop()
         if ctl is not None:
-            procs.stop(ctl)
+            child_procs().stop(ctl)
         bad = [what for what, ok in w.checks if not ok]
         keep = keep or bool(failed or bad)  # the instance logs say why
         if not keep:

@@ -218,7 +218,7 @@ def print_report(data: dict[str, Any]) -> None:
 
     from lmcache.units import format_size
 
-    from ._util import out
+    from .harness import out
 
     t = Table(title=f"{data['backend']} vs its raw client (GB/s)")
     for col in ("op", "lmcache GB/s", "raw client GB/s", "ratio"):
@@ -231,3 +231,26 @@ def print_report(data: dict[str, Any]) -> None:
         f"{data['values']} values of {format_size(data['value_bytes'])}, {data['batch']} per call, "
         f"codec {data['codec']}, best of {data['repeats']}; store: {data['store']}; exact={data['exact']}"
     )
+
+
+def main(backend: str, option: list[str], store: str | None, wl: Any, values: int, batch: int,
+                   repeats: int, codec: str, as_json: bool) -> None:
+    """``lmcache bench tiers --backend``: one backend next to its raw client (table or JSON)."""
+    from lmcache.errors import LMCacheError
+    from lmcache.units import format_size
+
+    from .harness import emit, err, machine_info, warn_if_busy
+
+    opts = parse_options(option)
+    e = err()
+    warn_if_busy(machine_info())
+    with open_store(backend, opts, store) as (options, where):
+        e.print(f"{backend}: {values} chunks of {format_size(wl.chunk_bytes)} x {repeats} rounds against {where} ...")
+        data = run_backend(backend, options, shape=wl.shape(wl.chunk_size), dtype=wl.dtype, values=values,
+                              batch=batch, repeats=repeats, codec=codec, seed=wl.seed)
+    data["store"] = where
+    data["machine"] = machine_info()
+    emit(data, as_json, print_report)
+    if not data["exact"]:
+        raise LMCacheError(f"some values read back from {backend} differed from what was stored")
+

@@ -303,7 +303,7 @@ def run_matrix(shapes: list[str], concurrency: list[int], tiers: list[str], dire
 def print_matrix(data: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from ._util import out
+    from .harness import out
 
     t = Table(title="store / retrieve GB/s through one tier, next to the same bytes moved raw (best of "
                     f"{data['repeats']})")
@@ -317,7 +317,7 @@ def print_matrix(data: dict[str, Any]) -> None:
 
 
 def plot_matrix(data: dict[str, Any], path: Path) -> None:
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -341,3 +341,34 @@ def plot_matrix(data: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(shapes: str, concurrency: str, tiers: str, total: str, request_chunks: int, repeats: int,
+            directory: Path | None, threads: int | None, plot: Path | None, as_json: bool) -> None:
+    """``lmcache bench tiers --matrix``: run the matrix and print it (table, JSON or plot)."""
+    from lmcache.errors import LMCacheError
+
+    from .harness import csv_option, emit, err, machine_info, open_work_dir, set_threads, size_option, warn_if_busy
+
+    shape_list = csv_option(shapes, "'--shapes'", tuple(SHAPES))
+    conc = csv_option(concurrency, "'--concurrency'", conv=int)
+    tier_list = csv_option(tiers, "'--tiers'", TIERS)
+    total_bytes = size_option(total, "--total", auto=False) or (512 << 20)
+    set_threads(threads)
+    wd = open_work_dir(directory, "lmcache-bench-")
+    e = err()
+    try:
+        warn_if_busy(machine_info())
+        t0 = time.perf_counter()
+        cells = run_matrix(shape_list, conc, tier_list, wd.path, total_bytes, request_chunks, repeats,
+                              progress=lambda m: e.print(m + " ..."))
+        data = {"mode": "matrix", "repeats": repeats, "total_bytes": total_bytes, "request_chunks": request_chunks,
+                "seconds": time.perf_counter() - t0, "cells": [c.as_dict() for c in cells],
+                "exact": all(c.exact for c in cells), "machine": machine_info(wd.path)}
+    finally:
+        if wd.temporary:
+            shutil.rmtree(wd.path, ignore_errors=True)
+    emit(data, as_json, print_matrix, plot, plot_matrix)
+    if not data["exact"]:
+        raise LMCacheError("some retrieved KV differed from what was stored")
+

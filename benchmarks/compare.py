@@ -59,7 +59,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
-from ._util import err, out, print_json
+from .harness import emit, err, out
 
 GB = 1e9
 REF_VENV = ".venv-lmcache-ref"
@@ -507,7 +507,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -562,7 +562,7 @@ def compare_cmd(
 
     import torch
 
-    from .bench import file_io_gbps, machine_info, memcpy_gbps, warn_if_busy
+    from .harness import file_io_gbps, machine_info, memcpy_gbps, warn_if_busy
 
     shape_names = [s.strip() for s in shapes.split(",") if s.strip()]
     for s in shape_names:
@@ -627,14 +627,6 @@ def compare_cmd(
                      for side, d in (("ours", ours), ("lmcache", ref))},
     }
     data["goals"] = goals(rows)
-    if plot_path is not None:
-        plot(data, plot_path)
-        data["plot"] = str(plot_path)
-    if as_json:
-        print_json(data)
-    else:
-        print_table(data)
-        if plot_path is not None:
-            e.print(f"plot: {plot_path}")
+    emit(data, as_json, print_table, plot_path, plot)
     if not data["exact"]["ours"]:
         raise LMCacheError("lmcache returned KV that differs from what was stored (see 'exact' in --json)")

@@ -46,8 +46,8 @@ import typer
 from lmcache.errors import LMCacheError
 from lmcache.units import format_size
 
-from . import bench
-from ._util import err, need_pyplot, out, print_json, size_option
+from . import harness
+from .harness import err, need_pyplot, out, size_option
 
 GOALS = {"cpu_speedup": 50.0, "disk_speedup": 20.0, "warm_over_ideal": 2.0}
 
@@ -117,7 +117,7 @@ def run(
          {"backend": "disk", "path": str(kv_dir), "capacity": total * 2 + (64 << 20)}],
     )
     say("measuring memcpy")
-    physical: dict[str, Any] = bench.measure_memcpy(memcpy_bytes)
+    physical: dict[str, Any] = harness.measure_memcpy(memcpy_bytes)
     prompts = {n: prose_ids(tok, n, seed=seed * 1_000_003 + n) for n in lengths}
     results = {n: LengthResult(n) for n in lengths}
     reference: dict[int, torch.Tensor] = {}
@@ -161,7 +161,7 @@ def run(
 
     say("measuring raw file I/O")
     biggest = max(lengths) * bpt
-    physical.update(bench.measure_file_io(directory, chunk_bytes, max(biggest, chunk_bytes)))
+    physical.update(harness.measure_file_io(directory, chunk_bytes, max(biggest, chunk_bytes)))
 
     disk_cfg = demo_config(
         chunk_size,
@@ -202,8 +202,8 @@ def _record(r: LengthResult, case: str, h: Any, ref: Any) -> None:
 
 def summarize(results: list[LengthResult], physical: dict[str, Any]) -> list[dict[str, Any]]:
     """Per length: best and median TTFTs, the ideal hit, and the ratios."""
-    mem = physical["memcpy_gbps"] * bench.GB
-    rd = physical.get("file_read_gbps", 0) * bench.GB
+    mem = physical["memcpy_gbps"] * harness.GB
+    rd = physical.get("file_read_gbps", 0) * harness.GB
     rows = []
     for r in results:
         pre, cpu, disk, suf = _best(r.prefill), _best(r.cpu), _best(r.disk), _best(r.suffix)
@@ -220,13 +220,13 @@ def summarize(results: list[LengthResult], physical: dict[str, Any]) -> list[dic
             "cpu_hit": {
                 "ttft": cpu, "median": _med(r.cpu), "samples": r.cpu,
                 "kv_load": _best(r.cpu_load), "kv_load_samples": r.cpu_load,
-                "kv_load_gbps": _div(r.kv_bytes / bench.GB, _best(r.cpu_load)),
+                "kv_load_gbps": _div(r.kv_bytes / harness.GB, _best(r.cpu_load)),
                 "minus_kv_load": _best([a - b for a, b in zip(r.cpu, r.cpu_load)]),
             },
             "disk_hit": {
                 "ttft": disk, "median": _med(r.disk), "samples": r.disk,
                 "kv_load": _best(r.disk_load), "kv_load_samples": r.disk_load,
-                "kv_load_gbps": _div(r.kv_bytes / bench.GB, _best(r.disk_load)),
+                "kv_load_gbps": _div(r.kv_bytes / harness.GB, _best(r.disk_load)),
                 "minus_kv_load": _best([a - b for a, b in zip(r.disk, r.disk_load)]),
             },
             "suffix_compute": {"seconds": suf, "samples": r.suffix},
@@ -322,7 +322,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """TTFT per prompt length for the three cases (log scale), with the ideal hit."""
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -386,7 +386,7 @@ def main(
     as_json: bool = False,
     plot_path: Path | None = None,
 ) -> None:
-    """``lmcache bench e2e`` (its options are declared in :mod:`lmcache.cli.bench`)."""
+    """``lmcache bench e2e`` (its options are declared in :mod:`lmcache.cli.bench`, which calls this)."""
     from lmcache.plugins.connectors.hf import kv_spec_of
 
     from .demo import MODEL_KEY, demo_config, load_model, warm_up
@@ -395,13 +395,13 @@ def main(
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
     need_pyplot(plot_path)
-    bench.set_threads(threads)
-    wd = bench.open_work_dir(directory, "lmcache-e2e-")
+    harness.set_threads(threads)
+    wd = harness.open_work_dir(directory, "lmcache-e2e-")
     e = err()
     started = time.perf_counter()
     try:
-        machine = bench.machine_info(wd.path)
-        bench.warn_if_busy(machine)
+        machine = harness.machine_info(wd.path)
+        harness.warn_if_busy(machine)
         model, tok, load_info = load_model(e)
         with e.status("warming up the model ...") as st:
             load_info["warm_up_seconds"] = warm_up(model, tok, max(ls))
@@ -417,7 +417,7 @@ def main(
     disk = stats["disk_engine"]["tiers"]["disk"]
     data: dict[str, Any] = {
         "benchmark": "e2e",
-        "machine": {**machine, "load_average_1m_end": bench.machine_info()["load_average_1m"]},
+        "machine": {**machine, "load_average_1m_end": harness.machine_info()["load_average_1m"]},
         "model": {
             "name": MODEL_KEY, "dtype": spec.dtype, "device": "cpu", "layers": spec.num_layers,
             "kv_heads": spec.num_kv_heads, "head_size": spec.head_size, "kv_bytes_per_token": spec.bytes_per_token(),
@@ -437,21 +437,13 @@ def main(
         "disk_tier": {
             "open_seconds": stats["disk_open_seconds"], "hits": disk["hits"], "hit_bytes": disk["hit_bytes"],
             "get_seconds": disk["get_seconds"],
-            "read_gbps": disk["hit_bytes"] / disk["get_seconds"] / bench.GB if disk["get_seconds"] > 0 else None,
+            "read_gbps": disk["hit_bytes"] / disk["get_seconds"] / harness.GB if disk["get_seconds"] > 0 else None,
         },
         "lengths": rows,
         "goals": goals(rows),
         "seconds": time.perf_counter() - started,
     }
-    if plot_path is not None:
-        plot(data, plot_path)
-        data["plot"] = str(plot_path)
-    if as_json:
-        print_json(data)
-    else:
-        print_table(data)
-        if plot_path is not None:
-            out().print(f"Plot written to {plot_path}.")
+    harness.emit(data, as_json, print_table, plot_path, plot)
     bad = [
         f"{r['tokens']} tokens {case}"
         for r in rows for case in ("cpu", "disk")
@@ -706,7 +698,7 @@ def qa_run(
 
 
 def qa_summarize(reqs: list[QARequest], physical: dict[str, Any], bpt: int, info: dict[str, Any]) -> dict[str, Any]:
-    mem = physical["memcpy_gbps"] * bench.GB
+    mem = physical["memcpy_gbps"] * harness.GB
     rows = []
     for q in reqs:
         reused_ideal = len(q.ids) - q.unseen_tokens
@@ -836,7 +828,7 @@ def qa_print_table(data: dict[str, Any]) -> None:
 
 def qa_plot(data: dict[str, Any], path: Path) -> None:
     """Per-request TTFT without and with lmcache (log scale), with the ideal."""
-    from ._util import pyplot
+    from .harness import pyplot
 
     plt = pyplot()
 
@@ -904,13 +896,13 @@ def qa_main(
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
     demo_config(chunk_size, [{"backend": "cpu", "capacity": 1 << 20}])  # a bad LMCACHE_* setting fails here
     need_pyplot(plot_path)
-    bench.set_threads(threads)
-    wd = bench.open_work_dir(directory, "lmcache-e2e-qa-")
+    harness.set_threads(threads)
+    wd = harness.open_work_dir(directory, "lmcache-e2e-qa-")
     e = err()
     started = time.perf_counter()
     try:
-        machine = bench.machine_info(wd.path)
-        bench.warn_if_busy(machine)
+        machine = harness.machine_info(wd.path)
+        harness.warn_if_busy(machine)
         model, tok, load_info = load_model(e)
         spec = kv_spec_of(model)
         bpt = spec.bytes_per_token()
@@ -922,7 +914,7 @@ def qa_main(
                 st.update(m + " ...")
 
             say("measuring memcpy")
-            physical: dict[str, Any] = bench.measure_memcpy(memcpy_bytes)
+            physical: dict[str, Any] = harness.measure_memcpy(memcpy_bytes)
             prompts = QAPrompts(tok, users=users, rounds=rounds, system_tokens=system_tokens, doc_tokens=doc_tokens,
                                 seed=seed)
             distinct = prompts.distinct_tokens(new_tokens)
@@ -942,7 +934,7 @@ def qa_main(
     tiers = info["engine"].get("tiers", {})
     data: dict[str, Any] = {
         "benchmark": "e2e-qa",
-        "machine": {**machine, "load_average_1m_end": bench.machine_info()["load_average_1m"]},
+        "machine": {**machine, "load_average_1m_end": harness.machine_info()["load_average_1m"]},
         "model": {
             "name": MODEL_KEY, "dtype": spec.dtype, "device": "cpu", "kv_bytes_per_token": bpt,
             "load_seconds": load_info["seconds"], "converted": load_info["converted"],
@@ -975,15 +967,7 @@ def qa_main(
         **summary,
         "seconds": time.perf_counter() - started,
     }
-    if plot_path is not None:
-        qa_plot(data, plot_path)
-        data["plot"] = str(plot_path)
-    if as_json:
-        print_json(data)
-    else:
-        qa_print_table(data)
-        if plot_path is not None:
-            out().print(f"Plot written to {plot_path}.")
+    harness.emit(data, as_json, qa_print_table, plot_path, qa_plot)
     if summary["answers"]["mismatches"]:
         raise LMCacheError(
             f"{len(summary['answers']['mismatches'])} answers differ with lmcache (requests "
