@@ -396,14 +396,23 @@ class S3Backend(BytesBackend):
         return True
 
     def read(self, key: str) -> bytes | None:
-        try:
-            resp = self._call(self.client.get_object, Key=self._name(key))
-        except Exception as exc:
-            if _code(exc) in _NOT_FOUND:
-                return None
-            raise
-        with resp["Body"] as body:
-            return body.read()
+        """The object's bytes, or ``None``. A body cut short while it streams (the object
+        was replaced under the read: S3 servers may end the old stream early) is read
+        again, twice at most, then a miss: one key being overwritten is not an outage."""
+        torn = _torn_read_errors()
+        for attempt in range(3):
+            try:
+                resp = self._call(self.client.get_object, Key=self._name(key))
+            except Exception as exc:
+                if _code(exc) in _NOT_FOUND:
+                    return None
+                raise
+            try:
+                with resp["Body"] as body:
+                    return body.read()
+            except torn as exc:
+                log.debug("s3 tier %s: read of %s cut short (%s), attempt %d", self.context.tier, key, exc, attempt + 1)
+        return None
 
     def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
@@ -569,3 +578,23 @@ def _release(f: Future, release: Callable[[Any], None]) -> None:
         release(f.result())
     except Exception:  # pragma: no cover - best effort
         log.exception("s3: could not release a result")
+
+
+def _torn_read_errors() -> tuple[type[BaseException], ...]:
+    """What a response body that ends early raises (through botocore, urllib3 or http.client)."""
+    import http.client
+
+    out: list[type[BaseException]] = [http.client.IncompleteRead]
+    try:
+        from urllib3.exceptions import ProtocolError
+
+        out.append(ProtocolError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from botocore.exceptions import ResponseStreamingError
+
+        out.append(ResponseStreamingError)
+    except ImportError:  # pragma: no cover - older botocore
+        pass
+    return tuple(out)
