@@ -341,7 +341,7 @@ class DiskBackend(BytesBackend):
                     pool = self._pool_exec = ThreadPoolExecutor(workers, thread_name_prefix=f"lmcache-{self.context.tier}-io")
         return pool
 
-    #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get_many`)
+    #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get`)
     streams_gets = True
 
     def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:

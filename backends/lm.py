@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from lmcache import payload
-from lmcache import server as proto
+from lmcache import wire as proto
 from lmcache.errors import BackendError, ConfigError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj

@@ -299,7 +299,10 @@ def warm_up(model: Any, tokenizer: Any, context: int = 0) -> float:
     import torch
     from transformers import DynamicCache
 
-    from lmcache.plugins.connectors.hf import kv_spec_of
+    from lmcache import connector
+
+
+    kv_spec_of = connector("transformers").kv_spec_of
 
     t0 = time.perf_counter()
     ids = tokenizer("A short warm-up prompt for the model.")["input_ids"]
@@ -456,7 +459,10 @@ def main(questions: int, doc_tokens: int, max_new_tokens: int, chunk_size: int, 
 def _run(cfg: Any, wd: harness.WorkDir, questions: int, doc_tokens: int, max_new_tokens: int, chunk_size: int,
          seed: int, disk_cap: int, memcpy_bytes: int, threads: int | None, restart: bool, verify: bool) -> bool:
     from lmcache.engine import CacheEngine
-    from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
+    from lmcache import connector
+
+    TransformersConnector = connector("transformers")  # through the plugin registries
+    kv_spec_of = TransformersConnector.kv_spec_of
 
     o, e = out(), err()
     started = time.perf_counter()
@@ -522,7 +528,10 @@ def restart_check(directory: Path, doc_tokens: int, chunk_size: int, seed: int, 
                   max_new_tokens: int, disk_capacity: int, verify: bool) -> dict[str, Any]:
     """What a new process finds when it opens only the disk tier and asks a question."""
     from lmcache.engine import CacheEngine
-    from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
+    from lmcache import connector
+
+    TransformersConnector = connector("transformers")  # through the plugin registries
+    kv_spec_of = TransformersConnector.kv_spec_of
 
     model, tok, load_info = load_model(None)
     doc = build_document(tok, doc_tokens, chunk_size, seed)

@@ -87,7 +87,10 @@ def instance_main(spec_path: str) -> None:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     from lmcache.engine import CacheEngine
-    from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
+    from lmcache import connector
+
+    TransformersConnector = connector("transformers")  # through the plugin registries
+    kv_spec_of = TransformersConnector.kv_spec_of
 
     from .demo import build_document, load_model, warm_up
 

@@ -229,7 +229,7 @@ def _raw_fetch(port: int, token: str, n_values: int, batch: int) -> tuple[float,
     """Seconds and bytes to receive the source's ``n_values`` values, ``batch`` per request,
     each into one reused scratch buffer with warm pages (as the peer client receives
     before it decodes into pool memory): the socket and nothing else."""
-    from lmcache import server as proto
+    from lmcache import wire as proto
 
     c = socket.create_connection(("127.0.0.1", port), timeout=60)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -266,7 +266,7 @@ def run_p2p(chunks: int, chunk_size: int, layers: int, kv_heads: int, head_size:
     import torch
 
     import lmcache
-    from lmcache import p2p as p2p_mod
+    from lmcache.plugins.services import p2p as p2p_mod
 
     spec = {"num_layers": layers, "num_kv_heads": kv_heads, "head_size": head_size, "dtype": dtype}
     n_tok = chunks * chunk_size
@@ -373,7 +373,7 @@ def _engine_main(spec: dict[str, Any]) -> None:
 def _raw_source(lsock: socket.socket, token: bytes, values: list[list[Any]]) -> None:
     """Serve ``values`` (each a list of buffers) to one client at a time: after the token,
     each u64 count requested is answered with that many (u64 length, bytes); 0 ends."""
-    from lmcache import server as proto
+    from lmcache import wire as proto
 
     while True:
         try:

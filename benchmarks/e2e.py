@@ -98,7 +98,10 @@ def run(
     import torch
 
     from lmcache.engine import CacheEngine
-    from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
+    from lmcache import connector
+
+    TransformersConnector = connector("transformers")  # through the plugin registries
+    kv_spec_of = TransformersConnector.kv_spec_of
 
     from .demo import demo_config, prose_ids
 
@@ -387,7 +390,9 @@ def main(
     plot_path: Path | None = None,
 ) -> None:
     """``lmcache bench e2e`` (its options are declared in :mod:`lmcache.cli.bench`, which calls this)."""
-    from lmcache.plugins.connectors.hf import kv_spec_of
+    from lmcache import connector
+
+    kv_spec_of = connector("transformers").kv_spec_of
 
     from .demo import MODEL_KEY, demo_config, load_model, warm_up
 
@@ -882,7 +887,9 @@ def qa_main(
     plot_path: Path | None = None,
 ) -> None:
     """``lmcache bench e2e --workload qa``: unset sizes take the defaults (``--quick``: small ones)."""
-    from lmcache.plugins.connectors.hf import kv_spec_of
+    from lmcache import connector
+
+    kv_spec_of = connector("transformers").kv_spec_of
 
     from .demo import MODEL_KEY, demo_config, load_model, warm_up
 

@@ -78,13 +78,12 @@ def show(
         with open_target(url, token, config, timeout) as target:
             report = target.config_report()
     else:
-        from lmcache.admin import config_report
         from lmcache.config import load_config
 
         path = config_path(config)
         if path is None:
             note("no config file (--config or $LMCACHE_CONFIG_FILE): showing defaults and environment")
-        report = config_report(load_config(path))
+        report = load_config(path).report()
     if as_json:
         print_json(report)
         return

@@ -48,9 +48,19 @@ __all__ = [
     "MemoryPoolError",
     "MissingDependencyError",
     "PluginError",
+    "connector",
     "hookimpl",
     *_LAZY,
 ]
+
+
+def connector(name: str) -> Any:
+    """The connector class registered as ``name`` (``"transformers"``, ``"vllm"``,
+    ``"sglang"`` or a plugin's), through the plugin registries: a disabled one is refused,
+    a missing extra names its ``pip install``."""
+    from .plugin_manager import get_registries
+
+    return get_registries().connectors.load(name)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """Inspecting and changing a cache instance's tiers: the one admin layer.
 
 :class:`Admin` answers the questions of ``lmcache tiers``, ``ls``, ``evict``, ``pin``,
-``unpin`` and ``stats``. The instance API (:mod:`lmcache.api`) serves a live engine's
+``unpin`` and ``stats``. The instance API (:mod:`lmcache.plugins.services.api`) serves a live engine's
 ``Admin`` over HTTP; the CLI uses :class:`lmcache.api_client.ApiClient` against it, or an
 ``Admin`` of its own over a config's persisted tiers (:meth:`Admin.open_config`), so both
 paths run the same code. Every method returns plain JSON-able data.
@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from .config import Config
-from .errors import AdminError, LMCacheError, NotFoundError
+from .errors import AdminError, BackendError, LMCacheError, NotFoundError
 from .keys import CacheKey
 from .units import parse_duration, parse_size
 
@@ -58,20 +58,6 @@ def _matcher(namespace: str | None, model: str | None) -> Callable[[str], bool]:
         return (namespace is None or ns == namespace) and (model is None or m == model)
 
     return match
-
-
-def config_report(cfg: Config) -> dict[str, Any]:
-    """The effective values of a config (the API token masked), the source of each
-    (``default``, ``file:<path>``, ``env:<VAR>``, ``mapping``, ``override``) and the file."""
-    values = cfg.to_dict(mask_secrets=True)
-    sources: dict[str, str] = {}
-    for key, value in values.items():
-        if key == "api":
-            for sub in value:
-                sources[f"api.{sub}"] = cfg.source_of(f"api.{sub}")
-        else:
-            sources[key] = cfg.source_of(key)
-    return {"file": cfg.source, "values": values, "sources": sources}
 
 
 class Admin:
@@ -207,7 +193,7 @@ class Admin:
     def config_report(self) -> dict[str, Any]:
         if self.config is None:
             raise AdminError("no config is known here")
-        return config_report(self.config)
+        return self.config.report()
 
     # ------------------------------------------------------------ keys
     def _entry_rows(self, t: Tier, match: Callable[[str], bool], now: float) -> list[dict[str, Any]]:
@@ -453,7 +439,6 @@ class Admin:
         them (see :meth:`lmcache.engine.CacheEngine.push`)."""
         self._need_live("push")
         engine = self.engine
-        assert engine is not None
         if engine.p2p is None:
             raise AdminError("push needs the peer-to-peer part: this instance runs with p2p.enabled false")
         if (tokens is None) == (keys is None):
@@ -467,8 +452,6 @@ class Admin:
                 parse_key(k)
         if tier is not None:
             self.tier(tier)
-        from .errors import BackendError
-
         try:
             return engine.push(tokens, target, keys=keys, tier=tier, target_tier=target_tier,
                                remove_source=bool(remove_source))

@@ -1,4 +1,4 @@
-"""A small client of the instance API (:mod:`lmcache.api`), used by ``lmcache --url``.
+"""A small client of the instance API (:mod:`lmcache.plugins.services.api`), used by ``lmcache --url``.
 
 Its methods mirror :class:`lmcache.admin.Admin` and return the same data, so a command
 works the same against a live instance and against a config's tiers opened offline.

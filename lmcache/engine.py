@@ -10,6 +10,7 @@ longest cached prefix.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -20,22 +21,16 @@ import torch
 
 from .config import Config, KVSpec, load_config
 from .dtypes import dtype_from_name, dtype_name
-from .errors import KVShapeError, LMCacheError
+from .errors import KVShapeError
 from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseRetrieval: public here too
-    LayerwiseRetrieval,
-    RetrieveResult,
-    StoreResult,
-    _check_out,
-    _check_out_dtype,
-    _default_instance_id,
-    _fits,
-    _KV,
-    _length,
+    _KV, LayerwiseRetrieval, RetrieveResult, StoreResult, _check_out, _check_out_dtype, _default_instance_id, _fits,
+    _length, spec_in_tiers, store_chunks,
 )
 from .hierarchy import StorageHierarchy
 from .keys import Chunk, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
+from .services import start_services
 from .tier import Tier
 
 log = logging.getLogger(__name__)
@@ -72,24 +67,15 @@ class CacheEngine:
         #: or promoted
         self.miss_fillers: list[Callable[[list[Chunk], list[str], int], int]] = []
         self.store_observers: list[Callable[[Any, list[Chunk], list[str]], None]] = []
-        #: the started services by name (:data:`lmcache.services.SERVICES`), closed in reverse
+        #: the started services by registered name (:mod:`lmcache.services`), closed in reverse
         self.services: dict[str, Any] = {}
         self._stack = contextlib.ExitStack()
         self._stack.callback(self.hierarchy.close)  # unwound last
         try:
-            self._start_services()
+            start_services(self, self.hierarchy.registries.services, self._stack)
         except BaseException:
             self._stack.close()
             raise
-
-    def _start_services(self) -> None:
-        from .services import SERVICES
-
-        for spec in SERVICES:
-            if spec.enabled(self.config):
-                svc = spec.start(self)
-                self._stack.callback(svc.close)
-                self.services[spec.name] = svc
 
     # the services by their old attribute names (connectors, tools and tests read them)
     @property
@@ -149,27 +135,16 @@ class CacheEngine:
             cached = self._prefix = (sig, key_prefix(self.config.namespace, self.config.model, sig))
         return cached[1]
 
-    def _key(self, chunk_hash: str) -> str:
-        return self._key_prefix() + chunk_hash
-
     def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
         return self.tokens.chunk_keys(tokens, self._key_prefix())
 
     def _adopt_spec(self, kv: _KV) -> KVSpec:
+        """This engine's kv spec, taken from the first KV stored; later KV must match it."""
         with self._lock:
             if self.kv_spec is None:
-                self.kv_spec = KVSpec(
-                    num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_size=kv.head_size,
-                    dtype=dtype_name(kv.dtype),
-                )
+                self.kv_spec = kv.spec()
             spec = self.kv_spec
-        got = (kv.num_layers, kv.num_kv_heads, kv.head_size, dtype_name(kv.dtype))
-        if got != (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype):
-            raise KVShapeError(
-                f"kv of {kv.num_layers} layers x (T, {kv.num_kv_heads}, {kv.head_size}) {dtype_name(kv.dtype)} "
-                f"does not match this engine's kv_spec ({spec.num_layers}, 2, T, {spec.num_kv_heads}, "
-                f"{spec.head_size}) {spec.dtype}"
-            )
+        kv.check_matches(spec)
         return spec
 
     # --------------------------------------------------------------- API
@@ -184,48 +159,23 @@ class CacheEngine:
         """
         return self.locate(tokens, pin=pin)[0]
 
-    _spec_probe_at = -1e9  # when the tiers were last searched for a kv spec (see _spec_from_tiers)
+    _spec_probe_at = -1e9  # when the tiers were last searched for a kv spec
 
     def _spec_from_tiers(self) -> KVSpec | None:
         """With no ``kv_spec`` yet (a fresh process over a persisted or shared tier), the
-        spec of this namespace and model's entries in the tiers, if they hold exactly one;
-        ``KVShapeError`` saying to set ``kv_spec`` if they hold several; ``None`` if none
-        (searched at most once a second)."""
+        spec of the entries the tiers hold (see :func:`lmcache.engine_io.spec_in_tiers`),
+        searched at most once a second."""
         now = self.clock()
         if now - self._spec_probe_at < 1.0:
             return None
         self._spec_probe_at = now
-        from .keys import CacheKey
-
-        found: set[str] = set()
-        for tier in self.hierarchy.tiers:
-            for key in tier.key_list():
-                try:
-                    k = CacheKey.parse(key)
-                except ValueError:
-                    continue
-                if k.namespace == self.config.namespace and k.model == self.config.model:
-                    found.add(k.signature)
-            if len(found) > 1:
-                break
-        if not found:
-            return None
-        if len(found) > 1:
-            raise KVShapeError(
-                f"this engine has no kv_spec and its tiers hold KV of several shapes for namespace "
-                f"{self.config.namespace!r}, model {self.config.model!r} ({', '.join(sorted(found)[:4])}); "
-                f"set kv_spec in the config (or store once) to say which"
-            )
-        sig = found.pop()
-        try:
-            spec = KVSpec.from_signature(sig)
-        except (ValueError, LMCacheError):
-            return None
-        with self._lock:
-            if self.kv_spec is None:
-                self.kv_spec = spec
-                log.info("kv_spec %s taken from the entries already in the tiers", sig)
-        return self.kv_spec
+        spec = spec_in_tiers(self.hierarchy.tiers, self.config.namespace, self.config.model)
+        if spec is not None:
+            with self._lock:
+                if self.kv_spec is None:
+                    self.kv_spec = spec
+                    log.info("kv_spec %s taken from the entries already in the tiers", spec.signature)
+        return self.kv_spec if spec is not None else None
 
     def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
         """Like :meth:`lookup`, also naming the tier of each cached chunk."""
@@ -274,55 +224,14 @@ class CacheEngine:
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
         for observe in self.store_observers:  # (the KV-event publisher: token ids for BlockStored)
             observe(tokens, chunks, keys)
-        present = self.hierarchy.contains_any(keys)
+        present = self.hierarchy.contains(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
-        stored = skipped = dropped = 0
-        dtype = dtype_from_name(spec.dtype)
-        todo = sum(1 for here in present if not here)
         # a file-like top tier writes on the store's own I/O threads, so that the write of
         # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held)
-        pipeline = todo > 1 and getattr(self.hierarchy.tiers[0].backend, "streams_gets", False)
-        pending: list[Any] = []
-        # the lower tiers' writes of these chunks wait until their copies are done
-        storing = self.hierarchy.storing() if todo and len(self.hierarchy.tiers) > 1 else contextlib.nullcontext()
-        with storing:
-            try:
-                for chunk, key, here in zip(chunks, keys, present):
-                    if here:
-                        skipped += chunk.num_tokens
-                        continue
-                    obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
-                    if obj is None and pending:  # wait for the writes in flight to give memory back
-                        for f in pending:
-                            f.result()
-                        pending.clear()
-                        obj = self.hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
-                    if obj is None:
-                        dropped += chunk.num_tokens
-                        log.debug("memory pool exhausted: not storing chunk %s", key)
-                        continue
-                    try:
-                        src.copy_chunk(chunk.start, chunk.end, obj.tensor)
-                    except BaseException:
-                        obj.unref()
-                        raise
-                    if pipeline:
-                        pending.append(self._put_pool().submit(self._put_and_release, key, obj))
-                        if len(pending) >= PUTS_IN_FLIGHT:
-                            pending.pop(0).result()
-                    else:
-                        self._put_and_release(key, obj)
-                    stored += chunk.num_tokens
-            finally:
-                for f in pending:  # the store returns when every chunk is in the top tier
-                    f.result()
-        return StoreResult(stored, skipped, dropped)
-
-    def _put_and_release(self, key: str, obj: MemoryObj) -> None:
-        try:
-            self.hierarchy.put(key, obj)
-        finally:
-            obj.unref()
+        pipelined = sum(1 for here in present if not here) > 1 and getattr(
+            self.hierarchy.tiers[0].backend, "streams_gets", False)
+        return store_chunks(self.hierarchy, src, spec, chunks, keys, present,
+                            self._put_pool() if pipelined else None, PUTS_IN_FLIGHT)
 
     def _put_pool(self) -> Any:
         with self._lock:
@@ -348,11 +257,8 @@ class CacheEngine:
         spec = self.kv_spec
         if out is not None:
             _check_out_dtype(out, spec)  # before anything is read: never a silent conversion
-        chunks, keys = self.chunk_keys(tokens)
-        for observe in self.store_observers:  # promotions are stored chunks too
-            observe(tokens, chunks, keys)
+        chunks, keys = self._to_read(tokens)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
-        self._fill_misses(chunks, keys)
         # chunks that a file-like tier reads on its I/O threads are copied into `out` there,
         # as each arrives, overlapping the reads of the next ones (`out` past the cached
         # prefix may then hold KV of chunks after a miss; it is not part of the result)
@@ -410,10 +316,7 @@ class CacheEngine:
             return LayerwiseRetrieval([], 0, out, 0, None, timeout)
         spec = self.kv_spec
         _check_out_dtype(out, spec)
-        chunks, keys = self.chunk_keys(tokens)
-        for observe in self.store_observers:  # promotions are stored chunks too
-            observe(tokens, chunks, keys)
-        self._fill_misses(chunks, keys)
+        chunks, keys = self._to_read(tokens)
         with self.hierarchy.pinned(keys):
             got = self._fetch(chunks, keys, spec)
         n = got[-1][0].end if got else 0
@@ -436,7 +339,7 @@ class CacheEngine:
 
         # one batch per tier (pipelines for remote stores); a hit of the wrong shape is
         # never promoted into the tiers above (then dropped below)
-        results = self.hierarchy.get_many(keys, on_ready, accept=fits)
+        results = self.hierarchy.get(keys, on_ready, accept=fits)
         try:
             for j, (chunk, key, r) in enumerate(zip(chunks, keys, results)):
                 if r is None:
@@ -458,17 +361,19 @@ class CacheEngine:
                     r[0].unref()
         return got
 
-    # --------------------------------------------------------------- services' data path
-    def _fill_misses(self, chunks: list[Chunk], keys: list[str]) -> None:
-        """Before a retrieve: chunks missing after the local prefix come from a peer
-        (usually a no-op: the lookup before it already fetched them)."""
-        if not self.miss_fillers or not keys:
-            return
-        for fill in self.miss_fillers:
+    def _to_read(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
+        """The chunks and keys a retrieve reads: observers hear them (promotions are
+        stored chunks too), and chunks missing after the local prefix are asked of the
+        miss fillers first (usually a no-op: the lookup before already fetched them)."""
+        chunks, keys = self.chunk_keys(tokens)
+        for observe in self.store_observers:
+            observe(tokens, chunks, keys)
+        for fill in self.miss_fillers if keys else ():
             have = len(self.hierarchy.contains_prefix(keys))
             if have == len(keys):
-                return
+                break
             fill(chunks, keys, have)
+        return chunks, keys
 
     @property
     def peer_url(self) -> str | None:
@@ -487,14 +392,7 @@ class CacheEngine:
         self._check_open()
         if self.p2p is None:
             raise RuntimeError("push needs the peer-to-peer part: set p2p: {enabled: true}")
-        if (tokens is None) == (keys is None):
-            raise ValueError("give tokens or keys, not both")
-        if keys is None:
-            if self.kv_spec is None:
-                return {"target": target, "pushed": [], "missing": [], "bytes": 0, "removed": [], "skipped": []}
-            keys = self.chunk_keys(tokens)[1]
-        return self.p2p.push(list(keys), target, tier=tier, target_tier=target_tier, remove_source=remove_source,
-                             prefix_only=tokens is not None)
+        return self.p2p.push_prompt(tokens, target, keys=keys, tier=tier, target_tier=target_tier, remove_source=remove_source)
 
     # --------------------------------------------------------------- admin
     def flush(self) -> None:
@@ -523,17 +421,11 @@ class CacheEngine:
         out = {
             "tiers": {t.name: t.info() for t in self.hierarchy.tiers},
             "pool": {"capacity": self.pool.capacity, "used": self.pool.used, "live": self.pool.live},
-            "hierarchy": {
-                "dropped_writes": self.hierarchy.stats.dropped_writes,
-                "skipped_no_memory": self.hierarchy.stats.skipped_no_memory,
-                "promotions": self.hierarchy.stats.promotions,
-                "repairs": self.hierarchy.stats.repairs,
-                "pending_writes": self.hierarchy.pending_writes(),
-            },
+            # dropped_writes, skipped_no_memory, promotions, repairs, pending_writes
+            "hierarchy": {**dataclasses.asdict(self.hierarchy.stats), "pending_writes": self.hierarchy.pending_writes()},
         }
         for name, svc in self.services.items():
-            info = getattr(svc, "info", None)
-            got = info() if info is not None else None
+            got = svc.info()
             if got is not None:
                 out[name] = got
         return out

@@ -162,6 +162,19 @@ class _KV:
             out[i, 0].copy_(k[start:end])
             out[i, 1].copy_(v[start:end])
 
+    def spec(self) -> KVSpec:
+        return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                      dtype=dtype_name(self.dtype))
+
+    def check_matches(self, spec: KVSpec) -> None:
+        got = (self.num_layers, self.num_kv_heads, self.head_size, dtype_name(self.dtype))
+        if got != (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype):
+            raise KVShapeError(
+                f"kv of {self.num_layers} layers x (T, {self.num_kv_heads}, {self.head_size}) {dtype_name(self.dtype)} "
+                f"does not match this engine's kv_spec ({spec.num_layers}, 2, T, {spec.num_kv_heads}, "
+                f"{spec.head_size}) {spec.dtype}"
+            )
+
 
 def _default_instance_id() -> str:
     import socket
@@ -181,3 +194,88 @@ def _fits(out: torch.Tensor, n: int, spec: KVSpec) -> bool:
 
 def _length(tokens: Any) -> int:
     return len(tokens) if not hasattr(tokens, "shape") else int(tokens.shape[0])
+
+
+def spec_in_tiers(tiers: Any, namespace: str, model: str) -> KVSpec | None:
+    """The kv spec of ``namespace`` and ``model``'s entries in ``tiers`` if they hold
+    exactly one; ``KVShapeError`` saying to set ``kv_spec`` if they hold several; ``None``
+    if none (or its signature is not one this version reads)."""
+    from .errors import LMCacheError
+    from .keys import CacheKey
+
+    found: set[str] = set()
+    for tier in tiers:
+        for key in tier.key_list():
+            try:
+                k = CacheKey.parse(key)
+            except ValueError:
+                continue
+            if k.namespace == namespace and k.model == model:
+                found.add(k.signature)
+        if len(found) > 1:
+            raise KVShapeError(
+                f"this engine has no kv_spec and its tiers hold KV of several shapes for namespace "
+                f"{namespace!r}, model {model!r} ({', '.join(sorted(found)[:4])}); "
+                f"set kv_spec in the config (or store once) to say which"
+            )
+    if not found:
+        return None
+    try:
+        return KVSpec.from_signature(found.pop())
+    except (ValueError, LMCacheError):
+        return None
+
+
+def store_chunks(hierarchy: Any, src: _KV, spec: KVSpec, chunks: list[Chunk], keys: list[str],
+                 present: list[bool], pool: Any, in_flight: int) -> StoreResult:
+    """Copy each chunk not ``present`` out of ``src`` into pool memory and put it into the
+    hierarchy: on ``pool``'s threads when given (at most ``in_flight`` puts held), and
+    inside ``hierarchy.storing()``, so the lower tiers' writes wait until the copies are
+    done. A chunk the memory pool cannot take is dropped, not waited for forever."""
+    import contextlib
+    import logging
+
+    stored = skipped = dropped = 0
+    dtype = dtype_from_name(spec.dtype)
+    todo = sum(1 for here in present if not here)
+    pending: list[Any] = []
+
+    def put(key: str, obj: Any) -> None:
+        try:
+            hierarchy.put_one(key, obj)
+        finally:
+            obj.unref()
+
+    storing = hierarchy.storing() if todo and len(hierarchy.tiers) > 1 else contextlib.nullcontext()
+    with storing:
+        try:
+            for chunk, key, here in zip(chunks, keys, present):
+                if here:
+                    skipped += chunk.num_tokens
+                    continue
+                obj = hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+                if obj is None and pending:  # wait for the writes in flight to give memory back
+                    for f in pending:
+                        f.result()
+                    pending.clear()
+                    obj = hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
+                if obj is None:
+                    dropped += chunk.num_tokens
+                    logging.getLogger("lmcache.engine").debug("memory pool exhausted: not storing chunk %s", key)
+                    continue
+                try:
+                    src.copy_chunk(chunk.start, chunk.end, obj.tensor)
+                except BaseException:
+                    obj.unref()
+                    raise
+                if pool is not None:
+                    pending.append(pool.submit(put, key, obj))
+                    if len(pending) >= in_flight:
+                        pending.pop(0).result()
+                else:
+                    put(key, obj)
+                stored += chunk.num_tokens
+        finally:
+            for f in pending:  # the store returns when every chunk is in the top tier
+                f.result()
+    return StoreResult(stored, skipped, dropped)

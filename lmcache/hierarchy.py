@@ -1,7 +1,10 @@
 """The storage hierarchy: ordered tiers with byte-accurate capacities.
 
+Methods follow the backend contract's names: batch forms take a sequence of keys
+(``contains``, ``get``), single-key forms end in ``_one`` (``get_one``, ``put_one``).
+
 - ``get``: the first tier that has a key wins; the hit is promoted into the tiers above.
-- ``put``: into the top tier; lower tiers get it per the write policy: ``write-through``
+- ``put_one``: into the top tier; lower tiers get it per the write policy: ``write-through``
   (every tier, asynchronously through a bounded queue) or ``write-back`` (a tier receives
   what the tier above evicts).
 - capacities are accounted in stored bytes and never exceeded: space is reserved (an upper
@@ -17,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import compress
 from operator import not_
 from typing import Callable, Iterator, Sequence
@@ -27,6 +30,7 @@ import torch
 from .codecs import ChainError, chain_names, load_codec
 from .config import Config, TierConfig
 from .errors import ConfigError, CorruptPayloadError
+from .ledger import Ledger, Listener
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
 from .policies import EvictionPolicy
@@ -74,15 +78,10 @@ def check_tier(
     except Exception as exc:
         raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
     try:
-        if codec_for is not None:
-            codec = codec_for(tcfg.codec, codec_options)
-        else:
-            codec = load_codec(regs.codecs.load, tcfg.codec, codec_options)
+        codec = (codec_for or codec_cache(regs))(tcfg.codec, codec_options)
     except ChainError as exc:
         raise ConfigError(f"{prefix}.codec", str(exc), source) from None
-    except TypeError as exc:
-        raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
     except Exception as exc:
         raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
@@ -117,16 +116,7 @@ def build_tier(
     Without ``allocate``, reads go to heap memory; without ``codec_for``, payloads of any
     registered codec are readable."""
     regs = registries or get_registries()
-    if codec_for is None:
-        cache: dict[str, object] = {}
-
-        def codec_for(name: str, options: dict | None = None) -> object:
-            if options:
-                return load_codec(regs.codecs.load, name, options)
-            if name not in cache:
-                cache[name] = load_codec(regs.codecs.load, name)
-            return cache[name]
-
+    codec_for = codec_for or codec_cache(regs)
     parts = parts or check_tier(i, tcfg, source=source, registries=regs, codec_for=codec_for)
     ctx = BackendContext(
         tier=tcfg.name,
@@ -143,7 +133,29 @@ def build_tier(
         backend = parts.backend_cls(ctx)
     except ConfigError as exc:
         raise ConfigError(f"tiers[{i}].{exc.key}", exc.problem, source) from None
-    return Tier(tcfg, backend, parts.policy, clock, trim=trim)
+    return Tier(tcfg, backend, Ledger(tcfg.name, tcfg.capacity, parts.policy), clock, trim=trim)
+
+
+def codec_cache(regs: Registries) -> Callable[..., object]:
+    """``codec(name, options=None)``: the codec (or chain) named ``name``, built once
+    per name without options (a tier's reads look a payload's codec up per entry)."""
+    cache: dict[str, object] = {}
+
+    def codec(name: str, options: dict | None = None) -> object:
+        if options:
+            return load_codec(regs.codecs.load, name, options)
+        if name not in cache:
+            cache[name] = load_codec(regs.codecs.load, name)
+        return cache[name]
+
+    return codec
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 @dataclass
@@ -159,7 +171,6 @@ class HierarchyStats:
     skipped_no_memory: int = 0  # store chunks skipped because the pool was exhausted
     promotions: int = 0
     repairs: int = 0  # write-through: evicted chunks written down because no lower tier had them
-    extra: dict = field(default_factory=dict)
 
 
 class StorageHierarchy:
@@ -180,7 +191,9 @@ class StorageHierarchy:
         self.registries = registries or get_registries()
         self.write_back = config.write_policy == "write-back"
         self.stats = HierarchyStats()
-        self._codecs: dict[str, object] = {}
+        #: ``codec(name, options=None)``: the codec (or chain) named ``name``
+        self.codec = codec_cache(self.registries)
+        self._listeners: tuple[Listener, ...] = ()
         self.tiers: list[Tier] = []
         try:
             for i, tcfg in enumerate(config.tiers):
@@ -213,15 +226,6 @@ class StorageHierarchy:
         self._worker.start()
 
     # ------------------------------------------------------------ building
-    def codec(self, name: str, options: dict | None = None):
-        """The codec (or chain) named ``name``, built once per name without options."""
-        if options:
-            return load_codec(self.registries.codecs.load, name, options)
-        c = self._codecs.get(name)
-        if c is None:
-            c = self._codecs[name] = load_codec(self.registries.codecs.load, name)
-        return c
-
     def _build_tier(self, i: int, tcfg: TierConfig) -> Tier:
         return build_tier(
             i, tcfg, source=self.config.source, registries=self.registries, codec_for=self.codec,
@@ -229,9 +233,6 @@ class StorageHierarchy:
         )
 
     # ------------------------------------------------------------ memory
-    def _pool_tiers(self) -> list[Tier]:
-        return [t for t in self.tiers if t.backend.holds_memory_objects]
-
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A pool object, evicting from the CPU tiers if the pool is full; ``None`` if
         nothing more can be evicted."""
@@ -240,11 +241,8 @@ class StorageHierarchy:
             return obj
         if self._stores:  # objects that queued writes hold come back to the pool when written
             self._writer_stop_yielding()
-        nbytes = 1
-        for d in shape:
-            nbytes *= int(d)
-        nbytes *= torch.empty((), dtype=dtype).element_size()
-        for tier in reversed(self._pool_tiers()):
+        nbytes = _nbytes(shape, dtype)
+        for tier in reversed([t for t in self.tiers if t.backend.holds_memory_objects]):
             budget = 4 * nbytes  # bytes evicted before giving up (demotions free memory late)
             while budget > 0:
                 freed = tier.evict_bytes(nbytes)
@@ -263,9 +261,7 @@ class StorageHierarchy:
         Refuses (``CorruptPayloadError``: the entry is corrupt, a miss) a claim larger
         than :attr:`max_entry_bytes`, or than the largest tier when that is unset: a
         forged header must cost one miss, never a 16 GiB allocation."""
-        nbytes = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            nbytes *= int(d)
+        nbytes = _nbytes(shape, dtype)
         limit = self.max_entry_bytes
         if limit is None:
             limit = max(t.capacity for t in self.tiers) if getattr(self, "tiers", None) else None
@@ -279,6 +275,17 @@ class StorageHierarchy:
     # ------------------------------------------------------------ data path
     def contains_prefix(self, keys: Sequence[str]) -> list[str]:
         """Tier names of the longest prefix of ``keys`` that some tier holds."""
+        found = self._where(keys)
+        return found[: found.index(None)] if None in found else found  # type: ignore[return-value]
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """For each key: whether some tier holds it (or a queued write carries it)."""
+        return [name is not None for name in self._where(keys)]
+
+    def _where(self, keys: Sequence[str]) -> list[str | None]:
+        """For each key the name of the first tier that holds it, or of the tier its
+        queued write goes to (``None``: neither); each tier is asked, in one batch call,
+        for the keys the tiers above it did not have."""
         n = len(keys)
         found: list[str | None] = [None] * n
         remaining: Sequence[int] = range(n)  # indices not found yet, ascending
@@ -291,47 +298,31 @@ class StorageHierarchy:
             for i in compress(remaining, res):
                 found[i] = tier.name
             remaining = list(compress(remaining, map(not_, res)))
-            # keys after the first miss of this round may still be found lower down
-        for i in remaining:  # ascending: the prefix ends at the first one not in flight
+        for i in remaining:
             entry = self._inflight.get(keys[i])
-            if entry is None:
-                break
-            found[i] = self.tiers[entry[1]].name
-        end = found.index(None) if None in found else n
-        return found[:end]  # type: ignore[return-value]
+            if entry is not None:
+                found[i] = self.tiers[entry[1]].name
+        return found
 
-    def contains_any(self, keys: Sequence[str]) -> list[bool]:
-        present = [False] * len(keys)
-        for tier in self.tiers:
-            idx = [i for i, p in enumerate(present) if not p]
-            if not idx:
-                break
-            for i, hit in zip(idx, tier.contains([keys[i] for i in idx])):
-                present[i] = hit
-        return [p or k in self._inflight for p, k in zip(present, keys)]
+    def get_one(self, key: str) -> tuple[MemoryObj, Tier] | None:
+        return self.get([key])[0]
 
-    def get(self, key: str) -> tuple[MemoryObj, Tier] | None:
-        """The object for ``key`` (caller owns one reference) and the tier it came from."""
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
-                 accept: Callable[[int, MemoryObj], bool] | None = None) -> list[tuple[MemoryObj, Tier] | None]:
-        """:meth:`get` for several keys, one batch call per tier: each tier is asked
-        for the keys the tiers above it did not have. ``on_ready(j, obj)``: see
-        :meth:`Tier.get_many` (``j`` indexes ``keys``). ``accept(j, obj)``: the caller's
-        check of a hit (its shape and dtype); a hit it refuses is returned but never
-        promoted into the tiers above."""
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
+            accept: Callable[[int, MemoryObj], bool] | None = None) -> list[tuple[MemoryObj, Tier] | None]:
+        """For each key: its object (the caller owns one reference) and the tier it came
+        from, or ``None``; one batch call per tier: each tier is asked for the keys the
+        tiers above it did not have. ``on_ready(j, obj)``: see :meth:`Tier.get` (``j``
+        indexes ``keys``). ``accept(j, obj)``: the caller's check of a hit (its shape and
+        dtype); a hit it refuses is returned but never promoted into the tiers above."""
         found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         # queued writes are taken before the tiers are asked: a write that lands (and
         # leaves the queue) while its tier is being read must not fall between the two
         queued: dict[int, tuple[MemoryObj, int]] = {}
-        if self._inflight:
-            for j, key in enumerate(keys):
-                if key in self._inflight:
-                    pending = self._inflight_get(key)
-                    if pending is not None:
-                        queued[j] = pending
+        for j, key in enumerate(keys if self._inflight else ()):
+            pending = self._inflight_get(key) if key in self._inflight else None
+            if pending is not None:
+                queued[j] = pending
         try:
             return self._get_tiers(keys, found, remaining, queued, on_ready, accept)
         except BaseException:
@@ -343,13 +334,9 @@ class StorageHierarchy:
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
-            cb = None
-            if on_ready is not None:
-                idx = list(remaining)
-
-                def cb(k: int, obj: MemoryObj, idx: list[int] = idx) -> None:
-                    on_ready(idx[k], obj)
-            objs = tier.get_many([keys[j] for j in remaining], cb)
+            # on_ready with indices into keys, not into what this tier is asked
+            cb = None if on_ready is None else (lambda k, obj, idx=list(remaining): on_ready(idx[k], obj))
+            objs = tier.get([keys[j] for j in remaining], cb)
             nxt = []
             for j, obj in zip(remaining, objs):
                 if obj is None:
@@ -381,20 +368,17 @@ class StorageHierarchy:
                     pooled.tensor.copy_(obj.tensor)
                     obj.unref()
                     obj = pooled
-                if upper.put(key, obj):
+                if upper.put_one(key, obj):
                     self.stats.promotions += 1
             else:
                 self._enqueue(_Write(j, key, obj.ref()), block=False)
         return obj
 
-    def put(self, key: str, obj: MemoryObj) -> bool:
+    def put_one(self, key: str, obj: MemoryObj) -> bool:
         """Store into the top tier now and into lower tiers per the write policy.
         The caller keeps its reference."""
         top = self.tiers[0]
-        if not obj.pooled and top.backend.holds_memory_objects:
-            ok = False
-        else:
-            ok = top.put(key, obj)
+        ok = (obj.pooled or not top.backend.holds_memory_objects) and top.put_one(key, obj)
         if not self.write_back or not ok:
             for j in range(1, len(self.tiers)):
                 self._enqueue(_Write(j, key, obj.ref()), block=False)
@@ -407,7 +391,7 @@ class StorageHierarchy:
             if threading.current_thread() is self._worker:
                 # already off the engine's path: write down the chain directly
                 try:
-                    self.tiers[target].put(key, obj)
+                    self.tiers[target].put_one(key, obj)
                 finally:
                     obj.unref()
             else:
@@ -423,9 +407,8 @@ class StorageHierarchy:
         lower = self.tiers[first:]
 
         def missing(key: str) -> bool:
-            if key in self._inflight:  # a write of it is queued
-                return False
-            if any(key in t._index for t in lower) or not any(t.available for t in lower):
+            # not if a write of it is queued, a lower tier has it, or none is up to take it
+            if key in self._inflight or any(key in t.ledger for t in lower) or not any(t.available for t in lower):
                 return False
             self.stats.repairs += 1
             return True
@@ -439,11 +422,7 @@ class StorageHierarchy:
             return
         with self._writer_lock:
             w.obj.writer_refs += 1
-            entry = self._inflight.get(w.key)
-            if entry is None:
-                self._inflight[w.key] = ([w.obj], w.tier)
-            else:
-                entry[0].append(w.obj)
+            self._inflight.setdefault(w.key, ([], w.tier))[0].append(w.obj)
         try:
             self._queue.put(w, block=block, timeout=1.0 if block else None)
         except queue.Full:
@@ -524,7 +503,7 @@ class StorageHierarchy:
                 if self._stores and not self._stores_need_memory:
                     self._yield_to_stores()
                 try:
-                    self.tiers[w.tier].put(w.key, w.obj)
+                    self.tiers[w.tier].put_one(w.key, w.obj)
                 finally:
                     self._release(w)
             except Exception:  # never let the writer die
@@ -563,7 +542,6 @@ class StorageHierarchy:
                 found.lease(key, seconds)  # its write is queued: the lease waits for it in that tier
             # the lease covers the key in every tier, one per tier, as :meth:`release_leases`
             # drops it: a release never ends a lease another lookup took in another tier
-            # (before, leases were taken in one tier and dropped in all)
             for tier in self.tiers:
                 if tier is not found:
                     tier.lease(key, seconds)
@@ -582,35 +560,24 @@ class StorageHierarchy:
     def pending_writes(self) -> int:
         return self._queue.qsize()
 
-    def add_listener(self, listener: Callable[[str, str, str], None]) -> None:
+    def add_listener(self, listener: Listener) -> None:
         """Call ``listener(op, tier, key)`` whenever a tier admits (``"admit"``) or drops
         (``"evict"``) a key, after the listeners added before it (the controller worker's
         index feed, the KV-event publisher); called with the tier's lock held, so it must
-        not block. See :attr:`Tier.listener`."""
-        self._listeners = [*getattr(self, "_listeners", []), listener]
-        self._wire_listeners()
+        not block. Each tier's :class:`~lmcache.ledger.Ledger` calls them."""
+        self._set_listeners((*self._listeners, listener))
 
-    def remove_listener(self, listener: Callable[[str, str, str], None]) -> None:
-        self._listeners = [f for f in getattr(self, "_listeners", []) if f is not listener]
-        self._wire_listeners()
+    def remove_listener(self, listener: Listener) -> None:
+        self._set_listeners(tuple(f for f in self._listeners if f is not listener))
 
-    def set_listener(self, listener: Callable[[str, str, str], None] | None) -> None:
+    def set_listener(self, listener: Listener | None) -> None:
         """Replace every listener with ``listener`` (``None``: none)."""
-        self._listeners = [] if listener is None else [listener]
-        self._wire_listeners()
+        self._set_listeners(() if listener is None else (listener,))
 
-    def _wire_listeners(self) -> None:
-        listeners = tuple(self._listeners)
-        if not listeners:
-            call = None
-        elif len(listeners) == 1:
-            call = listeners[0]
-        else:
-            def call(op: str, tier: str, key: str) -> None:
-                for f in listeners:
-                    f(op, tier, key)
+    def _set_listeners(self, listeners: tuple[Listener, ...]) -> None:
+        self._listeners = listeners
         for t in self.tiers:
-            t.listener = call
+            t.ledger.listeners = listeners
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

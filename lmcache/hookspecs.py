@@ -80,3 +80,17 @@ def lmcache_register_layouts(registry: Registry) -> None:
     kernels then move KV between that layout and chunk buffers. Names are unique across
     all plugins. Returns nothing.
     """
+
+
+@hookspec
+def lmcache_register_services(registry: Registry) -> None:
+    """Register engine services (what an engine runs beside its tiers: an API, an endpoint,
+    a publisher).
+
+    Called once per plugin manager. ``registry.add(name, "module:Class")``; the class has
+    ``enabled(config) -> bool`` (a static or class method: does this config ask for the
+    service?) and is started by each engine whose config enables it as ``Class(view)``
+    with a :class:`lmcache.services.EngineView`, in registration order; the object has
+    ``info() -> dict | None`` (its part of ``CacheEngine.stats()``) and ``close()``, called
+    in reverse start order (see :mod:`lmcache.services`). Returns nothing.
+    """

@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "lmcache.plugins.connectors.builtin",
     "lmcache.policies",
     "lmcache.kernels.builtin",
+    "lmcache.plugins.services.builtin",
 )
 
 KINDS = {
@@ -48,6 +49,7 @@ KINDS = {
     "connector": "lmcache_register_connectors",
     "policy": "lmcache_register_policies",
     "layout": "lmcache_register_layouts",
+    "service": "lmcache_register_services",
 }
 
 
@@ -125,6 +127,10 @@ class Registry:
 
     def entries(self) -> list[Entry]:
         return [self._entries[n] for n in self.names()]
+
+    def in_order(self) -> list[Entry]:
+        """The entries in registration order (plugin by plugin; services start in it)."""
+        return list(self._entries.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -336,7 +342,7 @@ def plugin_source(plugin_name: str) -> tuple[str, str]:
 
 
 class Registries:
-    """The four registries, filled by calling each plugin's hooks one plugin at a time
+    """The registries (one per plugin kind), filled by calling each plugin's hooks one plugin at a time
     (so that a duplicate name can name both plugins)."""
 
     def __init__(self, pm: pluggy.PluginManager):
@@ -346,12 +352,14 @@ class Registries:
         self.connectors = Registry("connector")
         self.policies = Registry("policy")
         self.layouts = Registry("layout")
+        self.services = Registry("service")
         by_kind = {
             "backend": self.backends,
             "codec": self.codecs,
             "connector": self.connectors,
             "policy": self.policies,
             "layout": self.layouts,
+            "service": self.services,
         }
         _check_pending(pm)  # also for plugins registered on ``pm`` by hand
         dropped = getattr(pm, "_lmcache_dropped", set())
@@ -359,7 +367,7 @@ class Registries:
             reg = by_kind[kind]
             reg._dropped = {d for d in dropped if d[0] == kind}
             hook = getattr(pm.hook, hook_name)
-            plugins = [(impl.plugin_name, impl.plugin) for impl in reversed(hook.get_hookimpls())]  # registration order
+            plugins = [(impl.plugin_name, impl.plugin) for impl in hook.get_hookimpls()]  # registration order
             for plugin_name, plugin in plugins:
                 reg._current_plugin = plugin_name
                 # through pluggy (wrappers and hook options apply), one plugin at a time so

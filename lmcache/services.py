@@ -1,28 +1,31 @@
-"""The services an engine runs beside its tiers: one small protocol, started in order and
-closed in reverse.
+"""The services an engine runs beside its tiers: a plugin type, one small protocol, started
+in order and closed in reverse.
 
 A service is what the engine starts when its config asks for it: the instance API, the
-peer-to-peer endpoint, the controller worker, the KV-event publisher. Each is declared
-once, in :data:`SERVICES`, as a :class:`ServiceSpec`: a name, whether the config enables
-it, and how to start it on an engine. A started service has ``info()`` (its part of
+peer-to-peer endpoint, the controller worker, the KV-event publisher (the built-ins, in
+:mod:`lmcache.plugins.services`). Services are plugins like backends and codecs: a plugin
+registers each through ``lmcache_register_services(registry)`` as a class with
+``enabled(config) -> bool``; the engine starts the enabled ones in registration order as
+``Class(view)``, where ``view`` is an :class:`EngineView`, the narrow part of the engine a
+service may use. A started service has ``info()`` (its part of
 :meth:`lmcache.CacheEngine.stats`, or ``None`` for none) and ``close()``.
 
 The engine keeps them in an :class:`contextlib.ExitStack`: a service that fails to start
 closes every one started before it, in reverse, and :meth:`~lmcache.CacheEngine.close`
-unwinds the same stack. Services that act on the data path do so through the engine's
-hook lists, not through fields the engine tests for: ``engine.miss_fillers`` (a peer
-fetch before a lookup gives up), ``engine.store_observers`` (a chunk key's token ids for
-KV events) and the hierarchy's listeners (:meth:`StorageHierarchy.add_listener`).
+unwinds the same stack. Services that act on the data path do so through hook lists, not
+through fields the engine tests for: miss fillers (a peer fetch before a lookup gives up),
+store observers (a chunk key's token ids for KV events) and the hierarchy's listeners.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, KVSpec
     from .engine import CacheEngine
+    from .hierarchy import StorageHierarchy
+    from .keys import Chunk
 
 
 @runtime_checkable
@@ -34,62 +37,57 @@ class Service(Protocol):
         """Stop serving and release what it holds; called once, in reverse start order."""
 
 
-@dataclass(frozen=True)
-class ServiceSpec:
-    name: str
-    enabled: Callable[[Config], bool]
-    start: Callable[[CacheEngine], Service]
+class EngineView:
+    """What a service sees of its engine: the config, the hierarchy, the clock, the
+    instance id, the KV spec (it may arrive with the first store), the admin operations,
+    the other services, and the hook lists of the data path. Not the engine itself: a
+    service cannot store, retrieve or close it, so the engine's invariants stay its own."""
 
-
-def _api(engine: CacheEngine) -> Service:
-    from .api import ApiServer
-
-    return ApiServer(engine.admin, engine.config.api)
-
-
-def _p2p(engine: CacheEngine) -> Service:
-    from .p2p import P2P
-
-    p2p = P2P(engine, engine.config.p2p)
-    if p2p.fetching:
-        engine.miss_fillers.append(p2p.fill)
-    return p2p
-
-
-def _controller(engine: CacheEngine) -> Service:
-    from .controller.worker import ControllerWorker
-
-    return ControllerWorker(engine, engine.config.controller)
-
-
-class _KVEvents:
-    """The KV-event publisher (:mod:`lmcache.events`) as a service: it hears the tiers'
-    admits and evictions and the token ids of each stored chunk, and closes after the
-    hierarchy's queued writes are done (their admits are events too)."""
+    __slots__ = ("_engine", "clock", "config", "hierarchy", "instance_id")
 
     def __init__(self, engine: CacheEngine):
-        from .events import KVEventPublisher
+        self._engine = engine
+        self.config: Config = engine.config
+        self.hierarchy: StorageHierarchy = engine.hierarchy
+        self.clock: Callable[[], float] = engine.clock
+        self.instance_id: str = engine.instance_id
 
-        cfg = engine.config
-        self.publisher = KVEventPublisher(cfg.kv_events, namespace=cfg.namespace, model=cfg.model)
-        self._hierarchy = engine.hierarchy
-        if self.publisher.enabled:
-            engine.hierarchy.add_listener(self.publisher.on_tier_event)
-            engine.store_observers.append(self.publisher.remember)
+    @property
+    def kv_spec(self) -> KVSpec | None:
+        return self._engine.kv_spec
 
-    def info(self) -> dict[str, Any]:
-        return self.publisher.stats()
+    @property
+    def admin(self) -> Any:
+        """:class:`lmcache.admin.Admin` on this engine (what the instance API serves)."""
+        return self._engine.admin
 
-    def close(self) -> None:
-        self._hierarchy.flush()
-        self.publisher.close()
+    def service(self, name: str) -> Any | None:
+        """A service started before this one, by its registered name, or ``None``."""
+        return self._engine.services.get(name)
+
+    def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
+        return self._engine.chunk_keys(tokens)
+
+    def add_miss_filler(self, filler: Callable[[list[Chunk], list[str], int], int]) -> None:
+        """``filler(chunks, keys, have) -> fetched`` is asked when a lookup or retrieve
+        misses after ``have`` chunks: it may bring the missing chunks into the tiers."""
+        self._engine.miss_fillers.append(filler)
+
+    def add_store_observer(self, observer: Callable[[Any, list[Chunk], list[str]], None]) -> None:
+        """``observer(tokens, chunks, keys)`` is told before chunks are stored or promoted."""
+        self._engine.store_observers.append(observer)
 
 
-#: the built-in services, in start order (the P2P endpoint before the controller worker,
-#: which registers its address; closing runs backwards)
-SERVICES: list[ServiceSpec] = [
-    ServiceSpec("api", lambda c: c.api.enabled, _api),
-    ServiceSpec("p2p", lambda c: c.p2p.enabled, _p2p),
-    ServiceSpec("controller", lambda c: bool(c.controller.url), _controller),
-    ServiceSpec("kv_events", lambda c: c.kv_events.enabled, _KVEvents),
-]
+def start_services(engine: CacheEngine, registry: Any, stack: Any) -> None:
+    """Start the enabled services of ``registry`` into ``engine.services``, in
+    registration order, each closed by ``stack`` (so in reverse)."""
+    view = EngineView(engine)
+    for entry in registry.in_order():
+        cls = registry.load(entry.name)
+        if cls.enabled(engine.config):
+            svc = cls(view)
+            stack.callback(svc.close)
+            engine.services[entry.name] = svc  # visible to the services started after it
+
+
+__all__ = ["EngineView", "Service", "start_services"]

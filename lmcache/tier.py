@@ -1,10 +1,8 @@
-"""One storage tier: a backend plus capacity accounting, eviction, pins and leases, and
-health (backoff after failures, and writes a device refuses).
-
-:class:`Tier` owns a tier's books: the index of keys and their stored bytes, the eviction
-policy and the listeners, all changed under the tier's lock; the backend is asked only to
-move entries. :class:`lmcache.hierarchy.StorageHierarchy` orders tiers and moves entries
-between them.
+"""One storage tier: a backend, which only moves entries; the :class:`~lmcache.ledger.Ledger`
+that alone keeps the tier's books (keys and their bytes, used and reserved bytes, the
+policy's state, the listeners); and what the tier decides itself, under its lock: what to
+evict, pins and leases, and health (backoff after failures, writes a device refuses).
+:class:`lmcache.hierarchy.StorageHierarchy` orders tiers and moves entries between them.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ from typing import Callable, Iterator, Sequence
 
 from .config import TierConfig
 from .errors import EntryPathError
+from .ledger import Ledger
 from .memory import MemoryObj
-from .policies import EvictionPolicy, eviction_order
 from .storage import EntryInfo, StorageBackend, Usage
 
 log = logging.getLogger("lmcache.hierarchy")  # the tiers' messages keep the logger operators filter on
@@ -65,13 +63,13 @@ def _write_refused(exc: BaseException) -> bool:
 
 
 class Tier:
-    """One backend plus capacity, eviction policy, pins and health."""
+    """One backend plus its ledger, eviction, pins and health."""
 
     def __init__(
         self,
         cfg: TierConfig,
         backend: StorageBackend,
-        policy: EvictionPolicy,
+        ledger: Ledger,
         clock: Callable[[], float] = time.monotonic,
         *,
         trim: bool = True,
@@ -80,19 +78,12 @@ class Tier:
         (off when a tier is only opened for inspection)."""
         self.cfg = cfg
         self.name = cfg.name
-        self.capacity = cfg.capacity
+        self.capacity = ledger.capacity
         self.backend = backend
-        self.policy = policy
+        self.ledger = ledger
         self.clock = clock
         self.stats = TierStats()
         self._lock = threading.RLock()
-        self._index: dict[str, int] = {}  # key -> stored bytes accounted here
-        #: key -> the number of the put that stored it (0: found at start): a read that
-        #: misses may forget a key only if no put stored it again while the read ran
-        self._born: dict[str, int] = {}
-        self._puts_seen = 0
-        self._reserved = 0
-        self.used = 0
         self._pins: dict[str, int] = {}
         self._leases: dict[str, list[float]] = {}
         self._health = _Health()
@@ -102,21 +93,19 @@ class Tier:
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
         #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
         self.demote_if: Callable[[str], bool] | None = None
-        #: called as ``listener(op, tier name, key)`` with op ``"admit"`` when this tier
-        #: stored a key and ``"evict"`` when it dropped one (the controller worker's
-        #: event feed); called with the tier's lock held, so it must not block
-        self.listener: Callable[[str, str, str], None] | None = None
         if not backend.shared:
             try:
                 for key, size in backend.keys():
-                    self._index[key] = size
-                    self.used += size
-                    policy.on_insert(key)
+                    ledger.admit(key, size)
             except Exception as exc:  # unreachable at start: serve misses, retry later
                 self._failed("listing entries", exc)
-        if trim and self.used > self.capacity:
+        if trim and ledger.over(0):
             with self._lock:
                 self._make_room(0)
+
+    @property
+    def used(self) -> int:
+        return self.ledger.used
 
     # -------------------------------------------------------------- health
     @property
@@ -161,7 +150,7 @@ class Tier:
             self._write_refusal = (f"{type(exc).__name__}: {exc}", self.clock(), self.stats.refused_writes)
             log.warning(
                 "tier %s: the device refuses writes (%s); stores to it are skipped while it keeps serving "
-                "its %d entries", self.name, exc, len(self._index),
+                "its %d entries", self.name, exc, len(self.ledger),
             )
 
     def _writes_ok(self) -> None:
@@ -199,7 +188,7 @@ class Tier:
         eviction between a lookup's ``contains`` and its lease cannot leave a lease on
         nothing); a shared store's index is not authoritative, so there it always leases."""
         with self._lock:
-            if not self.backend.shared and key not in self._index:
+            if not self.backend.shared and key not in self.ledger:
                 return False
             self._leases.setdefault(key, []).append(self.clock() + seconds)
         return True
@@ -227,21 +216,9 @@ class Tier:
         del self._leases[key]
         return False
 
-    def _evictable(self, key: str) -> bool:
-        return not self.is_pinned(key) and not self.backend.in_use(key)
-
-    def _forget(self, key: str) -> int | None:
-        """Drop ``key`` from the books (index, bytes, policy, listeners); its size, or
-        ``None`` if it was not there. Called with the lock held; the backend is not touched."""
-        size = self._index.pop(key, None)
-        self._born.pop(key, None)
-        if size is None:
-            return None
-        self.used -= size
-        self.policy.on_remove(key)
-        if self.listener is not None:
-            self.listener("evict", self.name, key)
-        return size
+    def _held(self, key: str) -> bool:
+        """Not evictable: pinned, leased, or held by a reader."""
+        return self.is_pinned(key) or self.backend.in_use(key)
 
     # --------------------------------------------------------- data path
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -259,13 +236,10 @@ class Tier:
             with self._lock:
                 for key, present in zip(keys, out):
                     if not present:
-                        self._forget(key)
+                        self.ledger.forget(key)
         return out
 
-    def get(self, key: str) -> MemoryObj | None:
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
         """Objects for ``keys`` in one batch call to the backend (a pipeline or a
         concurrent fetch for remote stores); the caller owns one reference of each.
         A backend with ``streams_gets`` calls ``on_ready(i, obj)`` (from its I/O threads)
@@ -276,7 +250,7 @@ class Tier:
             self.stats.misses += len(keys)
             return [None] * len(keys)
         with self._lock:
-            born = [self._born.get(k) for k in keys]
+            born = [self.ledger.born.get(k) for k in keys]
         t0 = time.perf_counter()
         try:
             if on_ready is not None and getattr(self.backend, "streams_gets", False):
@@ -295,20 +269,23 @@ class Tier:
                     self.stats.misses += 1
                     # vanished (corrupt, or removed by a peer): forget it, unless a put
                     # stored it again while this read ran (its file is there and counted)
-                    if self._born.get(key) == b:
-                        self._forget(key)
+                    if self.ledger.born.get(key) == b:
+                        self.ledger.forget(key)
                     continue
                 self.stats.hits += 1
                 self.stats.hit_bytes += obj.nbytes
-                if key in self._index:
-                    self.policy.on_access(key)
+                self.ledger.access([key])
             self.stats.get_seconds += dt
         return objs
 
     def _make_room(self, need: int) -> bool:
         """Evict until ``need`` more bytes fit. Called with the lock held."""
-        while self.used + self._reserved + need > self.capacity:
-            victim = self.policy.victim(lambda k: not self._evictable(k))
+        return self._evict_until(lambda: not self.ledger.over(need))
+
+    def _evict_until(self, done: Callable[[], bool]) -> bool:
+        """Evict by policy until ``done()``; False if the evictable entries ran out first."""
+        while not done():
+            victim = self.ledger.victim(self._held)
             if victim is None:
                 return False
             self._evict(victim)
@@ -324,11 +301,8 @@ class Tier:
         try:
             self.backend.remove_one(key)
         except Exception as exc:
-            if _write_refused(exc):
-                self._refused("remove", exc)
-            else:
-                self._failed("remove", exc)
-        self._forget(key)
+            self._write_failed("remove", exc)
+        self.ledger.forget(key)
         self.stats.evictions += 1
         if demote is not None:
             self.on_evict(key, demote)  # takes over the reference
@@ -336,63 +310,43 @@ class Tier:
     def touch(self, keys: Sequence[str]) -> None:
         """Count a use of entries without reading them (a store that found them cached)."""
         with self._lock:
-            for k in keys:
-                if k in self._index:
-                    self.policy.on_access(k)
+            self.ledger.access(keys)
 
     def evict_bytes(self, nbytes: int) -> int:
         """Evict unpinned entries until ``nbytes`` were freed (or nothing is left)."""
-        freed = 0
         with self._lock:
-            while freed < nbytes:
-                victim = self.policy.victim(lambda k: not self._evictable(k))
-                if victim is None:
-                    break
-                freed += self._index.get(victim, 0)
-                self._evict(victim)
-        return freed
+            before = self.ledger.used
+            self._evict_until(lambda: before - self.ledger.used >= nbytes)
+            return before - self.ledger.used
 
-    def put(self, key: str, obj: MemoryObj) -> bool:
+    def put_one(self, key: str, obj: MemoryObj) -> bool:
         """Store ``obj`` unless present; the caller keeps its reference. True if stored."""
         if not self.available:
             self.stats.skipped_puts += 1
             return False
         need = self.backend.reserve_size(key, obj)
         with self._lock:
-            if key in self._index:
+            if key in self.ledger:
                 return True
             if need > self.capacity or not self._make_room(need):
                 self.stats.skipped_puts += 1
                 return False
-            self._reserved += need
+            self.ledger.reserved += need
         t0 = time.perf_counter()
         try:
             stored = self.backend.put_one(key, obj)
         except Exception as exc:
             with self._lock:
-                self._reserved -= need
-            if _write_refused(exc):
-                # a full or read-only device (or one blocked path): this chunk is not
-                # written, but the tier still serves what it holds; not an outage
-                self.stats.skipped_puts += 1
-                self._refused("put", exc)
-                return False
-            self._failed("put", exc)
+                self.ledger.reserved -= need
+            self.stats.skipped_puts += _write_refused(exc)  # the device refused this chunk
+            self._write_failed("put", exc)
             return False
         self._ok()
         self._writes_ok()
         dt = time.perf_counter() - t0
         with self._lock:
-            self._reserved -= need
-            old = self._index.get(key)
-            if old is None:
-                self.policy.on_insert(key)
-                if self.listener is not None:
-                    self.listener("admit", self.name, key)
-            self._index[key] = stored
-            self._puts_seen += 1
-            self._born[key] = self._puts_seen
-            self.used += stored - (old or 0)
+            self.ledger.reserved -= need
+            self.ledger.admit(key, stored)
             if stored > need:  # a backend that under-reserved: settle at once
                 self._make_room(0)
             self.stats.puts += 1
@@ -407,17 +361,19 @@ class Tier:
                 try:
                     removed = self.backend.remove_one(k)
                 except Exception as exc:
-                    if _write_refused(exc):
-                        self._refused("remove", exc)
-                    else:
-                        self._failed("remove", exc)
+                    self._write_failed("remove", exc)
                     continue
-                size = self._forget(k)
+                size = self.ledger.forget(k)
                 n += bool(removed or size is not None)
         return n
 
+    def _write_failed(self, what: str, exc: BaseException) -> None:
+        """A device that refuses writes (full, read-only, or one blocked path) still
+        serves what it holds: not an outage, unlike any other error."""
+        (self._refused if _write_refused(exc) else self._failed)(what, exc)
+
     def usage(self) -> Usage:
-        return Usage(self.used, self.capacity, len(self._index))
+        return Usage(self.ledger.used, self.capacity, len(self.ledger))
 
     # --------------------------------------------------------- inspection
     def info(self) -> dict:
@@ -431,7 +387,7 @@ class Tier:
         st["corrupt"] += integrity.corrupt if integrity is not None else 0
         looked = st["hits"] + st["misses"]
         with self._lock:
-            pinned = sum(1 for k in self._pins if k in self._index)
+            pinned = sum(1 for k in self._pins if k in self.ledger)
         return {
             "name": self.name,
             "backend": self.cfg.backend,
@@ -459,9 +415,8 @@ class Tier:
             for e in found:
                 yield e, self.is_pinned(e.key)
             return
-        index = self._index
         for e in self.backend.entries():
-            if e.key in index:
+            if e.key in self.ledger:
                 yield e, self.is_pinned(e.key)
 
     def refresh(self) -> None:
@@ -482,32 +437,26 @@ class Tier:
     def _adopt(self, listed: Sequence[tuple[str, int]]) -> None:
         with self._lock:
             present = dict(listed)
-            for key in [k for k in self._index if k not in present]:
-                self._forget(key)
+            for key in [k for k in self.ledger.sizes if k not in present]:
+                self.ledger.forget(key)
             for key, size in listed:
-                old = self._index.get(key)
-                if old is None:
-                    self.policy.on_insert(key)
-                    if self.listener is not None:
-                        self.listener("admit", self.name, key)
-                self._index[key] = size
-                self.used += size - (old or 0)
+                self.ledger.admit(key, size)
 
     def eviction_order(self) -> list[str]:
         """The keys this tier's policy would evict next, first first (pinned ones and
         those a reader holds left out)."""
         with self._lock:
-            return [k for k in eviction_order(self.policy) if k in self._index and self._evictable(k)]
+            return [k for k in self.ledger.eviction_order() if not self._held(k)]
 
     def size_of(self, key: str) -> int | None:
-        return self._index.get(key)
+        return self.ledger.sizes.get(key)
 
     def key_list(self) -> list[str]:
         """The keys this tier accounts for, copied under its lock (a consistent
         snapshot for the controller worker: events after it arrive through
-        :attr:`listener`)."""
+        its ledger's listeners)."""
         with self._lock:
-            return list(self._index)
+            return list(self.ledger.sizes)
 
     def evict_keys(self, keys: Sequence[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
         """Evict these entries now (an operator's request: nothing is demoted to the
@@ -517,7 +466,7 @@ class Tier:
         skipped: list[tuple[str, str]] = []
         with self._lock:
             for key in keys:
-                size = self._index.get(key)
+                size = self.ledger.sizes.get(key)
                 if size is None:
                     skipped.append((key, "not in this tier"))
                     continue
@@ -533,7 +482,7 @@ class Tier:
                     self._failed("remove", exc)
                     skipped.append((key, f"remove failed: {exc}"))
                     continue
-                self._forget(key)
+                self.ledger.forget(key)
                 self.stats.evictions += 1
                 done.append((key, size))
         return done, skipped
@@ -546,18 +495,17 @@ class Tier:
         it; the caller pins the key while it prepares ``buffers``."""
         new = sum(len(b) for b in buffers)
         with self._lock:
-            old = self._index.get(key)
+            old = self.ledger.sizes.get(key)
             if old is None:
                 return "evicted meanwhile"
             if new > old and not self._make_room(new - old):
                 return "no room in the tier for the larger encoding"
             self.backend.write(key, buffers)  # type: ignore[attr-defined]
-            self._index[key] = new
-            self.used += new - old
+            self.ledger.admit(key, new)
         return old, new
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.ledger)
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, backend={self.cfg.backend}, used={self.used}/{self.capacity})"

@@ -11,7 +11,7 @@ import torch
 from _kv import wave
 
 import lmcache
-from lmcache.admin import Admin, config_report
+from lmcache.admin import Admin
 from lmcache.config import load_config
 from lmcache.errors import AdminError, ConfigError, NotFoundError
 from lmcache.units import format_duration, parse_duration
@@ -276,7 +276,7 @@ def test_api_config_is_validated_and_sources_are_recorded(tmp_path):
         "api.token": "env:LMCACHE_API_TOKEN",
         "model": "override",
     }
-    rep = config_report(cfg)
+    rep = cfg.report()
     assert rep["values"]["api"]["token"] == "***" and rep["sources"]["write_policy"] == "default"
     assert rep["sources"]["api.host"] == "default" and rep["file"] == str(f)
     assert load_config({"api": True}, environ={}).api.enabled is True

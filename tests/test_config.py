@@ -215,3 +215,51 @@ def test_a_config_file_that_is_not_utf8_names_the_byte(tmp_path):
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 27\)") as ei:
         load_config(f)
     assert ei.value.key == "<file>" and str(f) in str(ei.value)
+
+
+# ------------------------------------------------------------ sections declared once
+def test_a_section_declared_only_as_a_dataclass_gets_checks_copy_masking_and_env():
+    """A new section is a dataclass of ``option`` fields and one field of a Config: it
+    is validated, merged, copied, masked and read from the environment with no code of its own."""
+    import dataclasses
+
+    from lmcache import settings as check
+    from lmcache.config import Config
+    from lmcache.settings import option
+
+    @dataclasses.dataclass
+    class WarmerConfig:
+        enabled: bool = option(False, check.boolean, shorthand=bool)
+        workers: int = option(4, check.integer(1))
+        endpoint: str = option("tcp://127.0.0.1:5600", check.zmq_endpoint)
+        token: str | None = option(None, check.token, secret=True, env=True)
+
+    @dataclasses.dataclass
+    class WarmConfig(Config):
+        warmer: WarmerConfig = dataclasses.field(default_factory=WarmerConfig)
+
+    env = {"LMCACHE_WARMER": "{workers: 8}", "LMCACHE_WARMER_TOKEN": "0123"}
+    cfg = load_config(WarmConfig(), environ=env, warmer=True)  # `warmer: true` is {enabled: true}
+    assert (cfg.warmer.enabled, cfg.warmer.workers, cfg.warmer.token) == (True, 8, "0123")  # merged; token verbatim
+    assert cfg.source_of("warmer.workers") == "env:LMCACHE_WARMER" and cfg.source_of("warmer.enabled") == "override"
+    assert cfg.to_dict(mask_secrets=True)["warmer"]["token"] == "***" and cfg.to_dict()["warmer"]["token"] == "0123"
+    report = cfg.report()
+    assert report["values"]["warmer"]["token"] == "***" and report["sources"]["warmer.token"] == "env:LMCACHE_WARMER_TOKEN"
+    copied = load_config(cfg, environ={})
+    assert copied == cfg and copied.warmer is not cfg.warmer
+    for bad, key, fragment in [
+        ({"workers": 0}, "warmer.workers", "must be >= 1"),
+        ({"endpoint": "x"}, "warmer.endpoint", "ZMQ endpoint"),
+        ({"wokers": 2}, "warmer.wokers", "did you mean 'workers'"),
+        ({"token": " t"}, "warmer.token", "without surrounding spaces"),
+        ("on", "warmer", "expected a mapping"),
+    ]:
+        with pytest.raises(ConfigError) as ei:
+            load_config(WarmConfig(), environ={}, warmer=bad)
+        assert ei.value.key == key and fragment in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError, match=r"\$LMCACHE_WARMER\b.*expected an integer"):
+        load_config(WarmConfig(), environ={"LMCACHE_WARMER": "{workers: many}"})
+    # the same path on its own, for a section used outside Config
+    base = WarmerConfig(workers=2)
+    assert check.parse(WarmerConfig, {"enabled": True}, "warmer", base=base) == WarmerConfig(True, 2)
+    assert base.enabled is False

@@ -99,7 +99,7 @@ def _h(tmp_path, regs, cpu_chunks=4, disk_chunks=100, policy="write-through", di
 
 def _put(h, pool, i):
     o = _obj(pool, i)
-    h.put(make_key(i), o)
+    h.put_one(make_key(i), o)
     o.unref()
 
 
@@ -127,7 +127,7 @@ def test_write_back_demotes_only_what_the_top_evicts(tmp_path, regs):
     assert len(cpu) == 3 and disk.backend.contains([make_key(0), make_key(1)]) == [True, True]
     assert len(disk) == 2 and cpu.stats.evictions == 2
     # the demoted bytes are exact
-    obj, tier = h.get(make_key(0))
+    obj, tier = h.get_one(make_key(0))
     assert tier is disk
     assert torch.equal(obj.tensor, torch.randn(CHUNK, generator=torch.Generator().manual_seed(0)).half())
     obj.unref()
@@ -141,11 +141,11 @@ def test_hit_in_lower_tier_is_promoted(tmp_path, regs):
     h.flush()
     cpu, disk = h.tiers
     assert cpu.backend.contains([make_key(0)]) == [False]
-    obj, tier = h.get(make_key(0))
+    obj, tier = h.get_one(make_key(0))
     assert tier is disk and obj.pooled
     obj.unref()
     assert cpu.backend.contains([make_key(0)]) == [True]
-    obj, tier = h.get(make_key(0))
+    obj, tier = h.get_one(make_key(0))
     assert tier is cpu
     obj.unref()
     assert h.stats.promotions == 1
@@ -158,7 +158,7 @@ def test_pinned_and_held_entries_are_never_evicted(tmp_path, regs):
     _put(h, pool, 0)
     _put(h, pool, 1)
     cpu.pin(make_key(0))
-    held, _ = h.get(make_key(1))  # a reader holds chunk 1
+    held, _ = h.get_one(make_key(1))  # a reader holds chunk 1
     _put(h, pool, 2)  # no room, nothing evictable: skipped in cpu
     assert cpu.backend.contains([make_key(0), make_key(1), make_key(2)]) == [True, True, False]
     assert cpu.stats.skipped_puts == 1
@@ -195,14 +195,14 @@ def test_failing_tier_degrades_to_misses_and_recovers(tmp_path, regs):
         h.flush()
         FlakyDisk.unplugged = True
         assert h.contains_prefix([make_key(1), make_key(0)]) == ["cpu"]  # disk: a miss
-        assert h.get(make_key(0)) is None
+        assert h.get_one(make_key(0)) is None
         _put(h, pool, 2)  # the disk write fails quietly
         h.flush()
         assert disk.stats.errors >= 1 and not disk.available
         FlakyDisk.unplugged = False
-        assert h.get(make_key(0)) is None  # still backing off
+        assert h.get_one(make_key(0)) is None  # still backing off
         clock.t += 60
-        obj, tier = h.get(make_key(0))
+        obj, tier = h.get_one(make_key(0))
         assert tier is disk
         obj.unref()
     finally:
@@ -213,7 +213,7 @@ def test_failing_tier_degrades_to_misses_and_recovers(tmp_path, regs):
 def test_object_too_large_for_a_tier_is_skipped(tmp_path, regs):
     h, pool = _h(tmp_path, regs, cpu_chunks=1)
     big = pool.allocate((4, *CHUNK[1:]), torch.float16)  # 2x the cpu tier
-    assert h.put(make_key(9), big) is False
+    assert h.put_one(make_key(9), big) is False
     big.unref()
     h.flush()
     assert h.tiers[1].backend.contains([make_key(9)]) == [True]
@@ -270,12 +270,12 @@ def test_capacity_never_exceeded_and_data_exact(tmp_path_factory, regs, ops, pol
                 if o is None:
                     continue
                 o.tensor.copy_(t)
-                if not any(h.contains_any([key])):
-                    h.put(key, o)
+                if not any(h.contains([key])):
+                    h.put_one(key, o)
                     truth.setdefault(key, t)
                 o.unref()
             elif op == "get":
-                r = h.get(key)
+                r = h.get_one(key)
                 if r is not None:
                     obj, _ = r
                     assert torch.equal(obj.tensor, truth[key])
@@ -315,12 +315,12 @@ def test_tier_opens_while_its_store_is_unreachable(tmp_path, regs, caplog):
             assert disk.stats.errors == 1 and "listing entries" in disk.stats.last_error
             for _ in range(20):  # many calls during one outage
                 clock.t += 1
-                assert h.get(make_key(0)) is None
+                assert h.get_one(make_key(0)) is None
             failures = [r for r in caplog.records if "serving misses" in r.getMessage()]
             assert len(failures) == 1, [r.getMessage() for r in caplog.records]
             FlakyDisk.unplugged = False
             clock.t += 60
-            obj, tier = h.get(make_key(0))
+            obj, tier = h.get_one(make_key(0))
             assert tier is disk
             obj.unref()
             assert len([r for r in caplog.records if "recovered" in r.getMessage()]) == 1
@@ -340,7 +340,7 @@ def test_shared_tier_is_not_listed_at_open_but_serves_peers_entries(tmp_path, re
         disk = h.tiers[1]
         assert disk.usage().entries == 0  # not enumerated: a peer's entries are not ours to account
         assert h.contains_prefix([make_key(0), make_key(1)]) == ["shared-disk", "shared-disk"]
-        obj, tier = h.get(make_key(2))
+        obj, tier = h.get_one(make_key(2))
         assert tier is disk
         obj.unref()
         # an operator's listing adopts the store's entries, so they can be evicted
@@ -354,7 +354,7 @@ def test_shared_tier_is_not_listed_at_open_but_serves_peers_entries(tmp_path, re
         h.close()
 
 
-def test_get_many_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
+def test_get_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
     h, pool = _h(tmp_path, regs, cpu_chunks=2, disk_chunks=100)
     try:
         for i in range(6):
@@ -365,7 +365,7 @@ def test_get_many_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
         real_get = disk.backend.get
         disk.backend.get = lambda keys: calls.append(list(keys)) or real_get(keys)
         keys = [make_key(i) for i in range(7)]  # 4 and 5 are in the cpu tier, 6 nowhere
-        got = h.get_many(keys)
+        got = h.get(keys)
         assert calls == [[make_key(i) for i in (0, 1, 2, 3, 6)]]
         assert [r is not None for r in got] == [True] * 6 + [False]
         for r, i in zip(got[:6], range(6)):
@@ -442,4 +442,70 @@ def test_writer_stops_yielding_when_the_pool_runs_short(tmp_path, regs, monkeypa
     finally:
         for o in held:
             o.unref()
+        h.close()
+
+
+def test_a_ledger_admits_and_forgets_each_key_once():
+    from lmcache.ledger import Ledger
+    from lmcache.policies import LRUPolicy
+
+    heard = []
+    led = Ledger("t", 100, LRUPolicy())
+    led.listeners = (lambda *event: heard.append(event),)
+    led.admit("a", 10)
+    led.admit("a", 30)  # a new size for a held key: no second admit
+    led.admit("b", 5)
+    assert led.used == 35 and led.over(66) and not led.over(65)
+    assert led.forget("a") == 30 and led.forget("a") is None
+    assert heard == [("admit", "t", "a"), ("admit", "t", "b"), ("evict", "t", "a")]
+    assert led.used == 5 and len(led.policy) == len(led) == 1
+
+
+def test_the_ledger_alone_keeps_each_tiers_books(tmp_path, regs):
+    """Through puts, capacity evictions (and their demotions), removes, an operator's
+    evictions, reads that find an entry gone, and a shared store's adoption: a tier's
+    bytes used are the sum of its ledger's sizes, its policy knows exactly those keys, and
+    the listeners heard each admit and each evict once."""
+    h, pool = _h(tmp_path, regs, cpu_chunks=2, disk_chunks=4, disk_backend="shared-disk")
+    held = {t.name: set() for t in h.tiers}
+    twice = []
+
+    def listen(op, tier, key):
+        if (op == "admit") == (key in held[tier]):
+            twice.append((op, tier, key))
+        (held[tier].add if op == "admit" else held[tier].discard)(key)
+
+    h.set_listener(listen)
+
+    def check():
+        h.flush()
+        for t in h.tiers:
+            sizes = dict(t.ledger.sizes)
+            assert t.used == sum(sizes.values()) and t.ledger.reserved == 0, t.name
+            assert set(t.ledger.eviction_order()) == set(sizes) and len(t.ledger.policy) == len(sizes)
+            assert set(sizes) == held[t.name], t.name
+        assert not twice, twice
+
+    cpu, disk = h.tiers
+    try:
+        for i in range(8):  # both tiers evict by capacity
+            _put(h, pool, i)
+            check()
+        assert cpu.stats.evictions and disk.stats.evictions
+        cpu.remove([make_key(7)])
+        disk.remove([make_key(7), make_key(99)])
+        check()
+        assert disk.evict_keys([make_key(6)])[0]
+        check()
+        o = _obj(pool, 20)
+        disk.backend.put_one(make_key(20), o)  # a peer writes one and removes two
+        o.unref()
+        disk.backend.remove_one(make_key(5))
+        disk.backend.remove_one(make_key(4))
+        assert h.get_one(make_key(4)) is None  # a read finds it gone: forgotten
+        check()
+        disk.refresh()  # adopts the peer's entry, drops the one it removed
+        check()
+        assert make_key(20) in disk.ledger and make_key(5) not in disk.ledger
+    finally:
         h.close()

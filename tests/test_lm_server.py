@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmcache
-from lmcache import server as proto
+from lmcache import wire as proto
+from lmcache.server import CacheServer
 from lmcache.codecs import load_codec
 from lmcache.errors import BackendError, ConfigError
 from lmcache.testing.stores import free_port
@@ -40,6 +41,7 @@ REGS = get_registries()
 LMBackend = REGS.backends.load("lm")
 L, H, D = 2, 2, 8
 TESTS = Path(__file__).parent
+PEER_DIR = TESTS / "backends"  # shared_store_peer.py, the peer process of backends/test_shared_stores.py
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +271,7 @@ def test_unauthenticated_frames_are_refused_before_their_value_is_read():
     200 MiB PUT made the server read (and hold) all of it before refusing. Now the FATAL
     reply comes right after the header, while not one byte of the value has been sent, and
     the connection is closed."""
-    srv = proto.CacheServer(token="s3cret", capacity=1 << 30).start()
+    srv = CacheServer(token="s3cret", capacity=1 << 30).start()
     try:
         host, port = srv.address
         for op, key, value_len in ((proto.PUT, b"k" * 100, 200 << 20), (proto.GET, b"k" * 4000, 0), (proto.LIST, b"", 0)):
@@ -286,7 +288,7 @@ def test_unauthenticated_connections_are_bounded_in_time_and_number():
     """Idle sockets that never authenticate cannot hold the server: each is closed after
     ``auth_timeout`` (also one that trickles its AUTH frame a byte at a time), at most
     ``max_unauthenticated`` wait at once, and an authenticating client gets in meanwhile."""
-    srv = proto.CacheServer(token="s3cret", auth_timeout=0.5, max_unauthenticated=3, max_connections=8).start()
+    srv = CacheServer(token="s3cret", auth_timeout=0.5, max_unauthenticated=3, max_connections=8).start()
     try:
         host, port = srv.address
         idle = [socket.create_connection((host, port), timeout=5) for _ in range(3)]
@@ -491,7 +493,8 @@ PEER_CODE = (
 )
 
 
-def test_two_engine_processes_share_one_server(server, tmp_path):
+def test_two_engine_processes_share_one_server(server, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(PEER_DIR))
     from shared_store_peer import SPEC, TOKENS, check, prompt
 
     opts = {**server.options, "prefix": f"share-{uuid.uuid4().hex[:8]}:"}
@@ -501,7 +504,7 @@ def test_two_engine_processes_share_one_server(server, tmp_path):
     err_path = tmp_path / "peer.err"
     with open(err_path, "w") as err:
         peer = subprocess.Popen([sys.executable, "-c", PEER_CODE, str(cfg_path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=TESTS)
+                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=PEER_DIR)
     try:
         line = peer.stdout.readline().strip()
         assert line == "READY", f"peer did not start: {line!r} {err_path.read_text()[-2000:]}"

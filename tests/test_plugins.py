@@ -177,6 +177,31 @@ class _ThirdParty:
     def lmcache_register_layouts(self, registry):
         registry.add("thirdparty_hnd", THIRD_PARTY_LAYOUT)
 
+    @hookimpl
+    def lmcache_register_services(self, registry):
+        registry.add("counter", CountingService)
+
+
+class CountingService:
+    """A third-party service: counts the chunks the engine's tiers admit."""
+
+    @staticmethod
+    def enabled(config):
+        return True
+
+    def __init__(self, view):
+        self.admitted = 0
+        view.hierarchy.add_listener(self._heard)
+
+    def _heard(self, op, tier, key):
+        self.admitted += op == "admit"
+
+    def info(self):
+        return {"admitted": self.admitted}
+
+    def close(self):
+        pass
+
 
 def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     import torch
@@ -199,7 +224,8 @@ def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
             e.store(toks, torch.full((4, 2, 4, 1, 1), float(start)))
         # MRU evicted the most recent entry before each new one once full
         assert [e.lookup(list(range(s, s + 4))) for s in (0, 100, 200, 300)] == [4, 4, 0, 4]
-        assert e.hierarchy.tiers[0].policy.__class__ is MRUPolicy
+        assert e.hierarchy.tiers[0].ledger.policy.__class__ is MRUPolicy
+        assert e.stats()["counter"] == {"admitted": 4}
 
 
 # ------------------------------------------------------------------ meta-tests
@@ -216,7 +242,7 @@ def test_every_hook_is_specified_typed_and_documented(hook):
 
 @pytest.mark.parametrize("hook", HOOKS)
 def test_every_hook_has_a_test(hook):
-    text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    text = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     text += "\n".join(p.read_text() for p in (ROOT / "examples").rglob("test_*.py"))
     assert re.search(rf"def {hook}\b", text), f"no test implements {hook}"
 

@@ -1,6 +1,6 @@
 """The controller service: which instance holds which chunks, for KV-aware routers.
 
-A bounded ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.api`, whose request
+A bounded ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.plugins.services.api`, whose request
 plumbing it shares: JSON bodies of at most 1 MiB, fields checked by name, a timeout for
 slow clients) bound to ``127.0.0.1`` unless told otherwise. With a token set, every
 call, the workers' included, must carry ``Authorization: Bearer <token>`` (compared in
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import quote, urlsplit
 
-from ..api import BoundedHTTPServer, HTTPError, _Handler
+from ..http import BoundedHTTPServer, HTTPError, JSONHandler
 from ..auth import ADMIN, Credentials, Unauthorized, foreign
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from ..keys import KEY_PREFIX, TokenProcessor
@@ -664,7 +664,7 @@ class ControllerServer:
         return {"instance": inst.instance_id, "command": name, "tier": tier, "result": result}
 
 
-class _ControllerHandler(_Handler):
+class _ControllerHandler(JSONHandler):
     ctl: ControllerServer  # set on the per-server subclass
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name

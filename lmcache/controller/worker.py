@@ -27,12 +27,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..config import ControllerConfig
 from ..errors import AdminError, AuthError, NotFoundError
 from .client import ControllerClient
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import CacheEngine
+    from ..config import Config
+    from ..services import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,14 @@ class ControllerWorker:
     """Registers ``engine`` with the controller and keeps its index up to date until
     :meth:`close`."""
 
-    def __init__(self, engine: CacheEngine, cfg: ControllerConfig):
-        assert cfg.url, "the worker needs controller.url"
+    @staticmethod
+    def enabled(config: Config) -> bool:
+        return bool(config.controller.url)
+
+    def __init__(self, engine: EngineView):
         self.engine = engine
-        self.cfg = cfg
+        self.cfg = cfg = engine.config.controller
+        assert cfg.url, "the worker needs controller.url"
         self.instance_id = engine.instance_id
         self.client = ControllerClient(cfg.url, cfg.token, cfg.timeout)
         self._queue: queue.Queue[tuple[str, str, str]] = queue.Queue(maxsize=cfg.queue_size)
@@ -85,6 +89,9 @@ class ControllerWorker:
     def registered(self) -> bool:
         return self._session is not None and not self._need_resync
 
+    def info(self) -> dict[str, Any]:
+        return self.stats()
+
     def stats(self) -> dict[str, Any]:
         return {
             "instance_id": self.instance_id,
@@ -103,11 +110,12 @@ class ControllerWorker:
 
         e = self.engine
         c = e.config
+        api, p2p = e.service("api"), e.service("p2p")  # started before this one
         return {
             "instance_id": self.instance_id,
-            "api_url": e.api_url,
-            "api_token": c.api.token if e.api is not None else None,
-            "peer_url": getattr(e, "peer_url", None),  # p2p endpoint, when enabled
+            "api_url": api.url if api is not None else None,
+            "api_token": c.api.token if api is not None else None,
+            "peer_url": p2p.url if p2p is not None else None,
             "namespace": c.namespace,
             "model": c.model,
             "kv_signature": e.kv_spec.signature if e.kv_spec is not None else None,

@@ -70,6 +70,9 @@ def kv_spec_of(model: Any, dtype: torch.dtype | None = None) -> KVSpec:
 class TransformersConnector:
     """Runs a Hugging Face causal LM with lmcache underneath (batch size 1 per prompt)."""
 
+    #: the kv spec of a model (:func:`kv_spec_of`), for callers that load this class by name
+    kv_spec_of = staticmethod(kv_spec_of)
+
     def __init__(self, model: Any, tokenizer: Any = None, engine: CacheEngine | None = None, *, layerwise: bool = False):
         self.model = model
         self.tokenizer = tokenizer

@@ -231,7 +231,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         fmt = self._fmt
         assert fmt is not None
         out = [False] * len(keys)
-        present = self.hierarchy.contains_any(keys)
+        present = self.hierarchy.contains(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         for i, (key, page, here) in enumerate(zip(keys, pages, present)):
             if here:
@@ -243,7 +243,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
                 continue
             try:
                 obj.tensor.copy_(fmt.stored_view(page))
-                out[i] = self.hierarchy.put(key, obj)  # False: the top tier did not take it
+                out[i] = self.hierarchy.put_one(key, obj)  # False: the top tier did not take it
             except Exception:
                 log.exception("storing page %s", key)
             finally:
@@ -256,7 +256,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         assert fmt is not None
         out = [False] * len(keys)
         with self.hierarchy.pinned(keys):
-            results = self.hierarchy.get_many(keys)
+            results = self.hierarchy.get(keys)
         for i, (key, page, r) in enumerate(zip(keys, pages, results)):
             if r is None:
                 continue
@@ -410,7 +410,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ lookups
     def exists(self, key: str) -> bool:
         try:
-            return self.hierarchy.contains_any([self.key_of(key)])[0]
+            return self.hierarchy.contains([self.key_of(key)])[0]
         except RuntimeError:
             raise
         except Exception:

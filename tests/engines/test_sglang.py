@@ -214,7 +214,7 @@ def test_v1_roundtrip_through_real_host_pool(sgl, engine, layout, mla):
     stats = engine.stats()["tiers"]["cpu"]
     assert stats["entries"] == n
     # stored in lmcache's chunk layout (layers, k/v, tokens, heads, dim) whatever the pool's
-    obj, tier = engine.hierarchy.get(backend.key_of(keys[1]))
+    obj, tier = engine.hierarchy.get_one(backend.key_of(keys[1]))
     try:
         assert torch.equal(obj.tensor, canonical(pool, src, mla)[1].permute(1, 2, 0, 3, 4))
     finally:
@@ -373,7 +373,7 @@ def test_entry_of_another_shape_is_dropped(sgl, engine):
     key = "y" * 64
     obj = engine.hierarchy.allocate((L, 2, P + 1, H, D), DTYPE)  # not this pool's page shape
     obj.tensor.fill_(1.0)
-    engine.hierarchy.put(backend.key_of(key), obj)
+    engine.hierarchy.put_one(backend.key_of(key), obj)
     obj.unref()
     assert backend.exists(key)
     dst = pool.alloc(P)

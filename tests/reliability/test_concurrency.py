@@ -160,8 +160,8 @@ def assert_quiescent(engine) -> dict:
     for t in h.tiers:
         assert not t._pins, f"tier {t.name}: pins left: {t._pins}"
         assert not t._leases, f"tier {t.name}: leases left: {t._leases}"
-        assert t._reserved == 0, f"tier {t.name}: reserved bytes left: {t._reserved}"
-        assert t.used <= t.capacity and t.used == sum(t._index.values())
+        assert t.ledger.reserved == 0, f"tier {t.name}: reserved bytes left: {t.ledger.reserved}"
+        assert t.used <= t.capacity and t.used == sum(t.ledger.sizes.values())
         for k in t.key_list():
             assert not t.backend.in_use(k), f"tier {t.name}: {k} still held by a reader"
         if t.backend.holds_memory_objects:

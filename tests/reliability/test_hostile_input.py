@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmcache
-from lmcache import server as proto
+from lmcache import wire as proto
 from lmcache.config import load_config
 from lmcache.controller.service import ControllerServer
 from lmcache.errors import ConfigError

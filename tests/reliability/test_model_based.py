@@ -100,7 +100,7 @@ class HierarchyMachine(RuleBasedStateMachine):
             return
         try:
             obj.tensor.copy_(expected(i))
-            self.h.put(key, obj)
+            self.h.put_one(key, obj)
         finally:
             obj.unref()
         TOTALS["puts"] += 1
@@ -116,7 +116,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         self.h.flush()
         names = self.h.contains_prefix(keys)
         with self.h.pinned(keys):
-            res = self.h.get_many(keys)
+            res = self.h.get(keys)
         try:
             for j in range(len(names)):
                 assert res[j] is not None, f"lookup reported {keys[j]} in {names[j]} but get missed it"
@@ -189,7 +189,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         for key, n in self.pins.items():  # pins are process state: the operator keeps them
             for _ in range(n):
                 new.pin(key)
-        new.listener = old.listener
+        new.ledger.listeners = old.ledger.listeners
         new.on_evict = old.on_evict
         self.h.tiers[t] = new
         after = {k: new.size_of(k) for k in new.key_list()}
@@ -203,8 +203,8 @@ class HierarchyMachine(RuleBasedStateMachine):
         assert not self.violations, self.violations
         for t, tier in enumerate(self.h.tiers):
             with tier._lock:
-                idx = dict(tier._index)
-                used, reserved = tier.used, tier._reserved
+                idx = dict(tier.ledger.sizes)
+                used, reserved = tier.used, tier.ledger.reserved
             assert used + reserved <= tier.capacity, f"{tier.name}: {used}+{reserved} > {tier.capacity}"
             assert used == sum(idx.values()), f"{tier.name}: used {used} != sum of entries"
             if not self.h._inflight and self.h.pending_writes() == 0:
@@ -215,7 +215,7 @@ class HierarchyMachine(RuleBasedStateMachine):
             for key in idx:
                 obj = tier.backend.get_one(key)
                 if obj is None:  # evicted meanwhile by the writer thread
-                    assert self.h.pending_writes() or self.h._inflight or key not in tier._index
+                    assert self.h.pending_writes() or self.h._inflight or key not in tier.ledger
                     continue
                 try:
                     assert torch.equal(obj.tensor, expected(key_index(key))), f"{tier.name}: wrong bytes for {key}"

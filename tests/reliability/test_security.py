@@ -22,7 +22,7 @@ import torch
 from _kv import wave
 
 import lmcache
-from lmcache import server as proto
+from lmcache import wire as proto
 from lmcache.config import ApiConfig, P2PConfig, load_config
 from lmcache.controller.service import ControllerServer
 from lmcache.testing.stores.lm import lm_store

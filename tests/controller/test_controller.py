@@ -27,7 +27,7 @@ import pytest
 from _procs import readline, stop, until
 from lmcache.testing.procs import serve_until_stdin_closes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CTL_TOKEN = "ctl-secret"
 API_TOKEN = "api-secret"
 CHUNK = 16
@@ -68,8 +68,9 @@ def start_engine(tmp: Path, iid: str, ctl_url: str, n_tokens: int, prompt: list[
     }
     path = tmp / f"{iid}.json"
     path.write_text(json.dumps({"config": cfg, "tokens": prompt[:n_tokens]}))
-    proc = subprocess.Popen([sys.executable, __file__, "engine", str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, __file__, "engine", str(path)], stdin=subprocess.PIPE,  # tests/ for _procs
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
     line = readline(proc, 60)
     assert line.startswith("READY "), line
     return proc, line.split()[1]
@@ -335,7 +336,9 @@ def test_worker_resyncs_after_dropping_events(tmp_path):
         with lmcache.CacheEngine.from_config(cfg) as engine:
             w = engine.controller_worker
             until(lambda: w.registered, "registered")
-            engine.store(PROMPT, torch.zeros(2, 2, len(PROMPT), 2, 8))  # 8 admits into a queue of 2
+            # 64 admits at once into a queue of 2: the worker cannot drain them all in between
+            burst = list(PROMPT) + [7000 + i for i in range(1024 - len(PROMPT))]
+            engine.store(burst, torch.zeros(2, 2, len(burst), 2, 8))
             client = ControllerClient(ctl.url)
             until(lambda: [x["hit_tokens"] for x in client.lookup(PROMPT)["results"]] == [128],
                   "the snapshot after the overflow heals the index")

@@ -1,7 +1,7 @@
 """A live cache instance for tests and docs: an engine with the instance API on a free
 loopback port, a CPU tier and a disk tier, holding some KV.
 
-    python tests/live_instance.py --dir /tmp/x [--token T] [--prompts 3]
+    python tests/cli/live_instance.py --dir /tmp/x [--token T] [--prompts 3]
 
 Writes ``<dir>/lmcache.yaml`` (the config, API section included), stores ``--prompts``
 prompts of 64 tokens (16-token chunks; the first chunk is shared, so it is stored once),
@@ -13,8 +13,10 @@ the API) and exits.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _kv when run as a script
 import torch
 from _kv import wave
 import yaml

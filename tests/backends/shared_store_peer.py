@@ -1,6 +1,6 @@
-"""The other engine process of tests/test_shared_stores.py.
+"""The other engine process of tests/backends/test_shared_stores.py.
 
-    python tests/shared_store_peer.py CONFIG.yaml
+    python tests/backends/shared_store_peer.py CONFIG.yaml
 
 Opens a CacheEngine on CONFIG (one shared tier), stores prompt "a", prints ``READY``;
 then for each line on stdin ``CHECK <name>`` retrieves prompt ``<name>`` and prints

@@ -3,7 +3,7 @@ ZMQ PUB socket so that KV-aware routers built for vLLM's ``--kv-events-config`` 
 style) can follow lmcache tiers too.
 
 Started by :class:`~lmcache.engine.CacheEngine` when the config has
-``kv_events: {enabled: true}``. The wire format is exactly vLLM's
+``kv_events: {enabled: true}`` (the ``kv_events`` service, :class:`KVEventsService`). The wire format is exactly vLLM's
 (``vllm.distributed.kv_events``, checked against vLLM 0.33's own msgspec decoder in
 ``tests/engines/test_vllm_kv_events.py``):
 
@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from urllib.parse import quote
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import KVEventsConfig
-    from .keys import Chunk
+    from lmcache.config import Config, KVEventsConfig
+    from lmcache.keys import Chunk
+    from lmcache.services import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class KVEventPublisher:
         promote, for the ``BlockStored`` events their admission will cause."""
         if not self.enabled or not chunks:
             return
-        from .keys import as_token_array
+        from lmcache.keys import as_token_array
 
         arr = as_token_array(tokens)
         prev: str | None = None
@@ -348,3 +349,28 @@ def _stored(hashes: list, parent: int | bytes | None, tokens: list[int], block_s
         "medium": medium,
         "lora_name": None,
     }
+
+
+class KVEventsService:
+    """The publisher as an engine service: it hears the tiers' admits and evictions and
+    the token ids of each stored chunk, and closes after the hierarchy's queued writes are
+    done (their admits are events too)."""
+
+    @staticmethod
+    def enabled(config: Config) -> bool:
+        return config.kv_events.enabled
+
+    def __init__(self, engine: EngineView):
+        cfg = engine.config
+        self.publisher = KVEventPublisher(cfg.kv_events, namespace=cfg.namespace, model=cfg.model)
+        self._hierarchy = engine.hierarchy
+        if self.publisher.enabled:
+            engine.hierarchy.add_listener(self.publisher.on_tier_event)
+            engine.add_store_observer(self.publisher.remember)
+
+    def info(self) -> dict[str, Any]:
+        return self.publisher.stats()
+
+    def close(self) -> None:
+        self._hierarchy.flush()
+        self.publisher.close()

@@ -37,16 +37,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from . import payload
-from . import server as proto
-from .dtypes import dtype_name
-from .errors import BackendError, CorruptPayloadError
-from .keys import CacheKey, Chunk
-from .memory import MemoryObj, MemoryPool
+from lmcache import payload
+from lmcache import server as proto
+from lmcache.dtypes import dtype_name
+from lmcache.errors import BackendError, CorruptPayloadError
+from lmcache.keys import CacheKey, Chunk
+from lmcache.memory import MemoryObj, MemoryPool
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import P2PConfig
-    from .engine import CacheEngine
+    from lmcache.config import Config, P2PConfig
+    from lmcache.services import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _Held(list):
 class EngineStore:
     """:class:`lmcache.server.Store` over a cache engine's hierarchy."""
 
-    def __init__(self, engine: CacheEngine):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         self.hierarchy = engine.hierarchy
         self.raw = self.hierarchy.codec("raw")
@@ -98,12 +98,12 @@ class EngineStore:
             return None
         if tier is not None:
             try:
-                objs = self.hierarchy.tier(tier).get_many([key])
+                objs = self.hierarchy.tier(tier).get([key])
             except KeyError:
                 return None
             obj = objs[0]
         else:
-            r = self.hierarchy.get(key)
+            r = self.hierarchy.get_one(key)
             obj = r[0] if r is not None else None
         if obj is None:
             return None
@@ -126,7 +126,7 @@ class EngineStore:
                 return self.hierarchy.tier(tier).contains([key])[0]
         except (ValueError, KeyError):
             return False
-        return self.hierarchy.contains_any([key])[0]
+        return self.hierarchy.contains([key])[0]
 
     def delete(self, key: str) -> bool:
         return False  # a peer never removes another instance's entries
@@ -195,9 +195,9 @@ class EngineStore:
             return self._refuse(str(exc))
         try:
             if tier is not None:
-                ok = tier.put(key, obj)
+                ok = tier.put_one(key, obj)
             else:
-                ok = self.hierarchy.put(key, obj) or len(self.hierarchy.tiers) > 1  # else queued below
+                ok = self.hierarchy.put_one(key, obj) or len(self.hierarchy.tiers) > 1  # else queued below
         finally:
             obj.unref()
         if not ok:
@@ -210,8 +210,8 @@ class PeerEndpoint:
     """This engine's peer endpoint: an :class:`lmcache.server.CacheServer` over
     :class:`EngineStore`, serving on a daemon thread until :meth:`close`."""
 
-    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
-        from .errors import ConfigError
+    def __init__(self, engine: EngineView, cfg: P2PConfig):
+        from lmcache.errors import ConfigError
 
         self.store = EngineStore(engine)
         self.server = proto.CacheServer(cfg.host, cfg.port, token=cfg.token, store=self.store,
@@ -243,7 +243,7 @@ class Peers:
     """Clients to other instances' endpoints (one ``lm`` backend per address and tier
     prefix, each with its connection pool), with a backoff per address."""
 
-    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
+    def __init__(self, engine: EngineView, cfg: P2PConfig):
         self.engine = engine
         self.cfg = cfg
         self._clients: dict[tuple[str, str], Any] = {}
@@ -255,7 +255,7 @@ class Peers:
         return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 
     def client(self, url: str, prefix: str = ""):
-        from .storage import BackendContext
+        from lmcache.storage import BackendContext
 
         with self._lock:
             c = self._clients.get((url, prefix))
@@ -312,23 +312,30 @@ class P2PStats:
 
 
 class P2P:
-    """An engine's peer-to-peer part: its endpoint, fetch on miss, push."""
+    """An engine's peer-to-peer part (the ``p2p`` service, ``p2p.enabled``): its endpoint,
+    fetch on miss (a miss filler), push."""
 
-    def __init__(self, engine: CacheEngine, cfg: P2PConfig):
+    @staticmethod
+    def enabled(config: Config) -> bool:
+        return config.p2p.enabled
+
+    def __init__(self, engine: EngineView):
         self.engine = engine
-        self.cfg = cfg
+        self.cfg = cfg = engine.config.p2p
         self.stats = P2PStats()
         self.peers = Peers(engine, cfg)
         self.endpoint = PeerEndpoint(engine, cfg)
         self._controller = None
         ctl = engine.config.controller
         if ctl.url:
-            from .controller.client import ControllerClient
+            from lmcache.controller.client import ControllerClient
 
             self._controller = ControllerClient(ctl.url, ctl.token, min(cfg.timeout, ctl.timeout))
         elif cfg.fetch:
             log.info("p2p.fetch is on but no controller.url is set: this instance only serves its endpoint")
         self._ctl_down = False
+        if self.fetching:
+            engine.add_miss_filler(self.fill)
 
     @property
     def url(self) -> str:
@@ -346,7 +353,7 @@ class P2P:
         missing = list(keys[have:])
         if not missing or not self.fetching:
             return 0
-        from .errors import AdminError
+        from lmcache.errors import AdminError
 
         self.stats.lookups += 1
         try:
@@ -398,7 +405,7 @@ class P2P:
                     self.stats.rejected_chunks += 1
                     stop = True
                     continue
-                h.put(key, obj)
+                h.put_one(key, obj)
                 got += 1
                 nbytes += obj.nbytes
             finally:
@@ -424,6 +431,15 @@ class P2P:
                 return url
         raise ValueError(f"unknown instance {target!r}")
 
+    def push_prompt(self, tokens: Any, target: str, *, keys: Sequence[str] | None = None, **kw: Any) -> dict[str, Any]:
+        """:meth:`push` of the cached prefix of ``tokens``, or of ``keys`` (one of them)."""
+        if (tokens is None) == (keys is None):
+            raise ValueError("give tokens or keys, not both")
+        if keys is None and self.engine.kv_spec is None:
+            return {"target": target, "pushed": [], "missing": [], "bytes": 0, "removed": [], "skipped": []}
+        keys = self.engine.chunk_keys(tokens)[1] if keys is None else keys
+        return self.push(list(keys), target, prefix_only=tokens is not None, **kw)
+
     def push(self, keys: Sequence[str], target: str, *, tier: str | None = None, target_tier: str | None = None,
              remove_source: bool = False, prefix_only: bool = False) -> dict[str, Any]:
         """Send the entries of ``keys`` (from ``tier``, or whichever tier has them) to
@@ -434,9 +450,9 @@ class P2P:
         h = self.engine.hierarchy
         src = h.tier(tier) if tier is not None else None
         if src is not None:
-            objs = src.get_many(list(keys))
+            objs = src.get(list(keys))
         else:
-            objs = [r[0] if r is not None else None for r in h.get_many(list(keys))]
+            objs = [r[0] if r is not None else None for r in h.get(list(keys))]
         items: list[tuple[str, MemoryObj]] = []
         missing: list[str] = []
         try:

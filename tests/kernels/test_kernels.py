@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lmcache.kernels import KVLayout, get_layout, register_layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = ("vllm_flash_attn", "blocks_first", "flashinfer_nhd", "flashinfer_hnd", "mla", "contiguous")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 STORAGES = ("contiguous", "slice", "permuted", "stacked")

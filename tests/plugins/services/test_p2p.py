@@ -9,7 +9,7 @@ with its own real endpoint, API and the controller on loopback) check move, a pe
 is down or silent, and tokens.
 
 Fetch throughput next to raw loopback TCP is measured by ``lmcache bench p2p``
-(benchmarks/dist.py, across two processes; tests/test_bench_dist.py runs it small).
+(benchmarks/dist.py, across two processes; tests/benchmarks/test_bench_dist.py runs it small).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 import torch
 
-from _procs import readline, stop, until
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers, also when this file runs as a child script
+from _procs import readline, stop, until  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CTL_TOKEN = "ctl-secret"
 P2P_TOKEN = "peer-secret"
 API_TOKEN = "api-secret"
@@ -314,7 +315,6 @@ def _model_engine_main(spec_path: str) -> None:
     ``PUSH TARGET`` push the prompt's KV to TARGET and print the result as JSON."""
     import threading
 
-    sys.path.insert(0, str(ROOT / "tests"))
     import lmcache
     from lmcache.plugins.connectors.hf import TransformersConnector, kv_spec_of
     from model_fixtures import require_model

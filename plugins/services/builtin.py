@@ -1,0 +1,19 @@
+"""The built-in services, registered through the same hook as a third-party plugin's.
+
+The order is the start order: the P2P endpoint starts before the controller worker,
+which registers its address; closing runs backwards."""
+
+from __future__ import annotations
+
+from lmcache.hookspecs import hookimpl
+
+
+@hookimpl
+def lmcache_register_services(registry):
+    registry.add("api", "lmcache.plugins.services.api:ApiService", description="the instance API (api.enabled)")
+    registry.add("p2p", "lmcache.plugins.services.p2p:P2P",
+                 description="the peer-to-peer endpoint, fetch on miss and push (p2p.enabled)")
+    registry.add("controller", "lmcache.controller.worker:ControllerWorker",
+                 description="registers with the controller and reports admits/evicts (controller.url)")
+    registry.add("kv_events", "lmcache.plugins.services.kv_events:KVEventsService",
+                 description="vLLM-compatible KV events on ZMQ (kv_events.enabled)")
