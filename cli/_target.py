@@ -3,7 +3,7 @@ persisted tiers opened directly (``--config``). Without either, ``$LMCACHE_API_U
 names a live instance, else ``$LMCACHE_CONFIG_FILE`` a config.
 
 Both give an object with the methods of :class:`lmcache.admin.Admin`
-(:class:`lmcache.api_client.ApiClient` for ``--url``), so each command is written once.
+(:class:`lmcache.plugins.services.api_client.ApiClient` for ``--url``), so each command is written once.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def open_target(
     if url is None and config is None:
         url = os.environ.get("LMCACHE_API_URL") or None
     if url is not None:
-        from lmcache.api_client import ApiClient
+        from lmcache.plugins.services.api_client import ApiClient
 
         with ApiClient(url, token, timeout) as client:
             yield client

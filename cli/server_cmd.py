@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from lmcache import server as lmserver
+from lmcache import wire
 
 from ._util import CLIError, size_option
 
@@ -20,7 +21,7 @@ def server_cmd(
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless you mean it).")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option("--port", min=0, max=65535, help="TCP port; 0 picks a free one (printed).")
-    ] = lmserver.DEFAULT_PORT,
+    ] = wire.DEFAULT_PORT,
     capacity: Annotated[str, typer.Option("--capacity", help="Bytes the server stores before it evicts.")] = "4GiB",
     policy: Annotated[str, typer.Option("--policy", help="Eviction policy (lru, lfu, fifo, or a plugin's).")] = "lru",
     token: Annotated[

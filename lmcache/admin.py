@@ -2,7 +2,7 @@
 
 :class:`Admin` answers the questions of ``lmcache tiers``, ``ls``, ``evict``, ``pin``,
 ``unpin`` and ``stats``. The instance API (:mod:`lmcache.plugins.services.api`) serves a live engine's
-``Admin`` over HTTP; the CLI uses :class:`lmcache.api_client.ApiClient` against it, or an
+``Admin`` over HTTP; the CLI uses :class:`lmcache.plugins.services.api_client.ApiClient` against it, or an
 ``Admin`` of its own over a config's persisted tiers (:meth:`Admin.open_config`), so both
 paths run the same code. Every method returns plain JSON-able data.
 

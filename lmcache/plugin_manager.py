@@ -38,7 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "lmcache.backends.builtin",
     "lmcache.plugins.codecs.builtin",
     "lmcache.plugins.connectors.builtin",
-    "lmcache.policies",
+    "lmcache.plugins.policies",
     "lmcache.kernels.builtin",
     "lmcache.plugins.services.builtin",
 )

@@ -26,21 +26,18 @@ are bounded in time (``auth_timeout``: the AUTH frame must arrive within it) and
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
-import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 from .wire import (
-    AUTH, DEFAULT_MAX_VALUE, DEFAULT_PORT, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
+    AUTH, DEFAULT_MAX_VALUE, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
     LAZY_ALLOC, LIST, LIST_PAGE, MAGIC, MORE, NOT_FOUND, OK, PUT, ProtocolError, VERSION, alloc,
     check_request, encode, encode_list_page, pack_header, parse_header, recv_into_exact, send_buffers,
 )
@@ -548,35 +545,3 @@ def run(
         server.close()
         for s, handler in old.items():
             signal.signal(s, handler)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lmcache.server``: the same server as ``lmcache server`` without the CLI
-    (what the loopback launcher starts)."""
-    from .units import parse_size
-
-    ap = argparse.ArgumentParser(prog="python -m lmcache.server", description="lmcache cache server")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
-    ap.add_argument("--capacity", default="4GiB")
-    ap.add_argument("--policy", default="lru")
-    ap.add_argument("--token", default=None, help="or LMCACHE_SERVER_TOKEN")
-    ap.add_argument("--max-value-size", default="1GiB")
-    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS)
-    ap.add_argument("--auth-timeout", type=float, default=DEFAULT_AUTH_TIMEOUT)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="lmcache server: %(message)s")
-    try:
-        capacity, max_value = parse_size(a.capacity), parse_size(a.max_value_size)
-        token = a.token or os.environ.get("LMCACHE_SERVER_TOKEN") or None
-        run(a.host, a.port, capacity=capacity, policy=a.policy, token=token, max_value_size=max_value,
-            max_connections=a.max_connections, announce=lambda s: print(s, flush=True),
-            auth_timeout=a.auth_timeout)
-    except Exception as exc:  # one line, as the CLI does
-        sys.stderr.write(f"lmcache server: error: {exc}\n")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -447,7 +447,7 @@ def test_writer_stops_yielding_when_the_pool_runs_short(tmp_path, regs, monkeypa
 
 def test_a_ledger_admits_and_forgets_each_key_once():
     from lmcache.ledger import Ledger
-    from lmcache.policies import LRUPolicy
+    from lmcache.plugins.policies import LRUPolicy
 
     heard = []
     led = Ledger("t", 100, LRUPolicy())

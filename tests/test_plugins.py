@@ -48,7 +48,7 @@ def test_duplicate_names_fail_naming_both_plugins():
 
 
 def test_blocked_builtin_and_env_controls():
-    pm = create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "lmcache.policies"})
+    pm = create_plugin_manager(autoload=False, environ={"LMCACHE_DISABLED_PLUGINS": "lmcache.plugins.policies"})
     regs = Registries(pm)
     assert regs.policies.names() == []
     # a built-in can also be named by its entry-point name
@@ -70,11 +70,11 @@ def test_lazy_import_with_install_hint():
     with pytest.raises(MissingDependencyError) as ei:
         reg.load("typo")
     assert "pip install" not in str(ei.value) and "lmcache.backends.no_such_backend" in str(ei.value)
-    reg.add("bad-attr", "lmcache.policies:NoSuchPolicy")
+    reg.add("bad-attr", "lmcache.plugins.policies:NoSuchPolicy")
     with pytest.raises(PluginError, match="no attribute 'NoSuchPolicy'"):
         reg.load("bad-attr")
     with pytest.raises(PluginError, match="module:Class"):
-        reg.add("noclass", "lmcache.policies")
+        reg.add("noclass", "lmcache.plugins.policies")
     with pytest.raises(UnknownPluginError, match="registered backends: bad-attr, redis-x, typo"):
         reg.entry("nope")
 

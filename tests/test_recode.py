@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 import lmcache
-from lmcache.api_client import ApiClient
+from lmcache.plugins.services.api_client import ApiClient
 from lmcache.cli.main import app
 from lmcache.plugin_manager import get_registries
 

@@ -1,6 +1,6 @@
 """The controller's HTTP client, used by ``lmcache controller ...`` and by the worker.
 
-It shares the instance API client's transport (:class:`lmcache.api_client.ApiClient`:
+It shares the instance API client's transport (:class:`lmcache.plugins.services.api_client.ApiClient`:
 stdlib only, a timeout on every call, no proxies, no redirects, the bearer token when
 given), so errors are the same: an answer of 4xx/5xx raises the matching
 :class:`~lmcache.errors.AdminError` (``AuthError`` for 401, ``NotFoundError`` for 404),
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..api_client import DEFAULT_TIMEOUT, ApiClient
+from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

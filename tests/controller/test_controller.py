@@ -128,7 +128,7 @@ def cluster(tmp_path_factory):
 
 
 def instance_api(cluster: Cluster, iid: str):
-    from lmcache.api_client import ApiClient
+    from lmcache.plugins.services.api_client import ApiClient
 
     return ApiClient(cluster.api[iid], API_TOKEN, timeout=10)
 

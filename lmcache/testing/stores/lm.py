@@ -1,6 +1,6 @@
 """A loopback ``lmcache server`` for the ``lm`` backend's tests and ``lmcache bench``.
 
-The server runs as its own process (``python -m lmcache.server``), as in production, so
+The server runs as its own process (``lmcache server``), as in production, so
 fault tests can kill it and a restart comes back empty (the server keeps nothing on
 disk). It binds ``127.0.0.1`` on a free port.
 """
@@ -28,7 +28,7 @@ def lm_store(
     plus ``token`` (when set) and any other keyword arguments (backend options such as
     ``timeout`` or ``prefix``)."""
     port = free_port()
-    argv = [sys.executable, "-m", "lmcache.server", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
             "--capacity", capacity, "--policy", policy, "--max-value-size", max_value_size,
             "--max-connections", str(max_connections)]
     env = {"LMCACHE_SERVER_TOKEN": token} if token else {}

@@ -1,5 +1,5 @@
 """The instance API (lmcache.plugins.services.api): routes, tokens, errors, timeouts, /metrics, lifecycle;
-and the client the CLI uses against it (lmcache.api_client)."""
+and the client the CLI uses against it (lmcache.plugins.services.api_client)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from _kv import wave
 
 import lmcache
-from lmcache.api_client import ApiClient
+from lmcache.plugins.services.api_client import ApiClient
 from lmcache.errors import AdminError, AuthError, ConfigError, NotFoundError, UnreachableError
 
 TOKEN = "s3cret-token"

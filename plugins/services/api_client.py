@@ -20,7 +20,7 @@ import urllib.request
 from typing import Any, Iterable
 from urllib.parse import urlencode, urlsplit
 
-from .errors import AdminError, AuthError, NotFoundError, UnreachableError
+from lmcache.errors import AdminError, AuthError, NotFoundError, UnreachableError
 
 DEFAULT_TIMEOUT = 5.0
 
