@@ -301,7 +301,6 @@ def warm_up(model: Any, tokenizer: Any, context: int = 0) -> float:
 
     from lmcache import connector
 
-
     kv_spec_of = connector("transformers").kv_spec_of
 
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ Each command parses its options and calls one benchmark module, imported inside 
 command so that ``lmcache --help`` stays fast: ``tiers`` (:mod:`lmcache.benchmarks.tiers`,
 ``--matrix``: :mod:`~lmcache.benchmarks.matrix`, ``--backend``:
 :mod:`~lmcache.benchmarks.backends`), ``e2e``, ``vllm``, ``codecs``, ``compare``,
-``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`) and ``lookup``.
+``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`), ``lookup`` and ``truncation``.
 """
 
 from __future__ import annotations
@@ -189,6 +189,37 @@ def vllm_cmd(
         docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens = 3, 500, 2, 2, 1024, 8
     bench_vllm.main(csv_option(modes, "'--modes'", bench_vllm.ALL_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
                     parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size)
+
+
+@app.command("truncation")
+def truncation_cmd(
+    workloads: Annotated[str, typer.Option("--workloads", help="Comma-separated: doc (a document read with a sliding window), chat (a conversation kept to its last W tokens).")] = "doc,chat",
+    windows: Annotated[str, typer.Option("--windows", help="Window sizes W in tokens (the system prompt + the last W tokens), comma-separated.")] = "1024,2048,3072",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: full (no cache, the reference), prefix (exact prefix cache), shifted-F (approximate_reuse with recompute F%).")] = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30")),
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Prompts measured per workload and window (after one that fills the cache).")] = 6,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", min=8, help="Tokens per chunk.")] = 128,
+    seed: Seed = 0,
+    threads: Threads = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: W=256, 1 step, chunks of 32, modes full, prefix, shifted-15.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw speed-up, hit rate and greedy agreement per mode into this PNG (needs matplotlib).")] = None,
+) -> None:
+    """Reuse under context truncation with a real model: hit rate, TTFT, first-token and
+    greedy agreement and held-out perplexity per mode (no cache, prefix cache, shifted reuse)."""
+    from lmcache.benchmarks import truncation
+    from lmcache.benchmarks.harness import csv_option
+
+    ws = csv_option(workloads, "'--workloads'", ("doc", "chat"))
+    wins = csv_option(windows, "'--windows'", conv=lambda s: int(s))  # not the 1..64 check of conv=int
+    if any(w < 16 for w in wins):
+        raise typer.BadParameter("each window must be at least 16 tokens", param_hint="'--windows'")
+    ms = csv_option(modes, "'--modes'")
+    for m in ms:
+        if m not in ("full", "prefix") and not (m.startswith("shifted-") and m[8:].isdigit() and int(m[8:]) <= 100):
+            raise typer.BadParameter(f"unknown mode {m!r}: full, prefix or shifted-F (F a percentage)", param_hint="'--modes'")
+    if quick:
+        wins, steps, chunk_size, ms = [256], 1, 32, ["full", "prefix", "shifted-15"]
+    truncation.main(ws, wins, ms, steps, chunk_size, seed, threads, as_json, plot)
 
 
 @app.command("codecs")

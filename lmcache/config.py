@@ -258,6 +258,32 @@ class KVEventsConfig:
     block_hash_format: str = option("int", check.choice("int", "bytes"))
 
 
+_FRACTION = check.rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
+                       "expected a fraction between 0 and 1, got {}")
+
+
+@dataclass
+class ApproximateReuseConfig:
+    """Reuse of KV computed at other positions, for prompts whose older part was cut (see
+    :mod:`lmcache.plugins.services.shifted` and docs/truncation.md): off unless ``enabled``.
+
+    Exact prefix hits are never affected. With it on, chunks that match a prompt's tokens
+    after its cached prefix, wherever they stood before, are reused with their keys
+    re-rotated; ``recompute`` is the fraction of the reused tokens computed again at their
+    new place: with ``select: deviation`` those whose layer-1 KV differs most from what an
+    exact layer-0 pass gives (CacheBlend's criterion), with ``leading`` the earliest ones
+    (nearest the cut), with ``chunk_starts`` the first tokens of every chunk (EPIC's);
+    ``sink_tokens`` the leading prompt tokens always computed exactly, ``index_entries``
+    how many chunks the content index remembers.
+    """
+
+    enabled: bool = option(False, check.boolean, shorthand=bool)
+    recompute: float = option(0.15, _FRACTION)
+    select: str = option("deviation", check.choice("deviation", "leading", "chunk_starts"))
+    sink_tokens: int = option(4, check.integer(0))
+    index_entries: int = option(65536, check.integer(1))
+
+
 @dataclass
 class Config:
     """Validated lmcache configuration. Build it with :func:`load_config`.
@@ -285,6 +311,7 @@ class Config:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
+    approximate_reuse: ApproximateReuseConfig = field(default_factory=ApproximateReuseConfig)
     source: str | None = field(default=None, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -15,6 +15,7 @@ since its logits give the first generated token.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -40,6 +41,10 @@ class Prefill:
     ttft: float  # seconds from the call to the first token's logits
     load_seconds: float  # of which: fetching KV from lmcache
     kv_bytes_loaded: int
+    #: of ``cached_tokens``: tokens reused from chunks computed at other positions
+    #: (``approximate_reuse``), and the tokens of those chunks computed again
+    shifted_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass
@@ -207,6 +212,13 @@ class TransformersConnector:
             cache = self._empty_cache()
             n = 0
             tiers = []
+        shifted = self.engine.services.get("approximate_reuse") if use_cache else None
+        if shifted is not None:
+            got = self._prefill_shifted(ids, cache, n, shifted, store)
+            if got is not None:
+                cache, logits, reused, recomputed, loaded, load_s, at_logits = got
+                return Prefill(cache, logits, len(ids), n + reused, tiers, at_logits - t0,
+                               t_load + load_s, nbytes + loaded, reused, recomputed)
         x = torch.tensor([ids[n:]], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()
@@ -215,6 +227,118 @@ class TransformersConnector:
         if store:
             self.engine.store(ids, self.kv_of(cache, len(ids)))
         return Prefill(cache, logits, len(ids), n, tiers, ttft, t_load, nbytes)
+
+    def _forward(self, ids: Sequence[int], cache: Any) -> tuple[Any, torch.Tensor]:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        return _cache_of(out, cache), out.logits[0, -1].float()
+
+    def _prefill_shifted(self, ids: list[int], cache: Any, n: int, shifted: Any, store: bool) -> Any:
+        """After the exact prefix ``ids[:n]`` (already in ``cache``): reuse chunks that
+        match later runs of ``ids`` wherever they were computed, keys re-rotated to their
+        new positions, the first ``recompute`` fraction of each computed again here, and
+        compute the tokens between them and the last one. ``None`` when nothing matches
+        (the caller computes as usual). See docs/truncation.md."""
+        from lmcache.kernels import rope
+
+        cfg = shifted.cfg
+        size = self.engine.config.chunk_size
+        if len(ids) - 1 - max(n, cfg.sink_tokens) < size:
+            return None
+        if getattr(self, "_inv_freq", None) is None:
+            try:
+                self._inv_freq = rope.inv_freq_of(self.model.config)
+            except ValueError as exc:
+                log.warning("approximate reuse is off for this model: %s", exc)
+                self._inv_freq = False
+        limit = rope.max_positions(self.model.config)
+        if self._inv_freq is False or (limit is not None and len(ids) > limit):
+            return None
+        tl = time.perf_counter()
+        matches = shifted.find(ids, max(n, cfg.sink_tokens), len(ids) - 1)
+        pairs = [(m, kv) for m, kv in zip(matches, shifted.fetch(matches)) if kv is not None]
+        load_s = time.perf_counter() - tl
+        if not pairs:
+            return None
+        if cfg.select == "deviation":
+            redo = self._by_deviation(ids, pairs, cfg.recompute)
+        else:
+            redo = [list(range(r)) for r in _recompute_counts([m.length for m, _ in pairs], cfg.recompute, cfg.select)]
+        # the reused tokens' KV goes into the cache first, then one forward pass computes
+        # every other token (the gaps, the tokens chosen for recompute, the tail) at its
+        # own position; attention is by position (RoPE and the mask), not by cache order
+        kept: list[int] = []
+        reused = 0
+        for (m, kv), again in zip(pairs, redo):
+            keep = [o for o in range(m.length) if o not in set(again)]
+            if not keep:
+                continue
+            kv = kv[:, :, keep].to(self.device)  # (L, 2, T, H, D)
+            keys = rope.rerotate(kv[:, 0], m.delta, self._inv_freq)
+            for i in range(kv.shape[0]):
+                cache.update(keys[i].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0), i)
+            kept.extend(m.start + o for o in keep)
+            reused += len(keep)
+        taken = set(kept)
+        todo = [i for i in range(n, len(ids)) if i not in taken]
+        order = torch.tensor(list(range(n)) + kept + todo, device=self.device)
+        pos = torch.tensor(todo, device=self.device)
+        mask = (order.unsqueeze(0) <= pos.unsqueeze(1))[None, None]  # (1, 1, q, kv): earlier positions only
+        x = torch.tensor([[ids[i] for i in todo]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, cache=cache, use_cache=True, position_ids=pos.unsqueeze(0),
+                         attention_mask=mask, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        at_logits = time.perf_counter()  # the first token is known: what follows is bookkeeping
+        cache = _cache_of(out, cache)
+        inverse = torch.argsort(order)  # the cache in position order again, for storing and decoding
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, inverse], layer.values[:, :, inverse]
+        loaded = reused * self.spec.bytes_per_token()
+        if store:
+            exact = min(kept) if kept else len(ids)  # tokens before the first reused one saw only exact KV
+            self.engine.store(ids[:exact], self.kv_of(cache, exact))
+            shifted.store_shifted(ids, self.kv_of(cache, len(ids)), exact // size)
+        return cache, logits, reused, sum(map(len, redo)), loaded, load_s, at_logits
+
+    def _by_deviation(self, ids: list[int], pairs: list, fraction: float) -> list[list[int]]:
+        """CacheBlend's choice: of the reused tokens, the ``fraction`` whose layer-1 KV
+        differs most from the exact one. Layer 0 sees no context but the tokens' own
+        embeddings and positions, so one exact layer-0 pass over the prompt (about one
+        layer's share of a prefill) gives layer 1's exact input; the tokens whose cached
+        layer-1 keys and values are furthest from it lost the most context. Falls back to
+        ``leading`` for a model without Llama-style layers."""
+        from lmcache.kernels import rope
+
+        inner = getattr(self.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        attn = getattr(layers[1], "self_attn", None) if layers is not None and len(layers) > 1 else None
+        if attn is None or not hasattr(attn, "k_proj") or getattr(attn, "k_norm", None) is not None:
+            return [list(range(r)) for r in _recompute_counts([m.length for m, _ in pairs], fraction, "leading")]
+        n = len(ids)
+        pos = torch.arange(n, device=self.device)[None]
+        h = inner.embed_tokens(torch.tensor([ids], device=self.device))
+        cos, sin = inner.rotary_emb(h, position_ids=pos)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
+        h = layers[0](h, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+        h = layers[1].input_layernorm(h)
+        d = self.spec.head_size
+        k = attn.k_proj(h).view(n, -1, d)  # (T, H, D), not yet rotated
+        v = attn.v_proj(h).view(n, -1, d)
+        c, s = cos[0, :, None].to(k.dtype), sin[0, :, None].to(k.dtype)
+        k = k * c + torch.cat([-k[..., d // 2 :], k[..., : d // 2]], dim=-1) * s
+        scores = []
+        for m, kv in pairs:
+            ck = rope.rerotate(kv[1, 0].to(self.device), m.delta, self._inv_freq)
+            span = slice(m.start, m.start + m.length)
+            scores.append((ck - k[span]).flatten(1).norm(dim=1) + (kv[1, 1].to(self.device) - v[span]).flatten(1).norm(dim=1))
+        flat = torch.cat(scores)
+        want = min(flat.numel(), math.ceil(round(fraction * flat.numel(), 6)))
+        top = set(torch.topk(flat, want).indices.tolist()) if want else set()
+        out, at = [], 0
+        for m, _ in pairs:
+            out.append([o for o in range(m.length) if at + o in top])
+            at += m.length
+        return out
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -324,6 +448,20 @@ def _LayerwiseCache(wait: Callable[[int], None], **kwargs: Any):
 
 
 _LAYERWISE_CLS: Any = None
+
+
+def _recompute_counts(lengths: list[int], fraction: float, select: str) -> list[int]:
+    """How many leading tokens of each reused chunk to compute again: ``fraction`` of all
+    of them (rounded up), the earliest chunks first (``leading``) or the same share of
+    each chunk (``chunk_starts``)."""
+    if select == "chunk_starts":
+        return [min(n, math.ceil(round(fraction * n, 6))) for n in lengths]
+    left = math.ceil(round(fraction * sum(lengths), 6))
+    out = []
+    for n in lengths:
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
 
 
 def _cache_of(out: Any, fallback: Any) -> Any:

@@ -1,0 +1,173 @@
+"""Shifted reuse under truncation (approximate_reuse, lmcache.plugins.services.shifted) with
+the real model: a prompt whose oldest tokens were cut reuses the chunks an earlier, longer
+prompt computed, its first token agrees with a full recompute, what it builds on reused KV
+never lands under exact keys, and exact prefix hits stay exactly what they were."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lmcache
+from lmcache.config import load_config
+from lmcache.errors import ConfigError
+from lmcache.plugins.connectors.hf import _recompute_counts
+from lmcache.plugins.services.shifted import content_hash, shifted_key
+
+CHUNK = 32
+
+
+def _engine(model, approx=True, recompute=0.15, **extra):
+    from lmcache.plugins.connectors.hf import kv_spec_of
+
+    cfg = {"chunk_size": CHUNK, "tiers": [{"backend": "cpu", "capacity": "512MiB"}],
+           "approximate_reuse": {"enabled": approx, "recompute": recompute, **extra}}
+    return lmcache.CacheEngine.from_config(cfg, kv_spec=kv_spec_of(model))
+
+
+@pytest.fixture(scope="module")
+def texts(smollm2):
+    from lmcache.benchmarks.demo import prose_ids
+
+    model, tok = smollm2
+    system = tok("You are a careful reader. Answer from the text.\n")["input_ids"]
+    doc = prose_ids(tok, 700)
+    long = system + doc[:640]  # the earlier prompt
+    cut = system + doc[200:640] + tok("\nIn one sentence, the text says")["input_ids"]  # its oldest 200 cut
+    return long, cut
+
+
+def _connector(smollm2, engine):
+    model, tok = smollm2
+    return lmcache.connector("transformers")(model, tok, engine)
+
+
+def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompute(smollm2, texts):
+    long, cut = texts
+    ref = _connector(smollm2, _engine(smollm2[0], approx=False)).prefill(cut, use_cache=False, store=False)
+    with _engine(smollm2[0]) as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        prefix_only = e.lookup(cut)
+        got = conn.prefill(cut)
+        assert prefix_only == 0  # the exact prefix cache has nothing for it
+        found = got.shifted_tokens + got.recomputed_tokens
+        assert got.shifted_tokens == got.cached_tokens and found % CHUNK == 0
+        assert got.recomputed_tokens == math.ceil(0.15 * found)  # those whose layer-1 KV deviates most
+        assert found >= 0.85 * len(cut)  # found in the cache
+        # one prompt is no agreement rate (lmcache bench truncation measures that); its
+        # next-token distribution is close to the full recompute's, and the same at the top
+        p, q = torch.softmax(ref.logits, -1), torch.softmax(got.logits, -1)
+        assert float((p - q).abs().sum()) / 2 < 0.3
+        assert int(ref.logits.argmax()) in torch.topk(got.logits, 3).indices.tolist()
+        stats = e.stats()["approximate_reuse"]
+        assert stats["matched_chunks"] == found // CHUNK and stats["missing_chunks"] == 0
+        assert stats["stored_chunks"] > 0
+
+
+def test_kv_built_on_reused_chunks_never_lands_under_exact_keys(smollm2, texts):
+    long, cut = texts
+    with _engine(smollm2[0], select="leading") as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        conn.prefill(cut)
+        svc = e.services["approximate_reuse"]
+        matches = svc.find(cut, 4, len(cut) - 1)
+        redo = _recompute_counts([m.length for m in matches], 0.15, "leading")
+        exact = next(m.start + r for m, r in zip(matches, redo) if r < m.length)  # the first token reused as is
+        assert e.lookup(cut) == exact // CHUNK * CHUNK  # only the chunks before the first reused token
+        keys = e.chunk_keys(cut)[1]
+        tier = e.hierarchy.tiers[0]
+        assert all(tier.size_of(shifted_key(k)) is not None for k in keys[exact // CHUNK:-1])  # stored, apart
+        assert not set(map(shifted_key, keys)) & set(keys)
+        # the same prompt again: its exact part is an exact hit, the rest shifted reuse at delta 0
+        again = conn.prefill(cut, store=False)
+        assert again.cached_tokens - again.shifted_tokens == exact // CHUNK * CHUNK
+
+
+def test_exact_prefix_hits_are_unchanged_with_the_feature_on(smollm2, texts):
+    long, _ = texts
+    out = {}
+    for approx in (False, True):
+        with _engine(smollm2[0], approx=approx) as e:
+            conn = _connector(smollm2, e)
+            conn.prefill(long[:400])
+            hit = conn.prefill(long[:400] + long[400:420], store=False)  # an exact prefix and a short new tail
+            full = conn.prefill(long[:400], store=False)  # the whole prompt cached
+            out[approx] = (hit.cached_tokens, hit.shifted_tokens, hit.logits, full.cached_tokens, full.logits)
+    assert out[True][0] == out[False][0] == 384 and out[True][1] == 0
+    assert torch.equal(out[True][2], out[False][2]) and torch.equal(out[True][4], out[False][4])
+
+
+def test_a_chunk_gone_before_its_load_is_computed_instead(smollm2, texts):
+    long, cut = texts
+    with _engine(smollm2[0]) as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        svc = e.services["approximate_reuse"]
+        gone = svc.find(cut, 4, len(cut) - 1)[2:5]
+        e.hierarchy.tiers[0].remove([m.key for m in gone])
+        got = conn.prefill(cut, store=False)
+        assert e.stats()["approximate_reuse"]["missing_chunks"] == 3
+        left = (len(svc.find(cut, 4, len(cut) - 1)) - 3) * CHUNK
+        assert got.shifted_tokens == left - math.ceil(0.15 * left)
+        assert torch.isfinite(got.logits).all() and got.cache.get_seq_length() == len(cut)
+
+
+def test_deviation_picks_closer_tokens_than_position_rules(smollm2, texts):
+    """On this cut, recomputing the tokens whose layer-1 KV deviates most brings the next
+    token's distribution closer to the full recompute's than the position rules do."""
+    long, cut = texts
+    ref = torch.softmax(_connector(smollm2, _engine(smollm2[0], approx=False)).prefill(cut, use_cache=False, store=False).logits, -1)
+    tv = {}
+    for select in ("deviation", "leading", "chunk_starts"):
+        with _engine(smollm2[0], select=select) as e:
+            conn = _connector(smollm2, e)
+            conn.prefill(long)
+            got = conn.prefill(cut, store=False)
+            tv[select] = float((torch.softmax(got.logits, -1) - ref).abs().sum()) / 2
+    assert tv["deviation"] < min(tv["leading"], tv["chunk_starts"]), tv
+
+
+def test_chunk_starts_recomputes_the_same_share_of_every_chunk(smollm2, texts):
+    long, cut = texts
+    with _engine(smollm2[0], select="chunk_starts") as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        got = conn.prefill(cut, store=False)
+        chunks = (got.shifted_tokens + got.recomputed_tokens) // CHUNK
+        assert chunks > 5 and got.recomputed_tokens == 5 * chunks  # ceil(0.15 * 32) of each
+    assert _recompute_counts([32, 32, 32], 0.5, "leading") == [32, 16, 0]
+    assert _recompute_counts([32, 32, 32], 0.0, "leading") == [0, 0, 0] == _recompute_counts([32] * 3, 0, "chunk_starts")
+    assert _recompute_counts([32, 20], 1.0, "chunk_starts") == [32, 20]
+
+
+def test_without_the_feature_the_content_index_is_not_there(smollm2, texts):
+    long, cut = texts
+    with _engine(smollm2[0], approx=False) as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        assert "approximate_reuse" not in e.services
+        assert conn.prefill(cut, store=False).cached_tokens == 0
+
+
+def test_the_content_index_is_bounded_and_prefers_exact_chunks(smollm2, texts):
+    long, _ = texts
+    with _engine(smollm2[0], index_entries=8) as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        svc = e.services["approximate_reuse"]
+        assert svc.info()["index_entries"] == 8  # the newest 8 of the 20 full chunks
+        assert content_hash(long[-CHUNK - 4:-4]) != content_hash(long[-CHUNK:])
+
+
+def test_the_config_section_is_checked():
+    assert load_config({"approximate_reuse": True}).approximate_reuse.recompute == 0.15
+    for bad, key in (({"recompute": 1.5}, "approximate_reuse.recompute"), ({"recompute": True}, "approximate_reuse.recompute"),
+                     ({"sink_tokens": -1}, "approximate_reuse.sink_tokens"), ({"nope": 1}, "approximate_reuse.nope"),
+                     ({"select": "random"}, "approximate_reuse.select")):
+        with pytest.raises(ConfigError) as ei:
+            load_config({"approximate_reuse": bad})
+        assert ei.value.key == key
