@@ -69,7 +69,8 @@ def _engine(mode: str, chunk_size: int, kv_spec: Any) -> Any:
     approx = {"enabled": mode.startswith("shifted")}
     if approx["enabled"]:
         approx["recompute"] = int(mode.split("-")[1]) / 100
-    cfg = {"chunk_size": chunk_size, "tiers": [{"backend": "cpu", "capacity": "4GiB"}], "approximate_reuse": approx}
+    cfg = {"chunk_size": chunk_size, "tiers": [{"backend": "cpu", "capacity": "2GiB"}], "memory_pool_prefault": False,
+           "approximate_reuse": approx}
     return lmcache.CacheEngine.from_config(cfg, kv_spec=kv_spec)
 
 

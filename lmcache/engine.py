@@ -70,7 +70,8 @@ class CacheEngine:
         #: the started services by registered name (:mod:`lmcache.services`), closed in reverse
         self.services: dict[str, Any] = {}
         self._stack = contextlib.ExitStack()
-        self._stack.callback(self.hierarchy.close)  # unwound last
+        self._stack.callback(self.pool.close)  # unwound last: the memory goes back at close
+        self._stack.callback(self.hierarchy.close)
         try:
             start_services(self, self.hierarchy.registries.services, self._stack)
         except BaseException:
@@ -421,7 +422,6 @@ class CacheEngine:
         out = {
             "tiers": {t.name: t.info() for t in self.hierarchy.tiers},
             "pool": {"capacity": self.pool.capacity, "used": self.pool.used, "live": self.pool.live},
-            # dropped_writes, skipped_no_memory, promotions, repairs, pending_writes
             "hierarchy": {**dataclasses.asdict(self.hierarchy.stats), "pending_writes": self.hierarchy.pending_writes()},
         }
         for name, svc in self.services.items():

@@ -240,6 +240,14 @@ class MemoryPool:
             self.used -= size
             self.live -= 1
 
+    def close(self) -> None:
+        """Give the memory back now, not whenever the garbage collector breaks the cycles
+        around an engine (a process that opens and closes engines would hold every pool);
+        an object still alive keeps its own bytes, and allocations after this fail."""
+        with self._lock:
+            self._free_off, self._free_len = [], []
+            self._buf = torch.empty(0, dtype=torch.uint8)
+
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.used

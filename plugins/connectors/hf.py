@@ -268,17 +268,19 @@ class TransformersConnector:
         # every other token (the gaps, the tokens chosen for recompute, the tail) at its
         # own position; attention is by position (RoPE and the mask), not by cache order
         kept: list[int] = []
-        reused = 0
+        parts_k, parts_v = [], []
         for (m, kv), again in zip(pairs, redo):
             keep = [o for o in range(m.length) if o not in set(again)]
-            if not keep:
-                continue
-            kv = kv[:, :, keep].to(self.device)  # (L, 2, T, H, D)
-            keys = rope.rerotate(kv[:, 0], m.delta, self._inv_freq)
-            for i in range(kv.shape[0]):
-                cache.update(keys[i].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0), i)
-            kept.extend(m.start + o for o in keep)
-            reused += len(keep)
+            if keep:
+                kv = kv[:, :, keep].to(self.device)  # (L, 2, T, H, D)
+                parts_k.append(rope.rerotate(kv[:, 0], m.delta, self._inv_freq))
+                parts_v.append(kv[:, 1])
+                kept.extend(m.start + o for o in keep)
+        reused = len(kept)
+        if kept:  # one append per layer (the cache concatenates on every update)
+            keys, values = torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)  # (L, T, H, D)
+            for i in range(keys.shape[0]):
+                cache.update(keys[i].transpose(0, 1).unsqueeze(0), values[i].transpose(0, 1).unsqueeze(0), i)
         taken = set(kept)
         todo = [i for i in range(n, len(ids)) if i not in taken]
         order = torch.tensor(list(range(n)) + kept + todo, device=self.device)
