@@ -39,7 +39,7 @@ from lmcache.codecs import decode_tensor, encode_tensor, load_codec
 from lmcache.errors import LMCacheError
 from lmcache.plugin_manager import get_registries
 
-from .harness import emit, err, out
+from .harness import emit, err, out, save_figure
 
 GB = 1e9
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "codec_text.txt"
@@ -341,9 +341,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel(f"first-token top-1 agreement over {data.get('prompts', '')} prompts (%)")
     ax.set_title("lmcache bench codecs: SmolLM2-135M KV (green: lossless, blue: lossy fp32, orange: lossy bf16)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(rows: Sequence[str], text: Path | None, tokens: int, chunk_size: int, prompts: int, gen_prompts: int,

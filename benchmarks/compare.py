@@ -59,7 +59,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
-from .harness import emit, err, out
+from .harness import emit, err, out, save_figure
 
 GB = 1e9
 REF_VENV = ".venv-lmcache-ref"
@@ -534,9 +534,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     a2.set_ylabel("million tokens/s (p50)")
     a2.set_title("hashing and prefix lookup (prompt cached)")
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- command

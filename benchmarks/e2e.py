@@ -367,10 +367,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
                  f"({m.get('cpu_model') or m['machine']}), torch {m['torch']}", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", ncol=2)
     ax.grid(axis="y", which="major", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- command
@@ -864,10 +861,7 @@ def qa_plot(data: dict[str, Any], path: Path) -> None:
                  f"float32, {m['cpus_usable']} CPUs; hit rate {data['hit_rate']:.0%}", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(axis="y", which="major", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def qa_main(

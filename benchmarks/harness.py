@@ -66,6 +66,14 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path, dpi: int | None = None) -> None:
+    """The one tail of every plot: lay out, write ``path`` (its folder made), close."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, **({"dpi": dpi} if dpi else {}))
+    pyplot().close(fig)
+
+
 def need_pyplot(plot_path: Any) -> None:
     """Fail before any work when ``--plot`` is given and matplotlib is missing."""
     if plot_path is not None:

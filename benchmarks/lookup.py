@@ -44,7 +44,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .harness import emit, err, out
+from .harness import emit, err, out, save_figure
 
 DEFAULT_LENGTHS = "1024,4096,16384,32768,131072"
 QUICK_LENGTHS = "1024,4096"
@@ -346,9 +346,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_title(f"lmcache bench lookup ({data['hash_algorithm']}, {data['chunk_size']}-token chunks, {data['input']} input)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- command

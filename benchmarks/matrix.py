@@ -317,7 +317,7 @@ def print_matrix(data: dict[str, Any]) -> None:
 
 
 def plot_matrix(data: dict[str, Any], path: Path) -> None:
-    from .harness import pyplot
+    from .harness import pyplot, save_figure
 
     plt = pyplot()
 
@@ -338,9 +338,7 @@ def plot_matrix(data: dict[str, Any], path: Path) -> None:
             ax.set_xlabel("concurrent requests")
             ax.set_ylabel("ratio")
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(shapes: str, concurrency: str, tiers: str, total: str, request_chunks: int, repeats: int,

@@ -215,8 +215,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"lmcache bench truncation: {data['model']}, CPU, chunk {data['settings']['chunk_size']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path, dpi=110)
 
 
 def main(workloads: list[str], windows: list[int], modes: list[str], steps: int, chunk_size: int, seed: int,

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from lmcache.errors import LMCacheError
 
-from .harness import emit, err, out
+from .harness import emit, err, out, save_figure
 
 #: prompts answered by every mode, in this order
 ALL_MODES = ("vllm", "vllm-simple-cpu", "vllm-offloading", "lmcache-cpu", "lmcache-disk", "lmcache-redis")
@@ -338,8 +338,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("TTFT p50 (s, log)")
     ax.set_title(f"vllm serve, SmolLM2-135M, {data['docs']} docs x ~{data['doc_tokens']} tokens, vLLM KV {data['kv_tokens']} tokens")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------- entry

@@ -4,6 +4,8 @@ store and a retrieve, and a layer-wise retrieve in progress."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -15,6 +17,8 @@ from .config import KVSpec
 from .dtypes import dtype_from_name, dtype_name
 from .errors import KVShapeError
 from .keys import Chunk
+
+_log = logging.getLogger("lmcache.engine")
 
 
 @dataclass
@@ -232,9 +236,6 @@ def store_chunks(hierarchy: Any, src: _KV, spec: KVSpec, chunks: list[Chunk], ke
     hierarchy: on ``pool``'s threads when given (at most ``in_flight`` puts held), and
     inside ``hierarchy.storing()``, so the lower tiers' writes wait until the copies are
     done. A chunk the memory pool cannot take is dropped, not waited for forever."""
-    import contextlib
-    import logging
-
     stored = skipped = dropped = 0
     dtype = dtype_from_name(spec.dtype)
     todo = sum(1 for here in present if not here)
@@ -261,7 +262,7 @@ def store_chunks(hierarchy: Any, src: _KV, spec: KVSpec, chunks: list[Chunk], ke
                     obj = hierarchy.allocate(spec.chunk_shape(chunk.num_tokens), dtype)
                 if obj is None:
                     dropped += chunk.num_tokens
-                    logging.getLogger("lmcache.engine").debug("memory pool exhausted: not storing chunk %s", key)
+                    _log.debug("memory pool exhausted: not storing chunk %s", key)
                     continue
                 try:
                     src.copy_chunk(chunk.start, chunk.end, obj.tensor)

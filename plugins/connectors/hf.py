@@ -93,6 +93,7 @@ class TransformersConnector:
         self.device = next(model.parameters()).device
         self._buf: torch.Tensor | None = None
         self._inflight: Any = None
+        self._inv_freq: Any = None  # rotary frequencies, read at the first shifted prefill (False: unsupported)
 
     # ---------------------------------------------------------------- helpers
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
@@ -245,7 +246,7 @@ class TransformersConnector:
         size = self.engine.config.chunk_size
         if len(ids) - 1 - max(n, cfg.sink_tokens) < size:
             return None
-        if getattr(self, "_inv_freq", None) is None:
+        if self._inv_freq is None:
             try:
                 self._inv_freq = rope.inv_freq_of(self.model.config)
             except ValueError as exc:
@@ -270,7 +271,8 @@ class TransformersConnector:
         kept: list[int] = []
         parts_k, parts_v = [], []
         for (m, kv), again in zip(pairs, redo):
-            keep = [o for o in range(m.length) if o not in set(again)]
+            again = set(again)
+            keep = [o for o in range(m.length) if o not in again]
             if keep:
                 kv = kv[:, :, keep].to(self.device)  # (L, 2, T, H, D)
                 parts_k.append(rope.rerotate(kv[:, 0], m.delta, self._inv_freq))
