@@ -306,6 +306,8 @@ class Config:
     memory_pool_prefault: bool = option(True, check.boolean)  # map the pool's pages at start (see lmcache.memory)
     write_queue_size: int = option(256, check.integer(1))
     lookup_pin_timeout: float = option(30.0, check.seconds())
+    # a Unix socket where the engine answers lookups from another process (the lookup service)
+    lookup_socket: str | None = option(None, check.optional(check.text))
     kv_spec: KVSpec | None = option(None, check.optional(lambda k, v, s: parse(KVSpec, v, k, s)))
     api: ApiConfig = field(default_factory=ApiConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)

@@ -2,7 +2,8 @@
 in order and closed in reverse.
 
 A service is what the engine starts when its config asks for it: the instance API, the
-peer-to-peer endpoint, the controller worker, the KV-event publisher (the built-ins, in
+peer-to-peer endpoint, the controller worker, the KV-event publisher, the lookup channel
+of another process's scheduler (the built-ins, in
 :mod:`lmcache.plugins.services`). Services are plugins like backends and codecs: a plugin
 registers each through ``lmcache_register_services(registry)`` as a class with
 ``enabled(config) -> bool``; the engine starts the enabled ones in registration order as
@@ -40,8 +41,9 @@ class Service(Protocol):
 class EngineView:
     """What a service sees of its engine: the config, the hierarchy, the clock, the
     instance id, the KV spec (it may arrive with the first store), the admin operations,
-    the other services, and the hook lists of the data path. Not the engine itself: a
-    service cannot store, retrieve or close it, so the engine's invariants stay its own."""
+    lookups with leases, the other services, and the hook lists of the data path. Not the
+    engine itself: a service cannot store, retrieve or close it, so the engine's
+    invariants stay its own."""
 
     __slots__ = ("_engine", "clock", "config", "hierarchy", "instance_id")
 
@@ -67,6 +69,14 @@ class EngineView:
 
     def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
         return self._engine.chunk_keys(tokens)
+
+    def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
+        """:meth:`lmcache.CacheEngine.locate`: the cached prefix and each chunk's tier."""
+        return self._engine.locate(tokens, pin=pin)
+
+    def release(self, tokens: Any) -> None:
+        """:meth:`lmcache.CacheEngine.release`: drop the leases a pinned locate took."""
+        self._engine.release(tokens)
 
     def add_miss_filler(self, filler: Callable[[list[Chunk], list[str], int], int]) -> None:
         """``filler(chunks, keys, have) -> fetched`` is asked when a lookup or retrieve

@@ -12,7 +12,7 @@ from the config: the YAML file named by ``lmcache.config_file`` (else
 ``LMCACHE_CONFIG_FILE``), ``LMCACHE_*`` environment variables, then every other
 ``lmcache.<key>`` of ``kv_connector_extra_config`` (``lmcache.vllm.*`` keys configure this
 connector instead). The scheduler opens no tiers: it asks the workers' engines over the
-lookup channel (:mod:`lmcache.plugins.connectors.vllm_lookup`), so a hit in a worker's CPU
+lookup channel (the engine's ``lookup`` service, :mod:`lmcache.plugins.services.lookup`), so a hit in a worker's CPU
 tier is served in the same live engine, with the multiprocess executor and with tensor
 parallelism (a prefix counts only where every rank has it). Workers in the scheduler's own
 process (the ``uni`` executor) are asked directly.
@@ -56,7 +56,7 @@ from lmcache.engine import CacheEngine
 from lmcache.kernels import KVLayout, get_layout, register_layout
 from lmcache import kernels as K
 
-from .vllm_lookup import LookupClient, LookupReply, LookupServer, socket_path
+from ..services.lookup import LookupClient, LookupReply, socket_path
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -316,7 +316,6 @@ class LMCacheConnector(KVConnectorBase_V1):
         self.tp_rank = tp_rank
         self.kv_spec, self.is_mla, self.block_size = kv_spec_of(vllm_config, kv_cache_config, tp_rank)
         self.engine: CacheEngine | None = None
-        self._server: LookupServer | None = None
         self._client: LookupClient | None = None
         self._closed = False
         if role == KVConnectorRole.SCHEDULER:
@@ -327,7 +326,9 @@ class LMCacheConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
                 log.info("lmcache: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
         else:
-            self.engine = _acquire_engine(config_file, overrides, self.kv_spec)
+            # the engine's lookup service answers the scheduler on this rank's socket
+            sock = socket_path(self.instance, self.dp_rank, self.tp_rank)
+            self.engine = _acquire_engine(config_file, {**overrides, "lookup_socket": sock}, self.kv_spec)
             self.config = self.engine.config
         self.chunk_size = self.config.chunk_size
         self._tier_sources = [t.backend for t in self.config.tiers]
@@ -349,7 +350,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._async_done: set[str] = set()
         self._io: ThreadPoolExecutor | None = None
         if role != KVConnectorRole.SCHEDULER:
-            self._start_lookup_server()
+            with _LOCAL_LOCK:  # a scheduler in this process asks it directly
+                _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
 
     @staticmethod
     def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -362,31 +364,9 @@ class LMCacheConnector(KVConnectorBase_V1):
             return int(getattr(pc, "rank", 0) or 0) % int(getattr(pc, "tensor_parallel_size", 1) or 1)
 
     # ================================================================ lookup channel
-    def _start_lookup_server(self) -> None:
-        with _LOCAL_LOCK:
-            _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
-        try:
-            self._server = LookupServer(
-                socket_path(self.instance, self.dp_rank, self.tp_rank),
-                self._serve_lookup, self._serve_release, self._serve_info,
-            )
-        except OSError as exc:  # the scheduler then sees this rank as a miss
-            log.warning("lmcache: no lookup channel for the vLLM scheduler (%s); its lookups will miss", exc)
-
     def _serve_lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
         assert self.engine is not None
-        n, tiers = self.engine.locate(tokens, pin=pin)
-        index = {t.name: i for i, t in enumerate(self.engine.hierarchy.tiers)}
-        return n, [min(index.get(t, 0), 255) for t in tiers]
-
-    def _serve_release(self, tokens: list[int]) -> None:
-        assert self.engine is not None
-        self.engine.release(tokens)
-
-    def _serve_info(self) -> dict[str, Any]:
-        assert self.engine is not None
-        return {"chunk_size": self.chunk_size, "tp_rank": self.tp_rank, "kv": self.kv_spec.signature,
-                "tiers": [t.name for t in self.engine.hierarchy.tiers]}
+        return self.engine.services["lookup"].lookup(tokens, pin)
 
     def _local_workers(self) -> list[LMCacheConnector] | None:
         """This instance's worker connectors if all of them live in this process."""
@@ -438,7 +418,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             if local is not None:
                 for w, toks in zip(local, per_rank):
                     if toks:
-                        w._serve_release(toks)
+                        w.engine.release(toks)
             elif self._client is not None:
                 self._client.release_each(per_rank)
         except Exception:
@@ -834,8 +814,6 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._closed = True
         if self._client is not None:
             self._client.close()
-        if self._server is not None:
-            self._server.close()
         if self._io is not None:
             self._io.shutdown(wait=True)
         with _LOCAL_LOCK:

@@ -17,5 +17,7 @@ def lmcache_register_services(registry):
                  description="registers with the controller and reports admits/evicts (controller.url)")
     registry.add("kv_events", "lmcache.plugins.services.kv_events:KVEventsService",
                  description="vLLM-compatible KV events on ZMQ (kv_events.enabled)")
+    registry.add("lookup", "lmcache.plugins.services.lookup:LookupChannel",
+                 description="answers lookups of a scheduler in another process on a Unix socket (lookup_socket)")
     registry.add("approximate_reuse", "lmcache.plugins.services.shifted:ShiftedReuse",
                  description="reuse of KV computed at other positions, for truncated prompts (approximate_reuse.enabled)")

@@ -1,4 +1,5 @@
-"""The lookup channel between vLLM's scheduler and its workers' cache engines.
+"""The lookup channel: an engine service that answers lookups from another process, the
+one between vLLM's scheduler and its workers' cache engines.
 
 vLLM runs the scheduler (EngineCore) and the model workers in different processes (its
 multiprocess executor, always with tensor parallelism). The KV lives where it is stored:
@@ -33,7 +34,6 @@ names). The socket is created mode 0600 in a directory only its user can enter.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LookupServer", "LookupClient", "LookupReply", "socket_path", "MAX_TOKENS"]
+__all__ = ["LookupChannel", "LookupServer", "LookupClient", "LookupReply", "socket_path", "MAX_TOKENS"]
 
 MAGIC = b"LMKL"
 VERSION = 1
@@ -387,11 +387,49 @@ class LookupClient:
     def close(self) -> None:
         self.closed = True
         for r in self.ranks:
-            if r.sock is not None:
+            # taken first: shutting it down wakes the reader thread, which drops it too
+            s, r.sock = r.sock, None
+            if s is not None:
                 try:
-                    r.sock.shutdown(socket.SHUT_RDWR)
-                except OSError as exc:
-                    if exc.errno != errno.ENOTCONN:
-                        pass
-                r.sock.close()
-                r.sock = None
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already gone (ENOTCONN)
+                    pass
+                s.close()
+
+
+class LookupChannel:
+    """The ``lookup`` service: :class:`LookupServer` on ``config.lookup_socket`` for this
+    engine's locate (with leases) and release. A socket that cannot be bound is a warning,
+    not a failed engine: the scheduler then sees this rank as a miss, and a scheduler in
+    the same process still calls :meth:`lookup` directly."""
+
+    def __init__(self, view: Any):
+        self._view = view
+        self.server: LookupServer | None = None
+        try:
+            self.server = LookupServer(view.config.lookup_socket, self.lookup, view.release, self.hello)
+        except OSError as exc:
+            log.warning("lmcache: no lookup channel on %s (%s); lookups from other processes will miss",
+                        view.config.lookup_socket, exc)
+
+    @staticmethod
+    def enabled(config: Any) -> bool:
+        return bool(config.lookup_socket)
+
+    def lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
+        """The cached prefix of ``tokens`` and, per hit chunk, the index of its tier."""
+        n, tiers = self._view.locate(tokens, pin=pin)
+        index = {t.name: i for i, t in enumerate(self._view.hierarchy.tiers)}
+        return n, [min(index.get(t, 0), 255) for t in tiers]
+
+    def hello(self) -> dict[str, Any]:
+        spec = self._view.kv_spec
+        return {"chunk_size": self._view.config.chunk_size, "tp_rank": spec.tp_rank if spec else 0,
+                "kv": spec.signature if spec else None, "tiers": [t.name for t in self._view.hierarchy.tiers]}
+
+    def info(self) -> dict[str, Any]:
+        return {"socket": self.server.path, **self.server.stats} if self.server else {"socket": None}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
