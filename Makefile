@@ -77,7 +77,10 @@ demo-vllm: $(STAMP) $(VLLM_CPU_VENV)/.installed
 servers:
 	bash requirements/install-test-servers.sh
 
-test: $(STAMP) engines servers $(LMCACHE_REF_VENV)/.installed
+# the engines' venvs, the reference LMCache and the server packages are independent of one
+# another once .venv is in place: built side by side (mostly downloads and unpacking)
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j4 engines servers $(LMCACHE_REF_VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-engines
