@@ -12,7 +12,8 @@ with a sliding window (the system prompt + the last ``W`` tokens, for several ``
 
 Each mode runs the same prompts in order through its own engine (a CPU tier), storing
 each prompt's KV as a server would: ``full`` (no cache: the reference), ``prefix`` (the
-exact prefix cache), ``shifted-F`` (``approximate_reuse`` with ``recompute: F``). For the
+exact prefix cache), ``shifted-F`` (``approximate_reuse`` with ``recompute: F`` and the default
+``select``), ``shifted-F-SELECT`` (and ``select: SELECT``). For the
 prompts after the first of each window size it reports the token hit rate (prompt tokens
 the cache had: ``reused`` tokens taken as they are plus ``recomputed`` ones), TTFT and its
 speed-up over ``full``, the first token's top-1 agreement with ``full``, the agreement of 32
@@ -36,7 +37,8 @@ SYSTEM = "You are a careful assistant. Answer from the conversation and the docu
 QUESTIONS = ("What changed since the last step?", "Which part matters most here?", "Summarize the key point.",
              "What should the reader remember?", "How does this connect to what came before?",
              "What is the next thing to check?", "Name one risk in this.", "What is the main claim?")
-DEFAULT_MODES = ("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30")
+DEFAULT_MODES = ("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation")
+SELECTS = ("leading", "deviation", "chunk_starts")
 DEFAULT_FRACTION = "shifted-15"
 GREEDY = 32
 GOALS = {"hit_rate": 0.80, "prefix_hit_rate_below": 0.50, "top1": 0.97, "greedy_match": 0.90, "speedup_at_3k": 3.0}
@@ -63,12 +65,19 @@ def _prompts(tok: Any, workload: str, window: int, steps: int, seed: int) -> lis
     return pairs
 
 
+def shifted_mode(mode: str) -> dict[str, Any] | None:
+    """The ``approximate_reuse`` settings of ``shifted-F`` or ``shifted-F-SELECT``, else ``None``."""
+    head, _, rest = mode.partition("-")
+    frac, _, select = rest.partition("-")
+    if head != "shifted" or not frac.isdigit() or int(frac) > 100 or (select and select not in SELECTS):
+        return None
+    return {"enabled": True, "recompute": int(frac) / 100, **({"select": select} if select else {})}
+
+
 def _engine(mode: str, chunk_size: int, kv_spec: Any) -> Any:
     import lmcache
 
-    approx = {"enabled": mode.startswith("shifted")}
-    if approx["enabled"]:
-        approx["recompute"] = int(mode.split("-")[1]) / 100
+    approx = shifted_mode(mode) or {"enabled": False}
     cfg = {"chunk_size": chunk_size, "tiers": [{"backend": "cpu", "capacity": "2GiB"}], "memory_pool_prefault": False,
            "approximate_reuse": approx}
     return lmcache.CacheEngine.from_config(cfg, kv_spec=kv_spec)
@@ -246,4 +255,4 @@ def main(workloads: list[str], windows: list[int], modes: list[str], steps: int,
     harness.emit(data, as_json, print_table, plot_path, plot)
 
 
-__all__ = ["main", "run", "goals"]
+__all__ = ["main", "run", "goals", "shifted_mode"]

@@ -270,16 +270,17 @@ class ApproximateReuseConfig:
     Exact prefix hits are never affected. With it on, chunks that match a prompt's tokens
     after its cached prefix, wherever they stood before, are reused with their keys
     re-rotated; ``recompute`` is the fraction of the reused tokens computed again at their
-    new place: with ``select: deviation`` those whose layer-1 KV differs most from what an
-    exact layer-0 pass gives (CacheBlend's criterion), with ``leading`` the earliest ones
-    (nearest the cut), with ``chunk_starts`` the first tokens of every chunk (EPIC's);
+    new place: with ``select: leading`` the earliest ones (nearest the cut, which lost the
+    most context), with ``deviation`` those whose layer-1 KV differs most from what an
+    exact layer-0 pass gives (CacheBlend's criterion), with ``chunk_starts`` the first
+    tokens of every chunk (EPIC's);
     ``sink_tokens`` the leading prompt tokens always computed exactly, ``index_entries``
     how many chunks the content index remembers.
     """
 
     enabled: bool = option(False, check.boolean, shorthand=bool)
     recompute: float = option(0.15, _FRACTION)
-    select: str = option("deviation", check.choice("deviation", "leading", "chunk_starts"))
+    select: str = option("leading", check.choice("leading", "deviation", "chunk_starts"))
     sink_tokens: int = option(4, check.integer(0))
     index_entries: int = option(65536, check.integer(1))
 

@@ -265,9 +265,6 @@ class TransformersConnector:
             redo = self._by_deviation(ids, pairs, cfg.recompute)
         else:
             redo = [list(range(r)) for r in _recompute_counts([m.length for m, _ in pairs], cfg.recompute, cfg.select)]
-        # the reused tokens' KV goes into the cache first, then one forward pass computes
-        # every other token (the gaps, the tokens chosen for recompute, the tail) at its
-        # own position; attention is by position (RoPE and the mask), not by cache order
         kept: list[int] = []
         parts_k, parts_v = [], []
         for (m, kv), again in zip(pairs, redo):
@@ -279,12 +276,54 @@ class TransformersConnector:
                 parts_v.append(kv[:, 1])
                 kept.extend(m.start + o for o in keep)
         reused = len(kept)
-        if kept:  # one append per layer (the cache concatenates on every update)
-            keys, values = torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)  # (L, T, H, D)
-            for i in range(keys.shape[0]):
-                cache.update(keys[i].transpose(0, 1).unsqueeze(0), values[i].transpose(0, 1).unsqueeze(0), i)
+        keys = torch.cat(parts_k, dim=1) if kept else None  # (L, T, H, D), in the order of kept
+        values = torch.cat(parts_v, dim=1) if kept else None
         taken = set(kept)
         todo = [i for i in range(n, len(ids)) if i not in taken]
+        runs = _runs(range(n, len(ids)), taken)
+        if sum(1 for r in runs if not r[2]) <= _MAX_COMPUTE_RUNS:
+            cache, logits, at_logits = self._forward_in_order(ids, cache, runs, keys, values)
+        else:
+            cache, logits, at_logits = self._forward_by_mask(ids, cache, n, kept, todo, keys, values)
+        loaded = reused * self.spec.bytes_per_token()
+        if store:
+            exact = min(kept) if kept else len(ids)  # tokens before the first reused one saw only exact KV
+            self.engine.store(ids[:exact], self.kv_of(cache, exact))
+            shifted.store_shifted(ids, self.kv_of(cache, len(ids)), exact // size)
+        return cache, logits, reused, sum(map(len, redo)), loaded, load_s, at_logits
+
+    def _append(self, cache: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``(L, T, H, D)`` keys and values to every layer of ``cache``."""
+        for i in range(keys.shape[0]):
+            cache.update(keys[i].transpose(0, 1).unsqueeze(0), values[i].transpose(0, 1).unsqueeze(0), i)
+
+    def _forward_in_order(self, ids: list[int], cache: Any, runs: list, keys: Any, values: Any) -> tuple:
+        """The cache built in position order, run by run: reused KV appended, the tokens
+        to compute run as an ordinary continuation (causal mask, the flash kernel's
+        skipping of later blocks), so a token attends only to the positions before it and
+        the chunks recomputed near the cut cost little attention."""
+        at = 0  # reused tokens appended so far (keys are in the order of kept)
+        out = None
+        for start, end, reused in runs:
+            if reused:
+                self._append(cache, keys[:, at : at + end - start], values[:, at : at + end - start])
+                at += end - start
+                continue
+            x = torch.tensor([ids[start:end]], dtype=torch.long, device=self.device)
+            pos = torch.arange(start, end, device=self.device)[None]
+            out = self.model(input_ids=x, cache=cache, use_cache=True, position_ids=pos, logits_to_keep=1)
+            cache = _cache_of(out, cache)
+        assert out is not None  # the last token is always computed
+        return cache, out.logits[0, -1].float(), time.perf_counter()
+
+    def _forward_by_mask(self, ids: list[int], cache: Any, n: int, kept: list[int], todo: list[int],
+                         keys: Any, values: Any) -> tuple:
+        """Many runs to compute (tokens chosen one by one): the reused KV first, then one
+        forward pass over every token to compute at its own position, with a mask by
+        position (a token sees every key at an earlier position), the cache put back in
+        position order after."""
+        if kept:  # one append per layer (the cache concatenates on every update)
+            self._append(cache, keys, values)
         order = torch.tensor(list(range(n)) + kept + todo, device=self.device)
         pos = torch.tensor(todo, device=self.device)
         mask = (order.unsqueeze(0) <= pos.unsqueeze(1))[None, None]  # (1, 1, q, kv): earlier positions only
@@ -297,12 +336,7 @@ class TransformersConnector:
         inverse = torch.argsort(order)  # the cache in position order again, for storing and decoding
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, inverse], layer.values[:, :, inverse]
-        loaded = reused * self.spec.bytes_per_token()
-        if store:
-            exact = min(kept) if kept else len(ids)  # tokens before the first reused one saw only exact KV
-            self.engine.store(ids[:exact], self.kv_of(cache, exact))
-            shifted.store_shifted(ids, self.kv_of(cache, len(ids)), exact // size)
-        return cache, logits, reused, sum(map(len, redo)), loaded, load_s, at_logits
+        return cache, logits, at_logits
 
     def _by_deviation(self, ids: list[int], pairs: list, fraction: float) -> list[list[int]]:
         """CacheBlend's choice: of the reused tokens, the ``fraction`` whose layer-1 KV
@@ -452,6 +486,23 @@ def _LayerwiseCache(wait: Callable[[int], None], **kwargs: Any):
 
 
 _LAYERWISE_CLS: Any = None
+
+
+#: up to this many runs of tokens to compute, the shifted prefill goes run by run in
+#: position order; more (tokens chosen one by one) take one forward pass with a mask
+_MAX_COMPUTE_RUNS = 6
+
+
+def _runs(positions: range, reused: set[int]) -> list[tuple[int, int, bool]]:
+    """``positions`` cut into maximal runs ``(start, end, reused)``."""
+    out: list[tuple[int, int, bool]] = []
+    for p in positions:
+        r = p in reused
+        if out and out[-1][2] == r and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1, r)
+        else:
+            out.append((p, p + 1, r))
+    return out
 
 
 def _recompute_counts(lengths: list[int], fraction: float, select: str) -> list[int]:

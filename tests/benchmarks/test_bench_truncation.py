@@ -32,7 +32,8 @@ def test_bench_truncation_quick_json():
 
 
 def test_bad_modes_and_windows_are_one_line_errors():
-    for args, hint in ((["--modes", "full,shifted-x"], "unknown mode 'shifted-x'"), (["--windows", "8"], "at least 16")):
+    for args, hint in ((["--modes", "full,shifted-x"], "unknown mode 'shifted-x'"), (["--windows", "8"], "at least 16"),
+                       (["--modes", "shifted-15-random"], "unknown mode 'shifted-15-random'")):
         proc = subprocess.run([str(LMCACHE), "bench", "truncation", *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "COLUMNS": "200"})
         assert proc.returncode == 2 and hint in proc.stderr, proc.stderr

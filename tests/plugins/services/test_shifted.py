@@ -55,7 +55,7 @@ def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompu
         assert prefix_only == 0  # the exact prefix cache has nothing for it
         found = got.shifted_tokens + got.recomputed_tokens
         assert got.shifted_tokens == got.cached_tokens and found % CHUNK == 0
-        assert got.recomputed_tokens == math.ceil(0.15 * found)  # those whose layer-1 KV deviates most
+        assert got.recomputed_tokens == math.ceil(0.15 * found)  # the earliest ones (select: leading)
         assert found >= 0.85 * len(cut)  # found in the cache
         # one prompt is no agreement rate (lmcache bench truncation measures that); its
         # next-token distribution is close to the full recompute's, and the same at the top
@@ -123,12 +123,48 @@ def test_deviation_picks_closer_tokens_than_position_rules(smollm2, texts):
     ref = torch.softmax(_connector(smollm2, _engine(smollm2[0], approx=False)).prefill(cut, use_cache=False, store=False).logits, -1)
     tv = {}
     for select in ("deviation", "leading", "chunk_starts"):
-        with _engine(smollm2[0], select=select) as e:
+        with _engine(smollm2[0], select=select) as e:  # leading is the default: cheaper, not closer here
             conn = _connector(smollm2, e)
             conn.prefill(long)
             got = conn.prefill(cut, store=False)
             tv[select] = float((torch.softmax(got.logits, -1) - ref).abs().sum()) / 2
     assert tv["deviation"] < min(tv["leading"], tv["chunk_starts"]), tv
+
+
+@pytest.mark.parametrize("select", ["leading", "deviation"])
+def test_run_by_run_and_one_masked_pass_compute_the_same(smollm2, texts, monkeypatch, select):
+    """The two ways of computing the same tokens on the same reused KV: run by run in
+    position order (a few runs: leading) and one forward pass with a mask by position
+    (many runs: deviation). Each is forced on the other's case; logits and cache agree."""
+    from lmcache.plugins.connectors import hf
+
+    long, cut = texts
+    got = {}
+    for runs in (0, 10**6):  # every prompt by mask; every prompt run by run
+        monkeypatch.setattr(hf, "_MAX_COMPUTE_RUNS", runs)
+        with _engine(smollm2[0], select=select) as e:
+            conn = _connector(smollm2, e)
+            conn.prefill(long)
+            got[runs] = conn.prefill(cut, store=False)
+    a, b = got[0], got[10**6]
+    assert a.shifted_tokens == b.shifted_tokens > 0 and a.recomputed_tokens == b.recomputed_tokens > 0
+    assert torch.allclose(a.logits, b.logits, atol=1e-3), (a.logits - b.logits).abs().max()
+    assert int(a.logits.argmax()) == int(b.logits.argmax())
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert la.keys.shape == lb.keys.shape and torch.allclose(la.keys, lb.keys, atol=1e-3)
+        assert torch.allclose(la.values, lb.values, atol=1e-3)
+
+
+def test_recomputing_everything_is_a_full_recompute(smollm2, texts):
+    long, cut = texts
+    ref = _connector(smollm2, _engine(smollm2[0], approx=False)).prefill(cut, use_cache=False, store=False)
+    for select in ("leading", "deviation"):
+        with _engine(smollm2[0], recompute=1.0, select=select) as e:
+            conn = _connector(smollm2, e)
+            conn.prefill(long)
+            got = conn.prefill(cut, store=False)
+            assert got.shifted_tokens == 0 and got.recomputed_tokens > 0.85 * len(cut)
+            assert torch.allclose(got.logits, ref.logits, atol=1e-3), (got.logits - ref.logits).abs().max()
 
 
 def test_chunk_starts_recomputes_the_same_share_of_every_chunk(smollm2, texts):
