@@ -74,13 +74,14 @@ def until(fn: Callable[[], Any], what: str, timeout: float) -> Any:
 
 def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """Close its stdin (a child of :func:`serve_until_stdin_closes` then stops by itself),
-    then SIGTERM, then SIGKILL, waiting ``grace`` seconds for each."""
+    then SIGTERM, then SIGKILL, waiting ``grace`` seconds for each. A child without a stdin
+    pipe (a server run as users run it) cannot be told that way: SIGTERM comes first."""
     try:
         if proc.stdin:
             proc.stdin.close()
     except OSError:
         pass
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    for sig in ((None,) if proc.stdin else ()) + (signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None:
             return
         if sig is not None:

@@ -112,6 +112,9 @@ class Cluster:
             self.engines[iid], self.api[iid] = start_engine(tmp, iid, self.url, n)
 
     def close(self) -> None:
+        for p in self.engines.values():  # all told at once: they deregister side by side
+            if p.stdin:
+                p.stdin.close()
         for p in self.engines.values():
             stop(p)
         stop(self.ctl)
