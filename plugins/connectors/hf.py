@@ -299,8 +299,8 @@ class TransformersConnector:
 
     def _forward_in_order(self, ids: list[int], cache: Any, runs: list, keys: Any, values: Any) -> tuple:
         """The cache built in position order, run by run: reused KV appended, the tokens
-        to compute run as an ordinary continuation (causal mask, the flash kernel's
-        skipping of later blocks), so a token attends only to the positions before it and
+        to compute run as an ordinary continuation (the causal mask of a cache whose length
+        is their first position), so the cache holds only the positions before them and
         the chunks recomputed near the cut cost little attention."""
         at = 0  # reused tokens appended so far (keys are in the order of kept)
         out = None
