@@ -278,12 +278,11 @@ class TransformersConnector:
         reused = len(kept)
         keys = torch.cat(parts_k, dim=1) if kept else None  # (L, T, H, D), in the order of kept
         values = torch.cat(parts_v, dim=1) if kept else None
-        taken = set(kept)
-        todo = [i for i in range(n, len(ids)) if i not in taken]
-        runs = _runs(range(n, len(ids)), taken)
+        runs = _runs(range(n, len(ids)), set(kept))
         if sum(1 for r in runs if not r[2]) <= _MAX_COMPUTE_RUNS:
             cache, logits, at_logits = self._forward_in_order(ids, cache, runs, keys, values)
         else:
+            todo = [i for a, b, reused in runs if not reused for i in range(a, b)]
             cache, logits, at_logits = self._forward_by_mask(ids, cache, n, kept, todo, keys, values)
         loaded = reused * self.spec.bytes_per_token()
         if store:

@@ -5,9 +5,10 @@ vLLM runs the scheduler (EngineCore) and the model workers in different processe
 multiprocess executor, always with tensor parallelism). The KV lives where it is stored:
 in each worker's :class:`~lmcache.engine.CacheEngine`, whose CPU tier is memory of that
 worker process. So the scheduler-role connector does not look at tiers itself; it asks the
-workers. Each worker-role connector serves :class:`LookupServer` on a Unix socket named
-after the vLLM instance (``kv_transfer_config.engine_id``), its data-parallel rank and its
-TP rank; the scheduler's :class:`LookupClient` sends one lookup to every rank and takes
+workers. Each worker-role connector opens its engine with ``lookup_socket`` set, and the
+engine's ``lookup`` service (:class:`LookupChannel`) serves :class:`LookupServer` on that
+Unix socket, named after the vLLM instance (``kv_transfer_config.engine_id``), its
+data-parallel rank and its TP rank (:func:`socket_path`); the scheduler's :class:`LookupClient` sends one lookup to every rank and takes
 the shortest answer (a prefix counts as cached only where every rank has its shard).
 
 Why a channel and not a scheduler-side index fed by the workers: the engine that answers
@@ -405,6 +406,8 @@ class LookupChannel:
 
     def __init__(self, view: Any):
         self._view = view
+        #: tier name -> its index in the replies (the hierarchy's tiers do not change)
+        self._tier_index = {t.name: min(i, 255) for i, t in enumerate(view.hierarchy.tiers)}
         self.server: LookupServer | None = None
         try:
             self.server = LookupServer(view.config.lookup_socket, self.lookup, view.release, self.hello)
@@ -419,8 +422,7 @@ class LookupChannel:
     def lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
         """The cached prefix of ``tokens`` and, per hit chunk, the index of its tier."""
         n, tiers = self._view.locate(tokens, pin=pin)
-        index = {t.name: i for i, t in enumerate(self._view.hierarchy.tiers)}
-        return n, [min(index.get(t, 0), 255) for t in tiers]
+        return n, [self._tier_index.get(t, 0) for t in tiers]
 
     def hello(self) -> dict[str, Any]:
         spec = self._view.kv_spec
