@@ -160,7 +160,9 @@ def kv_for(tokens: list[int], seed: int = 0) -> torch.Tensor:
 
 def test_move_between_instances(controller, tmp_path):
     ctl, client = controller
-    src = synthetic(ctl.url, "mv-src", api=True)
+    # neither fetches from peers: the lookups below see each instance's own tiers (a source
+    # that fetched would, once the controller knows the destination's copies, find them there)
+    src = synthetic(ctl.url, "mv-src", api=True, fetch=False)
     dst = synthetic(ctl.url, "mv-dst", api=True, fetch=False,
                     tiers=[{"backend": "cpu", "capacity": "64MiB"}, {"backend": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}])
     try:
