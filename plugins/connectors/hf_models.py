@@ -138,9 +138,17 @@ def _save(model: Any, tok: Any, target: Path, marker: Path, gguf: Path) -> None:
         save_file(_checkpoint_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
         (tmp / marker.name).write_text(json.dumps({"source": gguf.name, "format": _FORMAT}))
+        if marker.is_file():  # another process converted it meanwhile (and may be reading it)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+            shutil.rmtree(target)  # no marker: not a complete checkpoint
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process's copy landed first
+            if not marker.is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
