@@ -13,7 +13,9 @@ with a sliding window (the system prompt + the last ``W`` tokens, for several ``
 Each mode runs the same prompts in order through its own engine (a CPU tier), storing
 each prompt's KV as a server would: ``full`` (no cache: the reference), ``prefix`` (the
 exact prefix cache), ``shifted-F`` (``approximate_reuse`` with ``recompute: F`` and the default
-``select``), ``shifted-F-SELECT`` (and ``select: SELECT``). For the
+``select``), ``shifted-F-SELECT`` (and ``select: SELECT``), and, asked for by name, ``full-bf16`` (no cache,
+the model in bf16, the precision GPU engines serve in: how far the quality metrics move for
+a change that nobody calls approximate). For the
 prompts after the first of each window size it reports the token hit rate (prompt tokens
 the cache had: ``reused`` tokens taken as they are plus ``recomputed`` ones), TTFT and its
 speed-up over ``full``, the first token's top-1 agreement with ``full``, the agreement of 32
@@ -37,6 +39,7 @@ SYSTEM = "You are a careful assistant. Answer from the conversation and the docu
 QUESTIONS = ("What changed since the last step?", "Which part matters most here?", "Summarize the key point.",
              "What should the reader remember?", "How does this connect to what came before?",
              "What is the next thing to check?", "Name one risk in this.", "What is the main claim?")
+PLAIN = ("full", "full-bf16")  # computed from scratch, no cache
 DEFAULT_MODES = ("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation")
 SELECTS = ("leading", "deviation", "chunk_starts")
 DEFAULT_FRACTION = "shifted-15"
@@ -109,8 +112,8 @@ def run(model: Any, tok: Any, workloads: list[str], windows: list[int], modes: l
     import lmcache
 
     Conn = lmcache.connector("transformers")
-    spec = Conn.kv_spec_of(model)
     rows = []
+    bf16 = None
     for workload in workloads:
         for window in windows:
             pairs = _prompts(tok, workload, window, steps, seed)
@@ -119,13 +122,22 @@ def run(model: Any, tok: Any, workloads: list[str], windows: list[int], modes: l
                 if progress:
                     progress(f"{workload}, window {window}, {mode}")
                 samples = []
-                with _engine(mode, chunk_size, spec) as engine:
-                    conn = Conn(model, tok, engine)
+                m = model
+                if mode == "full-bf16":
+                    if bf16 is None:
+                        import copy
+
+                        import torch
+
+                        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+                    m = bf16
+                with _engine(mode, chunk_size, Conn.kv_spec_of(m)) as engine:
+                    conn = Conn(m, tok, engine)
                     for i, (prompt, held) in enumerate(pairs):
-                        pre = conn.prefill(prompt, use_cache=mode != "full", store=mode != "full")
+                        pre = conn.prefill(prompt, use_cache=mode not in PLAIN, store=mode not in PLAIN)
                         if i == 0:
                             continue  # the cold prompt only fills the cache
-                        greedy, ppl = _after_prefill(model, pre, held)
+                        greedy, ppl = _after_prefill(m, pre, held)
                         samples.append({"prompt_tokens": pre.prompt_tokens, "cached": pre.cached_tokens,
                                         "shifted": pre.shifted_tokens, "recomputed": pre.recomputed_tokens,
                                         "ttft": pre.ttft, "load_seconds": pre.load_seconds,
@@ -255,4 +267,4 @@ def main(workloads: list[str], windows: list[int], modes: list[str], steps: int,
     harness.emit(data, as_json, print_table, plot_path, plot)
 
 
-__all__ = ["main", "run", "goals", "shifted_mode"]
+__all__ = ["main", "run", "goals", "shifted_mode", "PLAIN"]

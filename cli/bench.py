@@ -195,12 +195,12 @@ def vllm_cmd(
 def truncation_cmd(
     workloads: Annotated[str, typer.Option("--workloads", help="Comma-separated: doc (a document read with a sliding window), chat (a conversation kept to its last W tokens).")] = "doc,chat",
     windows: Annotated[str, typer.Option("--windows", help="Window sizes W in tokens (the system prompt + the last W tokens), comma-separated.")] = "1024,2048,3072",
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: full (no cache, the reference), prefix (exact prefix cache), shifted-F (approximate_reuse with recompute F%), shifted-F-SELECT (and select: SELECT, e.g. shifted-15-deviation).")] = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation")),
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: full (no cache, the reference), prefix (exact prefix cache), shifted-F (approximate_reuse with recompute F%), shifted-F-SELECT (and select: SELECT, e.g. shifted-15-deviation), full-bf16 (no cache, the model in bf16: the quality metrics' floor for a change of precision; not in the default set).")] = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation")),
     steps: Annotated[int, typer.Option("--steps", min=1, help="Prompts measured per workload and window (after one that fills the cache).")] = 6,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=8, help="Tokens per chunk.")] = 128,
     seed: Seed = 0,
     threads: Threads = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: W=256, 1 step, chunks of 32, modes full, prefix, shifted-15.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: W=256, 1 step, chunks of 32, modes full, prefix, shifted-15, full-bf16.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw speed-up, hit rate and greedy agreement per mode into this PNG (needs matplotlib).")] = None,
 ) -> None:
@@ -215,11 +215,11 @@ def truncation_cmd(
         raise typer.BadParameter("each window must be at least 16 tokens", param_hint="'--windows'")
     ms = csv_option(modes, "'--modes'")
     for m in ms:
-        if m not in ("full", "prefix") and truncation.shifted_mode(m) is None:
-            raise typer.BadParameter(f"unknown mode {m!r}: full, prefix or shifted-F[-SELECT] (F a percentage; SELECT "
+        if m not in ("full", "full-bf16", "prefix") and truncation.shifted_mode(m) is None:
+            raise typer.BadParameter(f"unknown mode {m!r}: full, full-bf16, prefix or shifted-F[-SELECT] (F a percentage; SELECT "
                                      "leading, deviation or chunk_starts)", param_hint="'--modes'")
     if quick:
-        wins, steps, chunk_size, ms = [256], 1, 32, ["full", "prefix", "shifted-15"]
+        wins, steps, chunk_size, ms = [256], 1, 32, ["full", "prefix", "shifted-15", "full-bf16"]
     truncation.main(ws, wins, ms, steps, chunk_size, seed, threads, as_json, plot)
 
 

@@ -19,7 +19,7 @@ def test_bench_truncation_quick_json():
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     rows = {(r["workload"], r["mode"]): r for r in data["rows"]}
-    assert set(rows) == {(w, m) for w in ("doc", "chat") for m in ("full", "prefix", "shifted-15")}
+    assert set(rows) == {(w, m) for w in ("doc", "chat") for m in ("full", "prefix", "shifted-15", "full-bf16")}
     assert data["physical"]["memcpy_gbps"] > 0 and data["settings"]["chunk_size"] == 32
     for w in ("doc", "chat"):
         full, prefix, shifted = rows[w, "full"], rows[w, "prefix"], rows[w, "shifted-15"]
@@ -28,6 +28,9 @@ def test_bench_truncation_quick_json():
         assert shifted["hit_rate"] > 0.5 > prefix["hit_rate"] and 0 < shifted["recomputed_rate"] < shifted["hit_rate"]
         assert 0 <= shifted["top1"] <= 1 and 0 <= shifted["greedy_match"] <= 1 and shifted["ppl"] > 0
         assert shifted["load_gbps"] and shifted["ttft_p50"] > 0
+        # the model in bf16, computing everything: no cache, compared with the fp32 reference
+        bf16 = rows[w, "full-bf16"]
+        assert bf16["hit_rate"] == 0 and bf16["load_gbps"] is None and 0 <= bf16["greedy_match"] <= 1 and bf16["ppl"] > 0
     assert set(data["goals"]) >= {"hit_rate_ok", "top1_ok", "greedy_ok", "speedup_ok"}
 
 
