@@ -267,4 +267,4 @@ def main(workloads: list[str], windows: list[int], modes: list[str], steps: int,
     harness.emit(data, as_json, print_table, plot_path, plot)
 
 
-__all__ = ["main", "run", "goals", "shifted_mode", "PLAIN"]
+__all__ = ["main", "run", "goals", "shifted_mode"]

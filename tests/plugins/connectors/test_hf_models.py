@@ -6,8 +6,8 @@ import json
 
 
 def test_a_late_converter_leaves_the_finished_checkpoint_alone(smollm2, tmp_path):
-    """Two processes may convert at once (``make test`` runs the main suite and the live vLLM
-    suite side by side): the one that finishes second must not replace the first one's copy,
+    """Two processes may convert at once (``lmcache demo vllm`` beside ``lmcache bench vllm``,
+    or two test suites): the one that finishes second must not replace the first one's copy,
     which a ``vllm serve`` may already be reading. Its own copy is dropped, nothing is left
     behind, and the finished checkpoint is complete (vLLM needs the embedding written out)."""
     from safetensors import safe_open
