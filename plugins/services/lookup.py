@@ -30,7 +30,10 @@ Wire format (little endian; nothing is pickled): a request is the header
 chunks) followed by the hit token count (``<Q``) and one byte per hit chunk: the index
 of the tier that holds it. Ops: ``LOOKUP`` (flag 1: pin the hits), ``RELEASE`` (drop the
 pins of an earlier lookup; no reply), ``HELLO`` (reply: JSON with chunk size and tier
-names). The socket is created mode 0600 in a directory only its user can enter.
+names). Lookup flag 2 asks for shifted reuse past the exact prefix (``approximate_reuse``,
+docs/truncation.md): the hit then counts the tokens the content index covers without a
+gap after it, and the tier bytes stay those of the exact chunks (so the exact part is
+``min(hit, chunks * chunk_size)``; only it is pinned). The socket is created mode 0600 in a directory only its user can enter.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHIQ")
 HIT = struct.Struct("<Q")
 OP_LOOKUP, OP_RELEASE, OP_HELLO = 1, 2, 3
-FLAG_PIN = 1
+FLAG_PIN, FLAG_SHIFTED = 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
 #: the longest prompt a lookup may carry (vLLM's max_model_len is far below)
 MAX_TOKENS = 1 << 24
@@ -87,10 +90,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 @dataclass
 class LookupReply:
-    """One rank's answer: ``hit`` leading tokens cached, ``tiers[i]`` the tier index of hit chunk i."""
+    """One rank's answer: ``hit`` leading tokens cached, ``tiers[i]`` the tier index of
+    exact hit chunk i (past them, a shifted lookup's hit is shifted reuse)."""
 
     hit: int
     tiers: bytes
+
+    def exact(self, chunk_size: int) -> int:
+        """The exact (pinned) part of the hit."""
+        return min(self.hit, len(self.tiers) * chunk_size)
 
 
 # ------------------------------------------------------------------ worker side
@@ -104,7 +112,7 @@ class LookupServer:
 
     max_connections = 16
 
-    def __init__(self, path: str, lookup: Callable[[list[int], bool], tuple[int, Sequence[int]]],
+    def __init__(self, path: str, lookup: Callable[[list[int], bool, bool], tuple[int, Sequence[int]]],
                  release: Callable[[list[int]], None], info: Callable[[], dict[str, Any]]):
         self.path = path
         self._lookup, self._release, self._info = lookup, release, info
@@ -160,7 +168,7 @@ class LookupServer:
                     continue
                 self.stats["lookups"] += 1
                 try:
-                    hit, tiers = self._lookup(tokens.tolist(), bool(flags & FLAG_PIN))
+                    hit, tiers = self._lookup(tokens.tolist(), bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED))
                     status = STATUS_OK
                 except Exception:
                     log.exception("lmcache: lookup for the vLLM scheduler failed; answering a miss")
@@ -312,13 +320,13 @@ class LookupClient:
         body = array("I", tokens).tobytes() if tokens else b""
         return HEADER.pack(MAGIC, VERSION, op, flags, len(tokens), seq) + body
 
-    def submit(self, tokens: Sequence[int], *, pin: bool = True, op: int = OP_LOOKUP) -> int:
+    def submit(self, tokens: Sequence[int], *, pin: bool = True, op: int = OP_LOOKUP, shifted: bool = False) -> int:
         if len(tokens) > MAX_TOKENS:
             raise ValueError(f"a lookup of {len(tokens)} tokens exceeds {MAX_TOKENS}")
         with self._lock:
             self._seq += 1
             seq = self._seq
-            frame = self._frame(op, FLAG_PIN if pin else 0, tokens, seq)
+            frame = self._frame(op, (FLAG_PIN if pin else 0) | (FLAG_SHIFTED if shifted else 0), tokens, seq)
             with self._cond:
                 self._pending[seq] = {}
             for i, r in enumerate(self.ranks):
@@ -419,10 +427,18 @@ class LookupChannel:
     def enabled(config: Any) -> bool:
         return bool(config.lookup_socket)
 
-    def lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
-        """The cached prefix of ``tokens`` and, per hit chunk, the index of its tier."""
+    def lookup(self, tokens: list[int], pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
+        """The cached prefix of ``tokens`` and, per hit chunk, the index of its tier.
+        ``shifted``: past the exact prefix, also the tokens that shifted reuse covers
+        without a gap (where this engine has ``approximate_reuse``; never the last token)."""
         n, tiers = self._view.locate(tokens, pin=pin)
-        return n, [self._tier_index.get(t, 0) for t in tiers]
+        out = [self._tier_index.get(t, 0) for t in tiers]
+        svc = self._view.service("approximate_reuse") if shifted else None
+        if svc is not None and n < len(tokens) - 1:
+            run = svc.cover(tokens, n, len(tokens) - 1)
+            if run:
+                n = run[-1].start + run[-1].length
+        return n, out
 
     def hello(self) -> dict[str, Any]:
         spec = self._view.kv_spec

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import xxhash
 
 from lmcache.keys import as_token_array
@@ -39,22 +40,41 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CONTENT = b"lmcache-content\0"
+#: a prompt's first chunks are also indexed by their first HEAD tokens (see ``cover``)
+HEAD = 8
+_HEADS_PER_KEY = 8
 _SHIFTED = b"lmcache-shifted\0"
 
 
 @dataclass(frozen=True)
 class Match:
-    """Prompt tokens ``[start, start + length)`` equal the chunk stored under ``key``, which
-    was computed for the tokens at ``old_start`` of an earlier prompt."""
+    """Prompt tokens ``[start, start + length)`` equal tokens ``[offset, offset + length)``
+    of the chunk stored under ``key``, which were computed at ``old_start`` of an earlier
+    prompt. ``offset`` is 0 and ``length`` the chunk size for a whole chunk; a tail of a
+    chunk (the partial chunk after a cut) has ``offset > 0``."""
 
     start: int
     length: int
     key: str
     old_start: int
+    offset: int = 0
 
     @property
     def delta(self) -> int:
         return self.start - self.old_start
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str
+    start: int  # the position the chunk was computed at
+    exact: bool  # computed on exact KV only
+    prev: bytes | None  # content hash of the chunk before it in that prompt
+    tokens: Any  # its tokens (int32 where they fit), to match a tail of it
+
+
+def _compact(arr: Any) -> Any:
+    return arr.astype("<i4") if arr.size and int(arr.max()) < 2**31 and int(arr.min()) >= -(2**31) else arr.copy()
 
 
 def content_hash(tokens: Any) -> bytes:
@@ -79,8 +99,10 @@ class ShiftedReuse:
         self.engine = engine
         self.cfg = engine.config.approximate_reuse
         self.chunk_size = engine.config.chunk_size
-        #: content hash -> (key, position it was computed at, exact: computed on exact KV)
-        self._index: OrderedDict[bytes, tuple[str, int, bool]] = OrderedDict()
+        #: content hash -> the chunk's entry
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        #: hash of the first HEAD tokens -> exact first chunks (position 0) that start with them
+        self._heads: OrderedDict[bytes, list[_Entry]] = OrderedDict()
         self._lock = threading.Lock()
         #: counters (``stats()["approximate_reuse"]``)
         self.matched_chunks = self.missing_chunks = self.stored_chunks = 0
@@ -94,20 +116,37 @@ class ShiftedReuse:
     def _remember(self, arr: Any, chunks: Sequence[Chunk], keys: Sequence[str], exact: bool) -> None:
         """Index each full chunk by its content; an exact chunk is never replaced by a
         shifted one of the same content (its KV is the better one)."""
-        full = [(c, k) for c, k in zip(chunks, keys) if c.num_tokens == self.chunk_size]
-        hashes = [content_hash(arr[c.start : c.end]) for c, _ in full]
+        size = self.chunk_size
+        full = [(c, k) for c, k in zip(chunks, keys) if c.num_tokens == size]
+        entries = [
+            (content_hash(arr[c.start : c.end]),
+             _Entry(k, c.start, exact, content_hash(arr[c.start - size : c.start]) if c.start >= size else None,
+                    _compact(arr[c.start : c.end])))
+            for c, k in full
+        ]  # fmt: skip
         with self._lock:
-            for h, (c, k) in zip(hashes, full):
+            for h, e in entries:
                 old = self._index.get(h)
-                if old is None or exact or not old[2]:
-                    self._index[h] = (k, c.start, exact)
+                if old is None or exact or not old.exact:
+                    self._index[h] = e
                 self._index.move_to_end(h)
+                if exact and e.start == 0:
+                    hk = content_hash(e.tokens[:HEAD])
+                    same = [x for x in self._heads.pop(hk, []) if x.key != e.key]
+                    self._heads[hk] = [e, *same][:_HEADS_PER_KEY]
+            while len(self._heads) > max(1, self.cfg.index_entries // 8):
+                self._heads.popitem(last=False)
             while len(self._index) > self.cfg.index_entries:
                 self._index.popitem(last=False)
 
     def find(self, tokens: Any, start: int, end: int) -> list[Match]:
         """Runs of ``tokens[start:end]`` that equal indexed chunks, left to right, not
-        overlapping (each the first match at or after the end of the one before)."""
+        overlapping (each the first match at or after the end of the one before).
+
+        Where unmatched tokens precede a match (the partial chunk after a cut), the chunk
+        that came before the matched one where it was computed is looked up too: the
+        longest tail of it that equals the tokens just before the match is a match of its
+        own (``offset > 0``), since those tokens were computed right before the chunk."""
         arr = as_token_array(tokens)
         c = self.chunk_size
         out: list[Match] = []
@@ -119,9 +158,68 @@ class ShiftedReuse:
                 if hit is None:
                     i += 1
                     continue
-                out.append(Match(i, c, hit[0], hit[1]))
+                before = out[-1].start + out[-1].length if out else start
+                tail = self._tail(arr, before, i, hit)
+                if tail is not None:
+                    out.append(tail)
+                out.append(Match(i, c, hit.key, hit.start))
                 i += c
         return out
+
+    def _tail(self, arr: Any, lo: int, at: int, hit: _Entry) -> Match | None:
+        """The longest tail of the chunk before ``hit`` (in the prompt it was computed in)
+        that equals ``arr[lo:at]``'s end; ``None`` if there is none (lock held)."""
+        prev = self._index.get(hit.prev) if at > lo and hit.prev is not None else None
+        if prev is None:  # (any copy of the predecessor's tokens will do: its own position is used)
+            return None
+        c = self.chunk_size
+        n = min(at - lo, c)
+        same = arr[at - n : at] == prev.tokens[c - n :]
+        g = n if same.all() else n - 1 - int(np.flatnonzero(~same)[-1])
+        if g <= 0:
+            return None
+        return Match(at - g, g, prev.key, prev.start + c - g, offset=c - g)
+
+    def cover(self, tokens: Any, start: int, end: int) -> list[Match]:
+        """Matches that cover ``tokens[start:x)`` without a gap, for the largest such ``x``
+        (up to ``end``): what an engine that loads only a prefix of a prompt can take
+        (vLLM). From position 0 the run starts with the longest head of an exact first
+        chunk that equals the prompt's start (the system prompt of an earlier, longer
+        prompt): KV at the same positions of the same leading tokens, exact, since a token's
+        KV depends only on the tokens up to it."""
+        arr = as_token_array(tokens)
+        out: list[Match] = []
+        at = start
+        if start == 0:
+            head = self._head(arr, end)
+            if head is not None:
+                out.append(head)
+                at = head.length
+        for m in self.find(arr, start, end):
+            if m.start + m.length <= at:
+                continue
+            if m.start > at:
+                break
+            if m.start < at:  # overlaps the head: take the rest
+                d = at - m.start
+                m = Match(at, m.length - d, m.key, m.old_start + d, m.offset + d)
+            out.append(m)
+            at = m.start + m.length
+        return out
+
+    def _head(self, arr: Any, end: int) -> Match | None:
+        n = min(end, self.chunk_size)
+        if n < HEAD:
+            return None
+        with self._lock:
+            cands = list(self._heads.get(content_hash(arr[:HEAD]), ()))
+        best, best_len = None, 0
+        for e in cands:
+            same = arr[:n] == e.tokens[:n]
+            g = n if same.all() else int(np.flatnonzero(~same)[0])
+            if g > best_len:
+                best, best_len = e, g
+        return Match(0, best_len, best.key, 0) if best is not None and best_len >= HEAD else None
 
     def fetch(self, matches: Sequence[Match]) -> list[Any]:
         """The KV ``(layers, 2, tokens, heads, head_size)`` of each match (a copy), or
@@ -137,8 +235,8 @@ class ShiftedReuse:
                 continue
             obj, _tier = r
             try:
-                ok = spec is not None and tuple(obj.shape) == tuple(spec.chunk_shape(m.length))
-                out.append(obj.tensor.clone() if ok else None)
+                ok = spec is not None and tuple(obj.shape) == tuple(spec.chunk_shape(self.chunk_size))
+                out.append(obj.tensor[:, :, m.offset : m.offset + m.length].clone() if ok else None)
             finally:
                 obj.unref()
         n = sum(x is not None for x in out)
@@ -177,6 +275,7 @@ class ShiftedReuse:
     def close(self) -> None:
         with self._lock:
             self._index.clear()
+            self._heads.clear()
 
 
-__all__ = ["Match", "ShiftedReuse", "content_hash", "shifted_key"]
+__all__ = ["HEAD", "Match", "ShiftedReuse", "content_hash", "shifted_key"]

@@ -93,3 +93,48 @@ def test_a_socket_that_cannot_be_bound_is_a_warning_not_a_failed_engine(tmp_path
 def test_no_socket_configured_no_service(tmp_path):
     with CacheEngine.from_config({"chunk_size": CHUNK}) as e:
         assert "lookup" not in e.services and "lookup" not in e.stats()
+
+
+def test_a_shifted_lookup_counts_what_shifted_reuse_covers_after_the_exact_prefix(tmp_path):
+    """With approximate_reuse on, a lookup flagged shifted (vLLM's scheduler asks so) also
+    counts the tokens that chunks computed at other positions cover without a gap after
+    the exact prefix; the tier bytes (and the leases) stay those of the exact chunks."""
+    sock = str(tmp_path / "w0.sock")
+    a = list(range(100, 124))  # 6 chunks
+    b = a[:4] + a[10:] + [7, 8]  # its first chunk exact, then 6 tokens cut: a[10:12] is a tail of a's third chunk
+    with engine(sock, approximate_reuse=True) as e:
+        e.store(a, kv_for(24))
+        client = LookupClient([sock])
+        try:
+            plain = client.result(client.submit(b, pin=False), HANG)[0]
+            shifted = client.result(client.submit(b, pin=True, shifted=True), HANG)[0]
+            assert (plain.hit, list(plain.tiers)) == (4, [0])
+            assert (shifted.hit, list(shifted.tiers)) == (18, [0]) and shifted.exact(CHUNK) == 4
+            client.release(b[:4])
+        finally:
+            client.close()
+        assert e.services["lookup"].lookup(b, False, True) == (18, [0])
+        run = e.services["approximate_reuse"].cover(b, 4, len(b) - 1)
+        assert [(m.start, m.length, m.old_start, m.offset) for m in run] == [(4, 2, 10, 2), (6, 4, 12, 0), (10, 4, 16, 0), (14, 4, 20, 0)]
+    with engine(str(tmp_path / "w1.sock")) as e:  # without the feature the flag changes nothing
+        e.store(a, kv_for(24))
+        assert e.services["lookup"].lookup(b, False, True) == (4, [0])
+
+
+def test_a_shifted_cover_from_the_start_takes_the_head_of_an_exact_first_chunk(tmp_path):
+    """With no exact prefix (a system prompt shorter than a chunk), the covered run starts
+    with the longest head of a first chunk that equals the prompt's start (KV of the same
+    tokens at the same positions), then the tail of the chunk after the cut."""
+    a = list(range(100, 164))  # 4 chunks of 16; its first 10 tokens stand for a system prompt
+    b = a[:10] + a[20:] + [7]
+    with engine(str(tmp_path / "w0.sock"), chunk_size=16, approximate_reuse=True) as e:
+        e.store(a, kv_for(64))
+        run = e.services["approximate_reuse"].cover(b, 0, len(b) - 1)
+        assert [(m.start, m.length, m.old_start, m.offset) for m in run] == [
+            (0, 10, 0, 0), (10, 12, 20, 4), (22, 16, 32, 0), (38, 16, 48, 0)]
+        kv = e.services["approximate_reuse"].fetch(run)
+        want = kv_for(64)
+        assert torch.equal(kv[0], want[:, :, :10]) and torch.equal(kv[1], want[:, :, 20:32])
+        assert e.services["lookup"].lookup(b, False, True) == (54, [])
+        # a different token inside the system prompt: no head, the run cannot start at 0
+        assert e.services["approximate_reuse"].cover([1] + b[1:], 0, len(b) - 1) == []

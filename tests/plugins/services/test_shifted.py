@@ -51,10 +51,22 @@ def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompu
         conn = _connector(smollm2, e)
         conn.prefill(long)
         prefix_only = e.lookup(cut)
+        matches = e.services["approximate_reuse"].find(cut, 4, len(cut) - 1)
         got = conn.prefill(cut)
         assert prefix_only == 0  # the exact prefix cache has nothing for it
         found = got.shifted_tokens + got.recomputed_tokens
-        assert got.shifted_tokens == got.cached_tokens and found % CHUNK == 0
+        assert got.shifted_tokens == got.cached_tokens and found == sum(m.length for m in matches)
+        # the partial chunk after the cut is a tail of the chunk the long prompt computed
+        # before the first matched one; the system prompt before it is not
+        system = len(long) - 640  # the system prompt's tokens (the texts fixture)
+        tail, first = matches[0], matches[1]
+        assert tail.offset > 0 and tail.start + tail.length == first.start and first.offset == 0
+        assert tail.length == (-(system + 200)) % CHUNK and tail.start == system
+        assert cut[tail.start : first.start] == long[tail.old_start : tail.old_start + tail.length]
+        assert tail.old_start + tail.length == first.old_start
+        other = list(cut)
+        other[first.start - 1] += 1  # the token just before the chunk differs: no tail of it
+        assert e.services["approximate_reuse"].find(other, 4, len(cut) - 1)[0] == first
         assert got.recomputed_tokens == math.ceil(0.15 * found)  # the earliest ones (select: leading)
         assert found >= 0.85 * len(cut)  # found in the cache
         # one prompt is no agreement rate (lmcache bench truncation measures that); its
@@ -63,7 +75,7 @@ def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompu
         assert float((p - q).abs().sum()) / 2 < 0.3
         assert int(ref.logits.argmax()) in torch.topk(got.logits, 3).indices.tolist()
         stats = e.stats()["approximate_reuse"]
-        assert stats["matched_chunks"] == found // CHUNK and stats["missing_chunks"] == 0
+        assert stats["matched_chunks"] == len(matches) and stats["missing_chunks"] == 0
         assert stats["stored_chunks"] > 0
 
 
@@ -111,7 +123,7 @@ def test_a_chunk_gone_before_its_load_is_computed_instead(smollm2, texts):
         e.hierarchy.tiers[0].remove([m.key for m in gone])
         got = conn.prefill(cut, store=False)
         assert e.stats()["approximate_reuse"]["missing_chunks"] == 3
-        left = (len(svc.find(cut, 4, len(cut) - 1)) - 3) * CHUNK
+        left = sum(m.length for m in svc.find(cut, 4, len(cut) - 1)) - 3 * CHUNK
         assert got.shifted_tokens == left - math.ceil(0.15 * left)
         assert torch.isfinite(got.logits).all() and got.cache.get_seq_length() == len(cut)
 
@@ -172,9 +184,11 @@ def test_chunk_starts_recomputes_the_same_share_of_every_chunk(smollm2, texts):
     with _engine(smollm2[0], select="chunk_starts") as e:
         conn = _connector(smollm2, e)
         conn.prefill(long)
+        lengths = [m.length for m in e.services["approximate_reuse"].find(cut, 4, len(cut) - 1)]
         got = conn.prefill(cut, store=False)
-        chunks = (got.shifted_tokens + got.recomputed_tokens) // CHUNK
-        assert chunks > 5 and got.recomputed_tokens == 5 * chunks  # ceil(0.15 * 32) of each
+        assert got.shifted_tokens + got.recomputed_tokens == sum(lengths) and lengths.count(CHUNK) > 5
+        # ceil(0.15 * 32) = 5 of each whole chunk, the same share of the tail after the cut
+        assert got.recomputed_tokens == sum(math.ceil(round(0.15 * n, 6)) for n in lengths)
     assert _recompute_counts([32, 32, 32], 0.5, "leading") == [32, 16, 0]
     assert _recompute_counts([32, 32, 32], 0.0, "leading") == [0, 0, 0] == _recompute_counts([32] * 3, 0, "chunk_starts")
     assert _recompute_counts([32, 20], 1.0, "chunk_starts") == [32, 20]
