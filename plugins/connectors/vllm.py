@@ -81,6 +81,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LMCacheConnector", "LMCacheConnectorMetadata", "LoadSpec", "SaveSpec", "detect_layout", "kv_spec_of"]
 
+#: model types whose vLLM implementation rotates keys by halves (``is_neox_style``), the
+#: layout :func:`lmcache.kernels.rope.rerotate` works in
+NEOX_ROPE_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                              "gemma", "gemma2", "granite", "olmo2", "smollm3"})
+
 #: extra-config keys read by this connector (everything else under ``lmcache.`` is lmcache config)
 CONNECTOR_PREFIX = "lmcache.vllm."
 
@@ -103,7 +108,8 @@ class LoadSpec:
     ``token_ids`` are the tokens the scheduler's lookup hit (ending on a chunk boundary or
     the prompt's end, so their chunk keys match what was stored); ``skip`` tokens are
     already in vLLM's prefix cache; ``load_end`` (block aligned, below the prompt length)
-    is how far vLLM was promised KV.
+    is how far vLLM was promised KV. ``exact`` of them are the exact prefix hit; with
+    ``shifted``, the rest comes from shifted reuse (``approximate_reuse``).
     """
 
     req_id: str
@@ -113,6 +119,12 @@ class LoadSpec:
     load_end: int
     #: loaded on the worker's I/O thread between steps (reported through ``get_finished``)
     is_async: bool = False
+    exact: int = -1
+    shifted: bool = False
+
+    @property
+    def exact_ids(self) -> list[int]:
+        return self.token_ids[: self.exact] if self.shifted else self.token_ids
 
 
 @dataclass
@@ -332,13 +344,18 @@ class LMCacheConnector(KVConnectorBase_V1):
             self.config = self.engine.config
         self.chunk_size = self.config.chunk_size
         self._tier_sources = [t.backend for t in self.config.tiers]
+        #: rotary frequencies when shifted reuse is on (docs/truncation.md, "vLLM"), else None
+        self._inv_freq = self._shifted_freqs(vllm_config, role) if self.config.approximate_reuse.enabled else None
+        self.shifted = self._inv_freq is not None
+        self._shifted_from: dict[str, int] = {}  # worker: request -> first position not loaded exactly
         # scheduler state
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}  # req -> lookup in flight or answered, not yet admitted
         self._loads: dict[str, LoadSpec] = {}
         self._async_pending: set[str] = set()  # async loads admitted, not reported finished yet
         self._hit_sources: dict[str, dict[str, int]] = {}
-        self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0}
+        self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0,
+                      "shifted_hit_tokens": 0}
         # worker state
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -353,6 +370,35 @@ class LMCacheConnector(KVConnectorBase_V1):
             with _LOCAL_LOCK:  # a scheduler in this process asks it directly
                 _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
 
+    def _shifted_freqs(self, vllm_config: VllmConfig, role: KVConnectorRole) -> torch.Tensor | None:
+        """The model's rotary frequencies if shifted reuse can run under this vLLM, else
+        ``None`` (with one warning, from the scheduler, naming why)."""
+        from lmcache.kernels import rope
+
+        hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        why = None
+        if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            why = ("vLLM's prefix cache is on: it would keep the approximate KV under the prompt's exact "
+                   "block hashes; run vLLM with --no-enable-prefix-caching (lmcache serves exact hits)")
+        elif self.layerwise:
+            why = f"{CONNECTOR_PREFIX}layerwise loads are exact-prefix only"
+        elif self.is_mla:
+            why = "MLA caches are not supported"
+        elif hf is None or getattr(hf, "model_type", None) not in NEOX_ROPE_MODELS:
+            why = f"model type {getattr(hf, 'model_type', None)!r} is not known to use half-split rotary keys"
+        else:
+            try:
+                freqs = rope.inv_freq_of(hf)
+            except (ValueError, KeyError, AttributeError) as exc:
+                why = str(exc)
+            else:
+                if rope.max_positions(hf) is None:
+                    return freqs
+                why = "dynamic rotary scaling changes its frequencies with the prompt's length"
+        if role == KVConnectorRole.SCHEDULER:
+            log.warning("lmcache: approximate_reuse is off under vLLM: %s", why)
+        return None
+
     @staticmethod
     def _tp_rank(vllm_config: VllmConfig) -> int:
         try:
@@ -364,9 +410,9 @@ class LMCacheConnector(KVConnectorBase_V1):
             return int(getattr(pc, "rank", 0) or 0) % int(getattr(pc, "tensor_parallel_size", 1) or 1)
 
     # ================================================================ lookup channel
-    def _serve_lookup(self, tokens: list[int], pin: bool) -> tuple[int, list[int]]:
+    def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
         assert self.engine is not None
-        return self.engine.services["lookup"].lookup(tokens, pin)
+        return self.engine.services["lookup"].lookup(tokens, pin, shifted)
 
     def _local_workers(self) -> list[LMCacheConnector] | None:
         """This instance's worker connectors if all of them live in this process."""
@@ -390,13 +436,13 @@ class LMCacheConnector(KVConnectorBase_V1):
             lk.replies = []
             for w in local:
                 try:
-                    n, tiers = w._serve_lookup(tokens, True)
+                    n, tiers = w._serve_lookup(tokens, True, self.shifted)
                 except Exception:
                     log.exception("lmcache: lookup failed; treating it as a miss")
                     n, tiers = 0, []
                 lk.replies.append(LookupReply(n, bytes(tiers)))
         else:
-            lk.seq = self._channel().submit(tokens, pin=True)
+            lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted)
         return lk
 
     def _release_lookup(self, lk: _Lookup) -> None:
@@ -412,7 +458,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             return
         # each rank releases exactly what it leased (its own hit), never a chunk past it,
         # which may be another request's lease
-        per_rank = [lk.tokens[: r.hit] for r in lk.replies]
+        per_rank = [lk.tokens[: r.exact(self.chunk_size)] for r in lk.replies]
         local = self._local_workers()
         try:
             if local is not None:
@@ -514,7 +560,11 @@ class LMCacheConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         # the load reads (and then releases on every rank) the prefix all ranks hold; a
         # rank's pins past it expire after lookup_pin_timeout
-        self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async)
+        exact = min(r.exact(self.chunk_size) for r in lk.replies)
+        shifted = end > exact
+        self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async, exact, shifted)
+        if shifted:
+            self.stats["shifted_hit_tokens"] += end - max(exact, local)
         self._hit_sources[req_id] = self._sources(lk, local, end)
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["async_loads" if is_async else "sync_loads"] += 1
@@ -648,14 +698,41 @@ class LMCacheConnector(KVConnectorBase_V1):
         """Retrieve and scatter one load; the number of tokens loaded."""
         assert self.engine is not None
         buf, view = self._buffer(len(spec.token_ids))
+        ids = spec.exact_ids
         try:
-            got = self.engine.retrieve(spec.token_ids, out=view).num_tokens
+            got = self.engine.retrieve(ids, out=view).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
-            self.engine.release(spec.token_ids)
+            self.engine.release(ids)
+        if spec.shifted and got == len(ids) and got < spec.load_end:
+            got = self._load_shifted(spec, got, view)
         if min(got, spec.load_end) > spec.skip:
             slots = self._load_slots(spec, got)
             K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
         return got
+
+    def _load_shifted(self, spec: LoadSpec, start: int, view: torch.Tensor) -> int:
+        """Shifted reuse after the exact part (``view[:, :, :start]``): the chunks the
+        content index has for the next tokens, their keys re-rotated to these positions,
+        without a gap; returns how far they reach. The request's KV from ``start`` on is
+        approximate: its saves go under shifted keys (:meth:`_finish_save`)."""
+        from lmcache.kernels import rope
+
+        assert self.engine is not None
+        svc = self.engine.services.get("approximate_reuse")
+        if svc is None or self._inv_freq is None:
+            return start
+        with self._async_lock:
+            self._shifted_from[spec.req_id] = start
+        run = svc.cover(spec.token_ids, start, len(spec.token_ids))
+        at = start
+        for m, kv in zip(run, svc.fetch(run)):
+            if kv is None or m.start != at:
+                break  # a chunk gone since the lookup: vLLM computes from here
+            kv = kv.to(view.dtype)
+            view[:, 0, at : at + m.length] = rope.rerotate(kv[:, 0], m.delta, self._inv_freq)
+            view[:, 1, at : at + m.length] = kv[:, 1]
+            at += m.length
+        return at
 
     def _load_async(self, spec: LoadSpec) -> None:
         """One asynchronous load, on the I/O thread: failures are filed before the request
@@ -759,11 +836,29 @@ class LMCacheConnector(KVConnectorBase_V1):
         dev_buf = torch.empty(shape, dtype=self._layers[0].dtype, device=self._device())
         return spec, dev_buf, slots, skip
 
+    def _gather_from(self, spec: SaveSpec, skip: int) -> int:
+        """Where a save's gather starts: ``skip`` (what is cached already), or the first
+        position a shifted load did not load exactly, if earlier."""
+        with self._async_lock:
+            b = self._shifted_from.get(spec.req_id)
+        return skip if b is None else min(skip, b)
+
     def _finish_save(self, spec: SaveSpec, dev_buf: torch.Tensor, skip: int) -> None:
         assert self.engine is not None
         try:
             buf, view = self._buffer(len(spec.token_ids))
-            buf[:, :, skip:].copy_(dev_buf[:, :, skip:])
+            g = self._gather_from(spec, skip)
+            buf[:, :, g:].copy_(dev_buf[:, :, g:])
+            with self._async_lock:
+                b = self._shifted_from.get(spec.req_id)
+            svc = self.engine.services.get("approximate_reuse")
+            if b is not None and b < len(spec.token_ids):
+                # KV built on shifted reuse is not exact: never under the exact keys
+                if b:
+                    self.engine.store(spec.token_ids[:b], view)
+                if svc is not None:
+                    svc.store_shifted(spec.token_ids, view, b // self.chunk_size)
+                return
             # chunks before ``skip`` stay pinned (leased) until after the store, so the
             # store skips them and never reads their unfilled rows
             self.engine.store(spec.token_ids, view)
@@ -789,7 +884,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                 continue
             _, dev_buf, slots, skip = prepared
             try:
-                K.gather(self._layers, self._layout, slots, dev_buf, skip)
+                K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
             except Exception:
                 log.exception("lmcache: gathering %s failed", spec.req_id)
                 self.engine.release(spec.token_ids[:skip])
@@ -800,6 +895,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         """Saves finish within the step; asynchronous loads are reported once done."""
         with self._async_lock:
             done, self._async_done = self._async_done, set()
+            for req_id in finished_req_ids:
+                self._shifted_from.pop(req_id, None)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -68,12 +68,12 @@ def model_config(tmp_path_factory):
     return ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=2048)
 
 
-def make_config(model_config, policy: str = "recompute", **extra) -> VllmConfig:
+def make_config(model_config, policy: str = "recompute", prefix_caching: bool = True, **extra) -> VllmConfig:
     extra.setdefault("lmcache.chunk_size", CHUNK)
     extra.setdefault("lmcache.namespace", f"t{next(_ids)}")  # a fresh cache engine per test
     vc = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=2048, is_encoder_decoder=False
         ),
@@ -423,3 +423,99 @@ def test_unknown_connector_key_is_refused(model_config):
 
     with pytest.raises(ValueError, match="lmcache.vllm.bogus"):
         LMCacheConnector(make_config(model_config, **{"lmcache.vllm.bogus": 1}), KVConnectorRole.WORKER, kv_cache_config(False))
+
+
+# ------------------------------------------------------------------ shifted reuse (approximate_reuse)
+def _shifted_prompts():
+    a = list(range(1, 321))  # 5 chunks of 64; its first 8 tokens stand for a system prompt
+    b = a[:8] + a[48:] + list(range(900, 920))  # 40 tokens after the system prompt cut, a new turn
+    old = list(range(8)) + [p + 40 for p in range(8, 280)]  # b's position p was a's old[p]
+    return a, b, old
+
+
+def test_shifted_reuse_loads_a_truncated_prompt_rerotated(model_config):
+    """A prompt whose 40 tokens after the system prompt were cut: vLLM loads the system
+    prompt's KV (the head of a's first chunk, exact), the tail of that chunk after the cut
+    and a's next four chunks, keys re-rotated by -40, values as they were; what vLLM then
+    computes on them is stored under shifted keys, never the exact ones."""
+    from lmcache.kernels import rope
+    from lmcache.plugins.services.shifted import shifted_key
+
+    layout = "std_nhd"
+    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
+    eng = Engine(vc, kv_cache_config(False))
+    gen = torch.Generator().manual_seed(7)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa = eng.worker(a_layers)
+        a, b, old = _shifted_prompts()
+        eng.submit("a", a)
+        out, _ = eng.step(wa, a_layers, layout, gen)
+        a_slots = slots_of(new_req(out, "a").block_ids[0], 320)
+        eng.finish("a")
+        wb = eng.worker(b_layers)
+        eng.submit("b", b)
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        req = new_req(out, "b")
+        assert eng.sched.connector.shifted and wb.engine.lookup(b) == 0  # no exact prefix
+        load = out.kv_connector_metadata.loads[0]
+        assert (load.exact, load.shifted, load.load_end) == (0, True, 272)  # 280 covered, block aligned
+        assert req.num_computed_tokens == 272 and invalid == set()
+        inv = rope.inv_freq_of(model_config.hf_config)
+        b_slots = slots_of(req.block_ids[0], 272)
+        for ta, tb in zip(a_layers, b_layers):
+            for p in range(272):
+                src, dst = token(ta, layout, a_slots[old[p]]), token(tb, layout, b_slots[p])  # (H, 2D)
+                k_src, v_src = src[:, :HEAD], src[:, HEAD:]
+                want_k = rope.rerotate(k_src, p - old[p], inv)
+                assert torch.allclose(dst[:, :HEAD], want_k, atol=1e-5), p
+                assert torch.equal(dst[:, HEAD:], v_src), p
+        stats = wb.engine.stats()["approximate_reuse"]
+        assert stats["matched_chunks"] == 6 and stats["missing_chunks"] == 0  # head, tail, 4 chunks
+        assert eng.sched.connector.stats["shifted_hit_tokens"] == 272
+        # b's KV was built on shifted reuse: stored apart, under shifted keys only
+        keys = wb.engine.chunk_keys(b)[1]
+        tier = wb.engine.hierarchy.tiers[0]
+        assert all(tier.size_of(k) is None for k in keys)
+        assert all(tier.size_of(shifted_key(k)) is not None for k in keys[:-1])
+    finally:
+        eng.close()
+
+
+def test_shifted_reuse_chunk_gone_before_the_load_is_recomputed(model_config):
+    layout = "std_nhd"
+    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
+    eng = Engine(vc, kv_cache_config(False))
+    gen = torch.Generator().manual_seed(8)
+    try:
+        layers = alloc(layout)
+        w = eng.worker(layers)
+        a, b, _ = _shifted_prompts()
+        eng.submit("a", a)
+        eng.step(w, layers, layout, gen)
+        eng.finish("a")
+        eng.submit("b", b)
+        a_keys = w.engine.chunk_keys(a)[1]
+        # a's third chunk goes between the scheduler's lookup and the worker's load
+        out, invalid = eng.step(w, layers, layout, gen, before_load=lambda out: w.engine.hierarchy.tiers[0].remove([a_keys[2]]))
+        load = out.kv_connector_metadata.loads[0]
+        assert load.shifted and load.load_end == 272
+        # covered: head, tail and chunk 1 (b's tokens up to 88); blocks from 80 on are recomputed
+        req = new_req(out, "b")
+        assert invalid == set(req.block_ids[0][88 // BLOCK : 272 // BLOCK])
+        assert w.engine.stats()["approximate_reuse"]["missing_chunks"] == 1
+    finally:
+        eng.close()
+
+
+def test_shifted_reuse_is_off_while_vllms_prefix_cache_is_on(model_config, caplog):
+    from lmcache.plugins.connectors.vllm import LMCacheConnector
+
+    vc = make_config(model_config, **{"lmcache.approximate_reuse": True})
+    with caplog.at_level("WARNING"):
+        c = LMCacheConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config(False))
+    try:
+        assert not c.shifted
+        assert "--no-enable-prefix-caching" in caplog.text
+    finally:
+        c.shutdown()
