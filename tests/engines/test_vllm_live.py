@@ -185,6 +185,64 @@ def test_two_engines_share_a_redis_tier_and_survive_its_death(vllm_bin, model, r
                 assert b.proc.poll() is None
 
 
+def test_the_cpu_attention_kernels_store_tokens_where_the_connector_reads_them(vllm_bin):
+    """vLLM's own CPU kernel (cpu_attn_reshape_and_cache, the vec ISA this machine runs)
+    writes keys and values into a [B, H, N, 2D] cache; the connector's views of that
+    tensor read each token's key and value back (tests/engines/test_vllm.py relies on it)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from lmcache.plugins.connectors.vllm import VLLM_CPU_VEC, detect_layout
+
+    B, H, N, D, T = 3, 2, 32, 64, 40
+    cache = torch.zeros(B, H, N, 2 * D)
+    keys, values = cache.view(B, H, 2 * N, D).chunk(2, dim=2)  # how the backend splits it
+    k, v = torch.randn(T, H, D), torch.randn(T, H, D)
+    slots = torch.randperm(B * N)[:T]
+    ops.cpu_attn_reshape_and_cache(k, v, keys, values, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    layout, (kv_k, kv_v) = detect_layout(cache, num_kv_heads=H, head_size=D, is_mla=False, cpu_isa="vec")
+    assert layout is VLLM_CPU_VEC
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(s, N)
+        assert torch.equal(kv_k[b, :, o], k[t]) and torch.equal(kv_v[b, :, o], v[t]), t
+
+
+def test_shifted_reuse_of_a_truncated_prompt(vllm_bin, model, tmp_path):
+    """approximate_reuse under a live vLLM: a prompt whose oldest document tokens were cut
+    (a sliding window) loads the chunks the longer prompt computed, re-rotated (vLLM
+    reports them as external hits), what it computes on them is stored apart, and an exact
+    repeat of the longer prompt still answers exactly as its first run."""
+    from lmcache.benchmarks.demo import handbook_text, key_facts
+
+    api = free_port()
+    kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "256MiB"}], chunk_size=64,
+                     approximate_reuse=True, api={"enabled": True, "port": api})
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, log_path=tmp_path / "vllm.log") as srv:
+        facts = key_facts(4)
+        system = srv.tokenize("You are a careful reader. Answer from the text.\n")
+        doc = srv.tokenize(handbook_text(DOC_SECTIONS, 4, facts))
+        question = srv.tokenize(f"\n\nQuestion: {facts[0].question}\nAnswer:")
+        long, cut = system + doc + question, system + doc[100:] + question
+        first = srv.complete(long, MAX_TOKENS).text
+        before = hits(srv)
+        answer = srv.complete(cut, MAX_TOKENS).text
+        got = hits(srv) - before
+        st = stats(api)["approximate_reuse"]
+        # the cut prompt shares no prefix past the system prompt's first chunk, yet most of
+        # it came from the cache: the system prompt's head, the rest of the chunk after
+        # the cut, then whole chunks up to where the long prompt's stored chunks end
+        assert got >= len(doc) - 100 - 2 * 64, (got, len(cut))
+        assert st["matched_chunks"] >= (len(doc) - 100) // 64 - 1 and st["missing_chunks"] == 0, st
+        assert st["stored_chunks"] > 0  # the cut prompt's own chunks, under shifted keys
+        assert answer.strip(), "the truncated prompt produced no text"
+        # the longer prompt again: an exact hit, exactly the first answer
+        before = hits(srv)
+        assert srv.complete(long, MAX_TOKENS).text == first
+        assert hits(srv) - before >= (len(long) - 1) // 64 * 64 - 64
+        assert srv.proc.poll() is None
+    assert "approximate_reuse is off" not in (tmp_path / "vllm.log").read_text()
+
+
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
     "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
@@ -221,3 +279,25 @@ def test_tensor_parallel_2(vllm_bin, model, tmp_path):
         before = hits(srv)
         srv.complete(ps[1], MAX_TOKENS)  # another question: the shared document hits on both ranks
         assert hits(srv) - before >= CHUNK
+
+
+def test_bench_truncation_under_vllm_quick_json(vllm_bin, tmp_path):
+    """`lmcache bench truncation --engine vllm --quick --json`: a vllm serve alone and one
+    with shifted reuse read the sliding-window workloads; the shifted one loads most of
+    each truncated prompt from lmcache, and the report has every column."""
+    import subprocess
+
+    cli = [sys.executable, "-c", "from lmcache.cli.main import main; main()"]  # this venv has no lmcache script
+    proc = subprocess.run([*cli, "bench", "truncation", "--engine", "vllm", "--quick", "--json",
+                           "--vllm-venv", str(vllm_bin)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    rows = {(r["workload"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {(w, m) for w in ("doc", "chat") for m in ("full", "shifted-0")}
+    for w in ("doc", "chat"):
+        full, shifted = rows[(w, "full")], rows[(w, "shifted-0")]
+        assert full["hit_rate"] == 0 and full["greedy_match"] == 1.0 and full["speedup"] == 1.0
+        assert shifted["hit_rate"] >= 0.5, shifted  # a window of 512 in chunks of 64, most of it loaded
+        assert 0 <= shifted["greedy_match"] <= 1 and shifted["ttft_p50"] > 0
+    assert set(data["floor_ttft"]) == {"full", "shifted-0"} and "--kv-transfer-config" in data["commands"]["shifted-0"]
