@@ -191,11 +191,14 @@ def vllm_cmd(
                     parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size)
 
 
+truncation_cmd_default_modes = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation"))
+
+
 @app.command("truncation")
 def truncation_cmd(
     workloads: Annotated[str, typer.Option("--workloads", help="Comma-separated: doc (a document read with a sliding window), chat (a conversation kept to its last W tokens).")] = "doc,chat",
     windows: Annotated[str, typer.Option("--windows", help="Window sizes W in tokens (the system prompt + the last W tokens), comma-separated.")] = "1024,2048,3072",
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: full (no cache, the reference), prefix (exact prefix cache), shifted-F (approximate_reuse with recompute F%), shifted-F-SELECT (and select: SELECT, e.g. shifted-15-deviation), full-bf16 (no cache, the model in bf16: the quality metrics' floor for a change of precision; not in the default set).")] = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation")),
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: full (no cache, the reference), prefix (exact prefix cache), shifted-F (approximate_reuse with recompute F%), shifted-F-SELECT (and select: SELECT, e.g. shifted-15-deviation), full-bf16 (no cache, the model in bf16: the quality metrics' floor for a change of precision; not in the default set).")] = truncation_cmd_default_modes,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Prompts measured per workload and window (after one that fills the cache).")] = 6,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=8, help="Tokens per chunk.")] = 128,
     seed: Seed = 0,
@@ -203,11 +206,29 @@ def truncation_cmd(
     quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: W=256, 1 step, chunks of 32, modes full, prefix, shifted-15, full-bf16.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw speed-up, hit rate and greedy agreement per mode into this PNG (needs matplotlib).")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="transformers (lmcache's connector in this process) or vllm (a live vllm serve per mode; modes full, prefix, shifted-0).")] = "transformers",
+    vllm_venv: Annotated[Path | None, typer.Option("--vllm-venv", file_okay=False, help="With --engine vllm: the venv with vLLM (default: .venv-vllm-cpu of this repository, built by make engines).")] = None,
 ) -> None:
     """Reuse under context truncation with a real model: hit rate, TTFT, first-token and
     greedy agreement and held-out perplexity per mode (no cache, prefix cache, shifted reuse)."""
     from lmcache.benchmarks import truncation
     from lmcache.benchmarks.harness import csv_option
+
+    if engine == "vllm":
+        from lmcache.benchmarks import truncation_vllm
+
+        if plot is not None:
+            raise typer.BadParameter("--plot is for --engine transformers", param_hint="'--plot'")
+        ws = csv_option(workloads, "'--workloads'", ("doc", "chat"))
+        wins = csv_option(windows, "'--windows'", conv=lambda s: int(s))
+        # the default modes are the transformers connector's: under vLLM, its own three
+        ms = list(truncation_vllm.MODES) if modes == truncation_cmd_default_modes else csv_option(modes, "'--modes'", truncation_vllm.MODES)
+        if quick:
+            wins, steps, chunk_size, ms = [512], 1, 64, ["full", "shifted-0"]
+        truncation_vllm.main(ws, wins, ms, steps, chunk_size, seed, threads, vllm_venv, as_json)
+        return
+    if engine != "transformers":
+        raise typer.BadParameter(f"unknown engine {engine!r}: transformers or vllm", param_hint="'--engine'")
 
     ws = csv_option(workloads, "'--workloads'", ("doc", "chat"))
     wins = csv_option(windows, "'--windows'", conv=lambda s: int(s))  # not the 1..64 check of conv=int
