@@ -936,7 +936,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             if b is not None and b < len(spec.token_ids):
                 # KV built on shifted reuse is not exact: never under the exact keys
                 if b:
-                    self.engine.store(spec.token_ids[:b], view)
+                    self.engine.store(spec.token_ids[:b], view[:, :, :b])
                 if svc is not None:
                     svc.store_shifted(spec.token_ids, view, b // self.chunk_size)
                 return

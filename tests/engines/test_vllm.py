@@ -496,6 +496,37 @@ def test_shifted_reuse_loads_a_truncated_prompt_rerotated(model_config):
         eng.close()
 
 
+def test_shifted_reuse_after_an_exact_prefix_stores_both_apart(model_config):
+    """A system prompt of a whole chunk is an exact hit; the shifted run follows it. What
+    the request stores: its first chunk under the exact key, the rest under shifted keys."""
+    from lmcache.plugins.services.shifted import shifted_key
+
+    layout = "std_nhd"
+    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
+    eng = Engine(vc, kv_cache_config(False))
+    gen = torch.Generator().manual_seed(10)
+    try:
+        layers = alloc(layout)
+        w = eng.worker(layers)
+        a = list(range(1, 321))
+        b = a[:64] + a[104:] + list(range(900, 920))  # 40 tokens after the first chunk cut
+        eng.submit("a", a)
+        eng.step(w, layers, layout, gen)
+        eng.finish("a")
+        eng.submit("b", b)
+        out, invalid = eng.step(w, layers, layout, gen)
+        load = out.kv_connector_metadata.loads[0]
+        assert (load.exact, load.shifted) == (64, True) and invalid == set()
+        assert load.load_end == (64 + 24 + 3 * 64) // BLOCK * BLOCK  # the tail of a's chunk 1, then chunks 2-4
+        keys = w.engine.chunk_keys(b)[1]
+        tier = w.engine.hierarchy.tiers[0]
+        assert w.engine.lookup(b) == 64  # only the exact chunk under an exact key
+        assert all(tier.size_of(k) is None for k in keys[1:])
+        assert all(tier.size_of(shifted_key(k)) is not None for k in keys[1:-1])
+    finally:
+        eng.close()
+
+
 def test_shifted_reuse_chunk_gone_before_the_load_is_recomputed(model_config):
     layout = "std_nhd"
     vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
