@@ -447,6 +447,12 @@ def _shifted_prompts():
     return a, b, old
 
 
+def _shifted_engine(model_config, seed: int):
+    """vLLM's scheduler with approximate_reuse on (and vLLM's prefix cache off), a generator."""
+    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
+    return Engine(vc, kv_cache_config(False)), torch.Generator().manual_seed(seed)
+
+
 def test_shifted_reuse_loads_a_truncated_prompt_rerotated(model_config):
     """A prompt whose 40 tokens after the system prompt were cut: vLLM loads the system
     prompt's KV (the head of a's first chunk, exact), the tail of that chunk after the cut
@@ -502,9 +508,7 @@ def test_shifted_reuse_after_an_exact_prefix_stores_both_apart(model_config):
     from lmcache.plugins.services.shifted import shifted_key
 
     layout = "std_nhd"
-    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
-    eng = Engine(vc, kv_cache_config(False))
-    gen = torch.Generator().manual_seed(10)
+    eng, gen = _shifted_engine(model_config, 10)
     try:
         layers = alloc(layout)
         w = eng.worker(layers)
@@ -529,9 +533,7 @@ def test_shifted_reuse_after_an_exact_prefix_stores_both_apart(model_config):
 
 def test_shifted_reuse_chunk_gone_before_the_load_is_recomputed(model_config):
     layout = "std_nhd"
-    vc = make_config(model_config, prefix_caching=False, **{"lmcache.approximate_reuse": True})
-    eng = Engine(vc, kv_cache_config(False))
-    gen = torch.Generator().manual_seed(8)
+    eng, gen = _shifted_engine(model_config, 8)
     try:
         layers = alloc(layout)
         w = eng.worker(layers)
