@@ -9,10 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LMCACHE = Path(sys.executable).with_name("lmcache")
 
 
+# a hang guard as long as the subprocess's own timeout: beside the engines' suites (make
+# test runs them in parallel) this took over 300 s on a fresh clone, against 68 s alone
+@pytest.mark.timeout(900)
 def test_bench_truncation_quick_json():
     proc = subprocess.run([str(LMCACHE), "bench", "truncation", "--quick", "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})

