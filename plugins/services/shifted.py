@@ -118,12 +118,15 @@ class ShiftedReuse:
         shifted one of the same content (its KV is the better one)."""
         size = self.chunk_size
         full = [(c, k) for c, k in zip(chunks, keys) if c.num_tokens == size]
-        entries = [
-            (content_hash(arr[c.start : c.end]),
-             _Entry(k, c.start, exact, content_hash(arr[c.start - size : c.start]) if c.start >= size else None,
-                    _compact(arr[c.start : c.end])))
-            for c, k in full
-        ]  # fmt: skip
+        own = {c.start: content_hash(arr[c.start : c.end]) for c, _ in full}
+
+        def prev(start: int) -> bytes | None:  # the chunk before, hashed once if it is stored too
+            if start < size:
+                return None
+            return own.get(start - size) or content_hash(arr[start - size : start])
+
+        entries = [(own[c.start], _Entry(k, c.start, exact, prev(c.start), _compact(arr[c.start : c.end])))
+                   for c, k in full]
         with self._lock:
             for h, e in entries:
                 old = self._index.get(h)
