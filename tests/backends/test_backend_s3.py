@@ -81,8 +81,20 @@ def kv_for(tokens):
     return wave(base * 0.01 + t.reshape(1, 1, -1, 1, 1) * 0.37).to(torch.float32)
 
 
-def wipe(backend):
-    backend.remove([k for k, _ in backend.keys()])
+def wipe(backend, settle: float = 10.0):
+    """Remove every entry under the backend's prefix. A PUT that timed out at the client
+    (botocore then sent it again) may still land on the server after its retry answered,
+    so an object can reappear after a delete on a loaded machine: listed and removed
+    again until the prefix stays empty, for ``settle`` seconds at most."""
+    deadline = time.monotonic() + settle
+    keys = [k for k, _ in backend.keys()]
+    while keys:
+        backend.remove(keys)
+        keys = [k for k, _ in backend.keys()]
+        if not keys or time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+        keys = [k for k, _ in backend.keys()]
 
 
 # --------------------------------------------------------------------- conformance
