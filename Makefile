@@ -84,6 +84,13 @@ servers:
 # fresh clone and day: the main suite 22.4 min alone, 25.9 min beside the engines' suites,
 # which took 9.8 min after it (fresh clone in all: 32.5 min side by side, 39.3 one after another). Each suite's output is printed whole when it
 # ends (-O).
+# The suites run side by side on few cores, each with torch's OpenMP threads: by default an
+# idle OpenMP thread spins, and spinning threads of two processes starve each other
+# (two copies of tests/plugins/services/test_shifted.py at once: 346 s spinning, 110 s
+# with idle threads that sleep; one alone takes 65 s). Every test process (and the
+# servers, benchmarks and vllm serve they start) sleeps instead.
+test test-main test-engines test-vllm-api test-vllm-live test-sglang: export OMP_WAIT_POLICY = PASSIVE
+
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 engines servers $(LMCACHE_REF_VENV)/.installed
 	$(VENV)/bin/ruff check .
