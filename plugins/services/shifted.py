@@ -194,7 +194,7 @@ class ShiftedReuse:
         out: list[Match] = []
         at = start
         if start == 0:
-            head = self._head(arr, end)
+            head = self.head(arr, end)
             if head is not None:
                 out.append(head)
                 at = head.length
@@ -210,7 +210,11 @@ class ShiftedReuse:
             at = m.start + m.length
         return out
 
-    def _head(self, arr: Any, end: int) -> Match | None:
+    def head(self, tokens: Any, end: int) -> Match | None:
+        """The longest run ``tokens[0:x)`` (``x <= end``, at least ``HEAD`` tokens) that
+        begins an exact first chunk of an earlier prompt: its KV is exact here (the same
+        tokens at the same positions), a system prompt shorter than a chunk."""
+        arr = as_token_array(tokens)
         n = min(end, self.chunk_size)
         if n < HEAD:
             return None

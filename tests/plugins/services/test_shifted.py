@@ -55,10 +55,12 @@ def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompu
         got = conn.prefill(cut)
         assert prefix_only == 0  # the exact prefix cache has nothing for it
         found = got.shifted_tokens + got.recomputed_tokens
-        assert got.shifted_tokens == got.cached_tokens and found == sum(m.length for m in matches)
+        system = len(long) - 640  # the system prompt's tokens (the texts fixture), less than a chunk
+        # the system prompt is no exact hit (it fills no chunk), but its KV is the head of
+        # the long prompt's first chunk: loaded as it is, the rest shifted
+        assert got.cached_tokens == system + got.shifted_tokens and found == sum(m.length for m in matches)
         # the partial chunk after the cut is a tail of the chunk the long prompt computed
         # before the first matched one; the system prompt before it is not
-        system = len(long) - 640  # the system prompt's tokens (the texts fixture)
         tail, first = matches[0], matches[1]
         assert tail.offset > 0 and tail.start + tail.length == first.start and first.offset == 0
         assert tail.length == (-(system + 200)) % CHUNK and tail.start == system
@@ -75,8 +77,35 @@ def test_a_truncated_prompt_reuses_shifted_chunks_and_agrees_with_a_full_recompu
         assert float((p - q).abs().sum()) / 2 < 0.3
         assert int(ref.logits.argmax()) in torch.topk(got.logits, 3).indices.tolist()
         stats = e.stats()["approximate_reuse"]
-        assert stats["matched_chunks"] == len(matches) and stats["missing_chunks"] == 0
+        assert stats["matched_chunks"] == 1 + len(matches) and stats["missing_chunks"] == 0  # 1: the head
         assert stats["stored_chunks"] > 0
+
+
+def test_a_system_prompt_shorter_than_a_chunk_is_loaded_exactly(smollm2, texts):
+    """A prompt that shares only the system prompt (fewer tokens than a chunk, so no
+    exact hit) with an earlier one loads its KV from the head of that prompt's first
+    chunk: the same tokens at the same positions, so the logits are a full recompute's."""
+    long, _ = texts
+    system = len(long) - 640
+    model, tok = smollm2
+    other = long[:system] + tok("A new question about something else entirely. What is the boiling point"
+                                " of water at sea level, why does it fall on a mountain, and how does a"
+                                " pressure cooker use that? Answer in three short sentences, with one"
+                                " number in each of them.")["input_ids"]
+    assert len(other) > system + CHUNK + 8  # long enough to look for shifted chunks
+    ref = _connector(smollm2, _engine(model, approx=False)).prefill(other, use_cache=False, store=False)
+    with _engine(model) as e:
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        assert e.lookup(other) == 0
+        got = conn.prefill(other)
+        assert got.cached_tokens == system and got.shifted_tokens == 0 and got.recomputed_tokens == 0
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-3)
+        assert e.stats()["approximate_reuse"]["matched_chunks"] == 1  # the head's chunk
+        # what it stored is exact: a repeat is an exact prefix hit of the whole prompt
+        assert e.lookup(other) == len(other)
+        again = conn.prefill(other)
+        torch.testing.assert_close(again.logits, ref.logits, rtol=1e-4, atol=1e-3)
 
 
 def test_kv_built_on_reused_chunks_never_lands_under_exact_keys(smollm2, texts):
