@@ -106,6 +106,13 @@ class VllmServer:
         e.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                   "OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 2) // tensor_parallel)),
                   "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
+        # vLLM's automatic thread binding keeps cores out of the worker for its other
+        # processes: one per rank, one more when a KV connector is configured. So a server
+        # without lmcache and one with it would compute on different cores (on 2 CPUs: the
+        # worker of vLLM alone on 1 core, 2x slower at prefill, the connector's on both, its
+        # reservation being more than the machine has). Every server reserves what a
+        # connector's would, so modes differ in lmcache alone.
+        e.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(2 * tensor_parallel))
         if tensor_parallel > 1:
             # vLLM binds each CPU worker's threads to a NUMA node of its own unless told which
             # cores to use; one node (this machine) needs the cores split by hand: "0|1"
