@@ -20,9 +20,13 @@ tier degrades to misses at once instead of after one timeout per key.
 Why the retry budget is small: the tier above already serves misses and retries with
 backoff when a call raises, and a cache miss costs a recomputation, not data. So every
 attempt is bounded by ``timeout`` (connect, and each wait for bytes), and botocore makes
-``retries`` more attempts (default none), so a call blocks for about
-``(retries + 1) * timeout`` at worst. Reconnection is botocore's: the next call after an
-outage opens a fresh connection.
+``retries`` more attempts (default one: it absorbs a pooled connection that the server
+closed while idle), so a call blocks for about ``(retries + 1) * timeout`` at worst
+(botocore's ``max_attempts`` counts retries, not attempts). The one answer asked again regardless is an ``InternalError`` (HTTP 500),
+three times, 50, 100 and 200 ms apart: it returns at once, AWS documents it as retryable, and
+servers that overwrite an object's file in place answer it under concurrent overwrites
+of one key. Reconnection is botocore's: the next call after an outage opens a fresh
+connection.
 
 Why multipart only above 64 MiB: typical KV chunks (2 to 100 MiB) already move in
 parallel because a batch has many of them in flight, while a multipart upload costs two
@@ -75,6 +79,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _REGION = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
+_INTERNAL = {"500", "InternalError"}
 _SESSION = None
 _SESSION_LOCK = threading.Lock()
 
@@ -179,7 +184,7 @@ class S3Backend(BytesBackend):
         "addressing_style": "auto",
         "verify": None,
         "timeout": 5.0,
-        "retries": 0,
+        "retries": 1,
         "concurrency": 16,
         "multipart_threshold": 64 * MiB,
         "multipart_chunksize": 16 * MiB,
@@ -261,7 +266,7 @@ class S3Backend(BytesBackend):
         cfg = Config(
             connect_timeout=opts["timeout"],
             read_timeout=opts["timeout"],
-            retries={"max_attempts": opts["retries"] + 1, "mode": "standard"},
+            retries={"max_attempts": opts["retries"], "mode": "standard"},  # retries after the first
             max_pool_connections=pool_size,
             s3={"addressing_style": opts["addressing_style"]},
             request_checksum_calculation="when_required",
@@ -356,14 +361,33 @@ class S3Backend(BytesBackend):
         self._bucket_ok = True
 
     def _call(self, fn: Callable[..., Any], **kw: Any) -> Any:
-        """One S3 call; a vanished bucket is re-checked (and recreated) on the next call."""
+        """One S3 call; a vanished bucket is re-checked (and recreated) on the next call.
+
+        An ``InternalError`` (HTTP 500) is asked again three times, 50, 100 and 200 ms
+        apart, then raised (the request body is rewound first). AWS documents the error as
+        retryable, and servers that replace an object's file non-atomically (``rclone
+        serve s3``) answer it to a GET, or a concurrent PUT, that falls inside an
+        overwrite of the same key. It comes back at once, so the bound on a call's time
+        (``(retries + 1) * timeout``) is not changed. The calls made through here are
+        idempotent (HEAD, GET, PUT and DELETE of objects), or, for the start of a
+        multipart upload, leave at most an empty upload that the store's lifecycle rules
+        reclaim."""
         self._ensure_bucket()
-        try:
-            return fn(Bucket=self.bucket, **kw)
-        except Exception as exc:
-            if _code(exc) in _NO_BUCKET:
-                self._bucket_ok = False
-            raise
+        for attempt in range(4):
+            try:
+                return fn(Bucket=self.bucket, **kw)
+            except Exception as exc:
+                code = _code(exc)
+                if code in _NO_BUCKET:
+                    self._bucket_ok = False
+                if code not in _INTERNAL or attempt == 3:
+                    raise
+                log.debug("s3 tier %s: %s answered %s, attempt %d", self.context.tier, kw.get("Key"), code, attempt + 1)
+                body = kw.get("Body")
+                if body is not None:
+                    body.seek(0)
+                time.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _map(self, fn: Callable[[Any], Any], args: Sequence[Any], release: Callable[[Any], None] | None = None) -> list:
         """``[fn(a) for a in args]``, ``concurrency`` at a time; the first error cancels

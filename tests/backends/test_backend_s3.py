@@ -340,6 +340,124 @@ def test_raw_transfer_moves_the_bytes_and_cleans_up(S3, opts, raw):
     assert left.get("KeyCount", 0) == 0
 
 
+class Answer500:
+    """A loopback HTTP proxy in front of the real server that answers the first
+    ``fail`` requests of ``method`` on an lmcache object with ``500 InternalError`` (as
+    rclone does to a GET or PUT that falls inside an overwrite of the same key, and AWS
+    does now and then) and forwards every other request as it came, Host header
+    included, so the SigV4 signature still holds."""
+
+    def __init__(self, upstream: str, fail: int, method: str = "GET"):
+        import http.client
+        import http.server
+        from urllib.parse import urlsplit
+
+        up = urlsplit(upstream)
+        self.fail, self.gets = fail, 0  # gets: requests of `method` seen
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == method and "list-type" not in self.path and "/lmc1" in self.path:
+                    proxy.gets += 1
+                    if proxy.gets <= proxy.fail:
+                        err = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+                               b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+                        self.send_response(500)
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(err)))
+                        self.end_headers()
+                        self.wfile.write(err)
+                        return
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=10)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in self.headers.items():
+                        conn.putheader(k, v)
+                    conn.endheaders(body)
+                    r = conn.getresponse()
+                    data = r.read()
+                    self.send_response(r.status)
+                    for k, v in r.getheaders():
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("fail,served", [(3, True), (4, False)])
+def test_an_internal_error_on_get_is_asked_again_three_times_then_raised(S3, opts, fail, served):
+    """A GET answered ``InternalError`` is asked again three times (with ``retries: 0``
+    botocore itself sends each request once): three such answers still serve
+    the exact object, a fourth is raised with the server's code, no pool memory is held."""
+    pool = MemoryPool(16 << 20)
+    obj = make_obj(7)
+    with open_backend(S3, opts, pool=pool) as b:
+        b.put([(make_key(1), obj)])
+        proxy = Answer500(opts["endpoint_url"], fail)
+        try:
+            with open_backend(S3, {**opts, "endpoint_url": proxy.url, "retries": 0}, pool=pool) as via:
+                if served:
+                    (got,) = via.get([make_key(1)])
+                    assert got is not None and torch.equal(got.tensor, obj.tensor)
+                    got.unref()
+                else:
+                    with pytest.raises(Exception, match="InternalError"):
+                        via.get([make_key(1)])
+            assert proxy.gets == 4
+        finally:
+            proxy.close()
+        wipe(b)
+    assert pool.used == 0
+
+
+@pytest.mark.parametrize("fail,stored", [(3, True), (4, False)])
+def test_an_internal_error_on_put_is_sent_again_whole(S3, opts, fail, stored):
+    """A PUT answered ``InternalError`` is sent again from the first byte, three times
+    at most: after three such answers the object read back is exact; after four the put
+    raises and nothing is stored."""
+    obj = make_obj(8)
+    proxy = Answer500(opts["endpoint_url"], fail, method="PUT")
+    try:
+        with open_backend(S3, {**opts, "endpoint_url": proxy.url, "retries": 0}) as via:
+            if stored:
+                via.put([(make_key(2), obj)])
+            else:
+                with pytest.raises(Exception, match="InternalError"):
+                    via.put([(make_key(2), obj)])
+        assert proxy.gets == 4
+    finally:
+        proxy.close()
+    with open_backend(S3, opts) as b:
+        (got,) = b.get([make_key(2)])
+        if stored:
+            assert got is not None and torch.equal(got.tensor, obj.tensor)
+            got.unref()
+        else:
+            assert got is None
+        wipe(b)
+
+
 # --------------------------------------------------------------------- faults
 def test_unreachable_at_start_then_raises_quickly(S3):
     port = loopback.free_port()  # nothing listens there
