@@ -22,11 +22,12 @@ backoff when a call raises, and a cache miss costs a recomputation, not data. So
 attempt is bounded by ``timeout`` (connect, and each wait for bytes), and botocore makes
 ``retries`` more attempts (default one: it absorbs a pooled connection that the server
 closed while idle), so a call blocks for about ``(retries + 1) * timeout`` at worst
-(botocore's ``max_attempts`` counts retries, not attempts). The one answer asked again regardless is an ``InternalError`` (HTTP 500),
-three times, 50, 100 and 200 ms apart: it returns at once, AWS documents it as retryable, and
-servers that overwrite an object's file in place answer it under concurrent overwrites
-of one key. Reconnection is botocore's: the next call after an outage opens a fresh
-connection.
+(botocore's ``max_attempts`` counts retries, not attempts). The one answer asked again
+regardless is an ``InternalError`` (HTTP 500), up to three times, 50, 100 and 200 ms
+apart, while the call has taken less than ``timeout``: AWS documents it as retryable,
+and servers that overwrite an object's file in place answer it under concurrent
+overwrites of one key. Reconnection is botocore's: the next call after an outage opens a
+fresh connection.
 
 Why multipart only above 64 MiB: typical KV chunks (2 to 100 MiB) already move in
 parallel because a batch has many of them in flight, while a multipart upload costs two
@@ -363,16 +364,18 @@ class S3Backend(BytesBackend):
     def _call(self, fn: Callable[..., Any], **kw: Any) -> Any:
         """One S3 call; a vanished bucket is re-checked (and recreated) on the next call.
 
-        An ``InternalError`` (HTTP 500) is asked again three times, 50, 100 and 200 ms
-        apart, then raised (the request body is rewound first). AWS documents the error as
-        retryable, and servers that replace an object's file non-atomically (``rclone
-        serve s3``) answer it to a GET, or a concurrent PUT, that falls inside an
-        overwrite of the same key. It comes back at once, so the bound on a call's time
-        (``(retries + 1) * timeout``) is not changed. The calls made through here are
+        An ``InternalError`` (HTTP 500) is asked again up to three times, 50, 100 and
+        200 ms apart, then raised (the request body is rewound first). AWS documents the
+        error as retryable, and servers that replace an object's file non-atomically
+        (``rclone serve s3``) answer it to a GET, or a concurrent PUT, that falls inside
+        an overwrite of the same key. It is asked again only while the call has taken
+        less than ``timeout``, so a server that answers 500 slowly still ends the call
+        within about ``(retries + 2) * timeout``. The calls made through here are
         idempotent (HEAD, GET, PUT and DELETE of objects), or, for the start of a
         multipart upload, leave at most an empty upload that the store's lifecycle rules
         reclaim."""
         self._ensure_bucket()
+        t0 = time.monotonic()
         for attempt in range(4):
             try:
                 return fn(Bucket=self.bucket, **kw)
@@ -380,7 +383,7 @@ class S3Backend(BytesBackend):
                 code = _code(exc)
                 if code in _NO_BUCKET:
                     self._bucket_ok = False
-                if code not in _INTERNAL or attempt == 3:
+                if code not in _INTERNAL or attempt == 3 or time.monotonic() - t0 >= self.options["timeout"]:
                     raise
                 log.debug("s3 tier %s: %s answered %s, attempt %d", self.context.tier, kw.get("Key"), code, attempt + 1)
                 body = kw.get("Body")
