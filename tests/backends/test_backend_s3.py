@@ -82,18 +82,23 @@ def kv_for(tokens):
 
 
 def wipe(backend, settle: float = 10.0):
-    """Remove every entry under the backend's prefix. A PUT that timed out at the client
-    (botocore then sent it again) may still land on the server after its retry answered,
-    so an object can reappear after a delete on a loaded machine: listed and removed
-    again until the prefix stays empty, for ``settle`` seconds at most."""
+    """Remove every entry under the backend's prefix. An object can reappear after a
+    delete on a loaded machine (a PUT that timed out at the client and was sent again
+    may still land; rclone finishes an overwrite's rename after a concurrent delete),
+    so once something was removed the prefix must list empty twice, 0.3 s apart,
+    within ``settle`` seconds."""
     deadline = time.monotonic() + settle
     keys = [k for k, _ in backend.keys()]
-    while keys:
-        backend.remove(keys)
-        keys = [k for k, _ in backend.keys()]
-        if not keys or time.monotonic() > deadline:
-            return
-        time.sleep(0.5)
+    if not keys:
+        return
+    empty = 0
+    while empty < 2 and time.monotonic() < deadline:
+        if keys:
+            backend.remove(keys)
+            empty = 0
+        else:
+            empty += 1
+        time.sleep(0.3)
         keys = [k for k, _ in backend.keys()]
 
 
