@@ -9,6 +9,31 @@ import torch
 from .conformance import make_key
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (after a SIGSTOP).
+
+    ``kill(pid, SIGSTOP)`` wakes one thread of the process, which then stops the others;
+    until it has run, the other threads go on (on a loaded machine, a connection thread of
+    a "stopped" server answered a request: 2 in 200 tries under 6 CPU burners)."""
+    import glob
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(path) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that exited meanwhile
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout}s (thread states {states})")
+        time.sleep(0.001)
+
+
 def assert_hang_times_out(backend, server, match: str) -> None:
     """A networked backend whose ``server`` (a :class:`lmcache.testing.stores.LocalServer`)
     hangs (SIGSTOP) fails ``get``/``contains`` with ``BackendError`` matching ``match``
@@ -23,6 +48,7 @@ def assert_hang_times_out(backend, server, match: str) -> None:
     pid = server.proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
+        wait_stopped(pid)
         for call in (lambda: backend.get([make_key(1)]), lambda: backend.contains([make_key(1)])):
             t0 = time.monotonic()
             with pytest.raises(BackendError, match=match):
