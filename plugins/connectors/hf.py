@@ -214,11 +214,16 @@ class TransformersConnector:
             n = 0
             tiers = []
         shifted = self.engine.services.get("approximate_reuse") if use_cache else None
+        if shifted is not None and n == 0:
+            tl = time.perf_counter()
+            n = self._load_head(ids, cache, shifted)
+            t_load += time.perf_counter() - tl
+            nbytes += n * self.spec.bytes_per_token()
         if shifted is not None:
             got = self._prefill_shifted(ids, cache, n, shifted, store)
             if got is not None:
-                cache, logits, head, reused, recomputed, loaded, load_s, at_logits = got
-                return Prefill(cache, logits, len(ids), n + head + reused, tiers, at_logits - t0,
+                cache, logits, reused, recomputed, loaded, load_s, at_logits = got
+                return Prefill(cache, logits, len(ids), n + reused, tiers, at_logits - t0,
                                t_load + load_s, nbytes + loaded, reused, recomputed)
         x = torch.tensor([ids[n:]], dtype=torch.long, device=self.device)
         out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
@@ -228,11 +233,6 @@ class TransformersConnector:
         if store:
             self.engine.store(ids, self.kv_of(cache, len(ids)))
         return Prefill(cache, logits, len(ids), n, tiers, ttft, t_load, nbytes)
-
-    def _forward(self, ids: Sequence[int], cache: Any) -> tuple[Any, torch.Tensor]:
-        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        return _cache_of(out, cache), out.logits[0, -1].float()
 
     def _prefill_shifted(self, ids: list[int], cache: Any, n: int, shifted: Any, store: bool) -> Any:
         """After the exact prefix ``ids[:n]`` (already in ``cache``): reuse chunks that
@@ -256,23 +256,10 @@ class TransformersConnector:
         if self._inv_freq is False or (limit is not None and len(ids) > limit):
             return None
         tl = time.perf_counter()
-        head = 0  # a system prompt shorter than a chunk: its exact KV from an earlier first chunk
-        if n == 0:
-            m = shifted.head(ids, len(ids) - 1)
-            kv = shifted.fetch([m])[0] if m is not None else None
-            if kv is not None:
-                kv = kv.to(self.device)
-                self._append(cache, kv[:, 0], kv[:, 1])
-                n = head = m.length
         matches = shifted.find(ids, max(n, cfg.sink_tokens), len(ids) - 1)
         pairs = [(m, kv) for m, kv in zip(matches, shifted.fetch(matches)) if kv is not None]
         load_s = time.perf_counter() - tl
         if not pairs:
-            if head:  # the head is in the cache already: compute the rest on it
-                cache, logits = self._forward(ids[n:], cache)
-                if store:
-                    self.engine.store(ids, self.kv_of(cache, len(ids)))
-                return cache, logits, head, 0, 0, head * self.spec.bytes_per_token(), load_s, time.perf_counter()
             return None
         if cfg.select == "deviation":
             redo = self._by_deviation(ids, pairs, cfg.recompute)
@@ -302,7 +289,19 @@ class TransformersConnector:
             exact = min(kept) if kept else len(ids)  # tokens before the first reused one saw only exact KV
             self.engine.store(ids[:exact], self.kv_of(cache, exact))
             shifted.store_shifted(ids, self.kv_of(cache, len(ids)), exact // size)
-        return cache, logits, head, reused, sum(map(len, redo)), loaded + head * self.spec.bytes_per_token(), load_s, at_logits
+        return cache, logits, reused, sum(map(len, redo)), loaded, load_s, at_logits
+
+    def _load_head(self, ids: list[int], cache: Any, shifted: Any) -> int:
+        """A prompt with no exact hit whose start (a system prompt shorter than a chunk)
+        begins an earlier prompt's first chunk: that KV appended to ``cache`` as it is (the
+        same tokens at the same positions, so exact); how many tokens it holds (0: none)."""
+        m = shifted.head(ids, len(ids) - 1)
+        kv = shifted.fetch([m])[0] if m is not None else None
+        if kv is None:
+            return 0
+        kv = kv.to(self.device)
+        self._append(cache, kv[:, 0], kv[:, 1])
+        return m.length
 
     def _append(self, cache: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``(L, T, H, D)`` keys and values to every layer of ``cache``."""

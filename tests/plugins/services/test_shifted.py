@@ -106,6 +106,13 @@ def test_a_system_prompt_shorter_than_a_chunk_is_loaded_exactly(smollm2, texts):
         assert e.lookup(other) == len(other)
         again = conn.prefill(other)
         torch.testing.assert_close(again.logits, ref.logits, rtol=1e-4, atol=1e-3)
+        # a prompt too short to hold a shifted chunk after the system prompt loads it too
+        short = long[:system] + tok(" Why is the sky blue?")["input_ids"]
+        assert len(short) < system + CHUNK
+        ref = _connector(smollm2, _engine(model, approx=False)).prefill(short, use_cache=False, store=False)
+        got = conn.prefill(short)
+        assert got.cached_tokens == system and got.shifted_tokens == 0
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-3)
 
 
 def test_kv_built_on_reused_chunks_never_lands_under_exact_keys(smollm2, texts):
