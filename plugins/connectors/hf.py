@@ -214,6 +214,8 @@ class TransformersConnector:
             n = 0
             tiers = []
         shifted = self.engine.services.get("approximate_reuse") if use_cache else None
+        if shifted is not None and not self._reuse_applies(ids):
+            shifted = None
         if shifted is not None and n == 0:
             tl = time.perf_counter()
             n = self._load_head(ids, cache, shifted)
@@ -234,6 +236,21 @@ class TransformersConnector:
             self.engine.store(ids, self.kv_of(cache, len(ids)))
         return Prefill(cache, logits, len(ids), n, tiers, ttft, t_load, nbytes)
 
+    def _reuse_applies(self, ids: list[int]) -> bool:
+        """Whether approximate reuse (the exact head included) may serve ``ids``: the
+        model's rotary variant is one the re-rotation supports, and the prompt fits the
+        positions whose frequencies do not depend on its length (dynamic scaling)."""
+        from lmcache.kernels import rope
+
+        if self._inv_freq is None:
+            try:
+                self._inv_freq = rope.inv_freq_of(self.model.config)
+            except ValueError as exc:
+                log.warning("approximate reuse is off for this model: %s", exc)
+                self._inv_freq = False
+        limit = rope.max_positions(self.model.config)
+        return self._inv_freq is not False and (limit is None or len(ids) <= limit)
+
     def _prefill_shifted(self, ids: list[int], cache: Any, n: int, shifted: Any, store: bool) -> Any:
         """After the exact prefix ``ids[:n]`` (already in ``cache``): reuse chunks that
         match later runs of ``ids`` wherever they were computed, keys re-rotated to their
@@ -245,15 +262,6 @@ class TransformersConnector:
         cfg = shifted.cfg
         size = self.engine.config.chunk_size
         if len(ids) - 1 - max(n, cfg.sink_tokens) < size:
-            return None
-        if self._inv_freq is None:
-            try:
-                self._inv_freq = rope.inv_freq_of(self.model.config)
-            except ValueError as exc:
-                log.warning("approximate reuse is off for this model: %s", exc)
-                self._inv_freq = False
-        limit = rope.max_positions(self.model.config)
-        if self._inv_freq is False or (limit is not None and len(ids) > limit):
             return None
         tl = time.perf_counter()
         matches = shifted.find(ids, max(n, cfg.sink_tokens), len(ids) - 1)

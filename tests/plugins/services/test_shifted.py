@@ -115,6 +115,38 @@ def test_a_system_prompt_shorter_than_a_chunk_is_loaded_exactly(smollm2, texts):
         torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
+    {"rope_type": "dynamic", "rope_theta": 100000.0, "factor": 2.0},  # with max_position_embeddings below the prompt
+])
+def test_reuse_stays_off_where_the_rotary_variant_does_not_allow_it(smollm2, texts, monkeypatch, caplog, rope):
+    """A model whose rotary variant re-rotation does not support (YaRN), or a prompt past
+    the positions where dynamic scaling changes the frequencies: no shifted reuse and no
+    exact head (under dynamic scaling such a prompt's first positions carry other
+    frequencies than an earlier prompt's); the prompt is computed as a whole, with one
+    warning for the unsupported variant."""
+    long, cut = texts
+    model, tok = smollm2
+    # only what the connector reads changes; the model's own rotary module keeps its frequencies
+    monkeypatch.setattr(model.config, "rope_parameters", rope)
+    if rope["rope_type"] == "dynamic":
+        monkeypatch.setattr(model.config, "max_position_embeddings", len(cut) - 1)
+    system = len(long) - 640
+    short = long[:system] + tok(" Why is the sky blue?")["input_ids"]
+    ref = _connector(smollm2, _engine(model, approx=False)).prefill(cut, use_cache=False, store=False)
+    with _engine(model) as e, caplog.at_level("WARNING"):
+        conn = _connector(smollm2, e)
+        conn.prefill(long)
+        got = conn.prefill(cut)
+        assert (got.cached_tokens, got.shifted_tokens, got.recomputed_tokens) == (0, 0, 0)
+        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-3)
+        if rope["rope_type"] == "yarn":  # nor the head of a short prompt
+            assert conn.prefill(short).cached_tokens == 0
+        assert e.stats()["approximate_reuse"]["matched_chunks"] == 0
+    warned = [r for r in caplog.records if "approximate reuse is off for this model" in r.getMessage()]
+    assert len(warned) == (1 if rope["rope_type"] == "yarn" else 0)
+
+
 def test_kv_built_on_reused_chunks_never_lands_under_exact_keys(smollm2, texts):
     long, cut = texts
     with _engine(smollm2[0], select="leading") as e:
