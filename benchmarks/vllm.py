@@ -162,7 +162,8 @@ BLOCK = 128
 
 def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: dict[str, Any], probe: list[str],
              work: Path, *, kv_tokens: int, cpu_bytes: int, threads: int, max_model_len: int, max_tokens: int,
-             redis_options: dict[str, Any] | None, say: Callable[[str], None], chunk_size: int = 128) -> ModeResult:
+             redis_options: dict[str, Any] | None, say: Callable[[str], None], chunk_size: int = 128,
+             probe_pairs: int = 0) -> ModeResult:
     from .vllm_live import VllmServer
 
     res = ModeResult(mode, False)
@@ -207,9 +208,17 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         # push the probe's document out of vLLM's own KV memory, then ask it again: in the
         # lmcache modes a lower-tier hit of the same prompt, in the same server, minutes
         # apart from its prefix-cache hit above
-        for r in requests[: max(1, len(requests) // max(1, rounds_of(requests)))]:
+        pushers = requests[: max(1, len(requests) // max(1, rounds_of(requests)))]
+        for r in pushers:
             srv.complete(r.prompt, 1)
         ask("probe-tier", "probe-tier", probe[2])
+        # the same again in pairs, a tier hit then the prefix-cache hit of the same prompt at
+        # once, so that the ratio of the two is a median, not one request of each
+        for _ in range(probe_pairs):
+            for r in pushers:
+                srv.complete(r.prompt, 1)
+            res.ttft.setdefault("pair-tier", []).append(srv.complete(probe[2], 1).ttft)
+            res.ttft.setdefault("pair-hit", []).append(srv.complete(probe[2], 1).ttft)
         res.total_s = time.perf_counter() - t1
         m1 = srv.metrics()
         res.local_hit_tokens = m1.get("vllm:prefix_cache_hits_total", 0) - m0.get("vllm:prefix_cache_hits_total", 0)
@@ -280,6 +289,10 @@ def summarize(results: list[ModeResult], reference: str) -> dict[str, Any]:
                 "probe_tier_vs_probe_hit": own["probe-tier"] / own["probe-hit"] if own["probe-tier"] and own["probe-hit"] else None,
                 "probe_tier_vs_probe_cold": own["probe-tier"] / own["probe-cold"] if own["probe-tier"] and own["probe-cold"] else None,
             }
+            r = next(x for x in results if x.mode == row["mode"])
+            pairs = [t / h for t, h in zip(r.ttft.get("pair-tier", []), r.ttft.get("pair-hit", [])) if h]
+            goals[row["mode"]]["pairs"] = len(pairs)
+            goals[row["mode"]]["pair_tier_vs_hit_p50"] = _pct(pairs, 0.5)
         data["ratios"] = goals
     return data
 
@@ -319,7 +332,8 @@ def print_table(data: dict[str, Any]) -> None:
         for mode, g in data["ratios"].items():
             say(f"  {mode:<18} later rounds: {_f(g['later_rounds_vs_vllm_prefix_hit'], '.2f')}x vLLM's prefix-cache hit, "
                 f"{_f(g['later_rounds_vs_full_prefill'], '.2f')}x the full prefill; the probe from the tier, same server: "
-                f"{_f(g['probe_tier_vs_probe_hit'], '.2f')}x its prefix-cache hit, {_f(g['probe_tier_vs_probe_cold'], '.3f')}x its prefill")
+                f"{_f(g['probe_tier_vs_probe_hit'], '.2f')}x its prefix-cache hit, {_f(g['probe_tier_vs_probe_cold'], '.3f')}x its prefill"
+                + (f"; over {g['pairs']} pairs, median {_f(g['pair_tier_vs_hit_p50'], '.2f')}x" if g.get("pairs") else ""))
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -344,7 +358,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 # --------------------------------------------------------------------------- entry
 def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: int, kv_tokens: int, cpu_capacity: int,
          threads: int, max_tokens: int, vllm_venv: Path | None, directory: Path | None, as_json: bool,
-         plot_path: Path | None, chunk_size: int = BLOCK) -> dict[str, Any]:
+         plot_path: Path | None, chunk_size: int = BLOCK, probe_pairs: int = 0) -> dict[str, Any]:
     import platform
 
     from transformers import AutoTokenizer
@@ -392,7 +406,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
             results.append(run_mode(m, model, vllm, requests, chat, probe, wd.path, kv_tokens=kv_tokens,
                                     cpu_bytes=cpu_capacity, threads=threads, max_model_len=max_len,
                                     max_tokens=max_tokens, redis_options=redis_options, say=say,
-                                    chunk_size=chunk_size))
+                                    chunk_size=chunk_size, probe_pairs=probe_pairs))
     finally:
         if redis_cm is not None:
             redis_cm.__exit__(None, None, None)
@@ -405,7 +419,7 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
                                               capture_output=True, text=True, timeout=120).stdout.strip().splitlines()[-1]
     data.update({"machine": f"{platform.machine()} {os.cpu_count()} cpus", "kv_tokens": kv_tokens,
                  "docs": docs, "doc_tokens": doc_tokens, "rounds": rounds, "chat_turns": chat_turns,
-                 "cpu_capacity": cpu_capacity, "chunk_size": chunk_size, "block_size": BLOCK, "threads": threads, "max_tokens": max_tokens, "work_dir": str(wd.path)})
+                 "cpu_capacity": cpu_capacity, "chunk_size": chunk_size, "block_size": BLOCK, "threads": threads, "max_tokens": max_tokens, "probe_pairs": probe_pairs, "work_dir": str(wd.path)})
     emit(data, as_json, print_table, plot_path, plot)
     if wd.temporary:
         import shutil

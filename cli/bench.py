@@ -171,9 +171,10 @@ def vllm_cmd(
     threads: Annotated[int, typer.Option("--threads", min=1, help="OMP_NUM_THREADS of every server (the same in every mode).")] = 2,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Greedy tokens generated per request.")] = 16,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="lmcache's chunk size in the lmcache modes (default: vLLM's CPU block size, 128).")] = 128,
+    probe_pairs: Annotated[int, typer.Option("--probe-pairs", min=0, help="After the probes: this many times, push the probe out of vLLM's KV memory, then ask it twice (a tier hit, then vLLM's prefix-cache hit); their ratio's median is in the ratios.")] = 5,
     vllm_venv: Annotated[Path | None, typer.Option("--vllm-venv", file_okay=False, help="The venv with vLLM (default: .venv-vllm-cpu of this repository, built by make engines).")] = None,
     directory: Dir = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: 3 documents of 500 tokens, 2 rounds, 2 chat turns, 1024 tokens of vLLM KV.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A small run for tests: 3 documents of 500 tokens, 2 rounds, 2 chat turns, 1024 tokens of vLLM KV, 1 probe pair.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", dir_okay=False, help="Also draw TTFT per round and mode into this PNG (needs matplotlib).")] = None,
 ) -> None:
@@ -186,9 +187,10 @@ def vllm_cmd(
 
     need_pyplot(plot)
     if quick:
-        docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens = 3, 500, 2, 2, 1024, 8
+        docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens, probe_pairs = 3, 500, 2, 2, 1024, 8, 1
     bench_vllm.main(csv_option(modes, "'--modes'", bench_vllm.ALL_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
-                    parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size)
+                    parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size,
+                    probe_pairs)
 
 
 truncation_cmd_default_modes = ",".join(("full", "prefix", "shifted-0", "shifted-5", "shifted-15", "shifted-30", "shifted-15-deviation"))

@@ -42,9 +42,12 @@ def test_bench_vllm_quick_json(tmp_path):
     assert ref["external_hit_tokens"] == 0
     assert lm["external_hit_tokens"] >= 256 * data["docs"]  # every later round: at least a chunk per document
     for m in modes.values():
-        assert set(m["ttft"]) >= {"rr-1", "rr-2", "chat-1", "chat-2", "probe-cold", "probe-hit", "probe-tier"}
+        assert set(m["ttft"]) >= {"rr-1", "rr-2", "chat-1", "chat-2", "probe-cold", "probe-hit", "probe-tier",
+                                  "pair-tier", "pair-hit"}
+        assert m["ttft"]["pair-tier"]["n"] == m["ttft"]["pair-hit"]["n"] == data["probe_pairs"] == 1
         assert m["ttft"]["rr-1"]["n"] == data["docs"] and m["total_s"] > 0
         assert "vllm serve" in m["command"] and "--kv-transfer-config" in m["command"] or m["mode"] == "vllm"
     assert set(data["ratios"]) == {"vllm", "lmcache-cpu"}
     assert data["ratios"]["lmcache-cpu"]["probe_tier_vs_probe_hit"] > 0
+    assert data["ratios"]["lmcache-cpu"]["pairs"] == 1 and data["ratios"]["lmcache-cpu"]["pair_tier_vs_hit_p50"] > 0
     assert data["full_prefill_ttft_p50"] > 0 and data["vllm_prefix_hit_ttft"] > 0
