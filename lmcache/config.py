@@ -286,6 +286,32 @@ class ApproximateReuseConfig:
 
 
 @dataclass
+class VllmOptions:
+    """How the vLLM connector (:mod:`lmcache.plugins.connectors.vllm`) loads and saves; set
+    in the file as ``vllm: {layerwise: true}`` or in ``kv_connector_extra_config`` as
+    ``lmcache.vllm.layerwise``. Other engines ignore it.
+
+    ``layerwise``: load layer by layer in ``wait_for_layer_load`` and save in
+    ``save_kv_layer``. ``async_loads``: ``auto`` loads a hit that reaches below the top
+    tier asynchronously, ``always``, ``never``. ``lookup_wait``: seconds the scheduler
+    waits for the workers' lookup answer in one pass; ``lookup_timeout``: seconds after
+    which an unanswered lookup is a miss. ``load_failure_policy``: ``recompute`` sets
+    vLLM's ``kv_load_failure_policy`` to recompute; ``fail`` keeps vLLM's.
+    """
+
+    layerwise: bool = option(False, check.boolean)
+    async_loads: str = option("auto", check.choice("auto", "always", "never"))
+    lookup_wait: float = option(0.005, check.seconds())
+    lookup_timeout: float = option(1.0, check.seconds())
+    load_failure_policy: str = option("recompute", check.choice("recompute", "fail"))
+
+    def validate(self, source: str | None) -> None:
+        if self.lookup_wait > self.lookup_timeout:
+            raise ConfigError("vllm.lookup_wait", f"must be at most vllm.lookup_timeout ({self.lookup_timeout}), "
+                                                  f"got {self.lookup_wait}", source)
+
+
+@dataclass
 class Config:
     """Validated lmcache configuration. Build it with :func:`load_config`.
 
@@ -315,6 +341,7 @@ class Config:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
     approximate_reuse: ApproximateReuseConfig = field(default_factory=ApproximateReuseConfig)
+    vllm: VllmOptions = field(default_factory=VllmOptions)
     source: str | None = field(default=None, compare=False)
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 

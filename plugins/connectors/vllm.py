@@ -317,10 +317,6 @@ def _release_engine(engine: CacheEngine) -> None:
                 return
 
 
-def _truthy(v: Any) -> bool:
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
-
-
 # --------------------------------------------------------------------------- the connector
 class LMCacheConnector(KVConnectorBase_V1):
     """lmcache as a vLLM v1 KV connector (see the module doc)."""
@@ -331,25 +327,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         except TypeError:  # vLLM < 0.11: (vllm_config, role)
             super().__init__(vllm_config=vllm_config, role=role)  # type: ignore[call-arg]
         extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
-        config_file = extra.pop("lmcache.config_file", None)
-        own = {k[len(CONNECTOR_PREFIX):]: v for k, v in extra.items() if k.startswith(CONNECTOR_PREFIX)}
-        overrides = {
-            k[len("lmcache."):]: v for k, v in extra.items()
-            if k.startswith("lmcache.") and not k.startswith(CONNECTOR_PREFIX)
-        }  # fmt: skip
-        self.layerwise = _truthy(own.pop("layerwise", False))
-        self.async_loads = str(own.pop("async_loads", "auto")).lower()
-        self.lookup_wait = float(own.pop("lookup_wait", 0.005))
-        self.lookup_timeout = float(own.pop("lookup_timeout", 1.0))
-        failure_policy = str(own.pop("load_failure_policy", "recompute")).lower()
-        if own:
-            raise ValueError(f"lmcache: unknown kv_connector_extra_config keys {sorted(CONNECTOR_PREFIX + k for k in own)}")
-        if self.async_loads not in ("auto", "always", "never"):
-            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}async_loads must be auto, always or never, not {self.async_loads!r}")
-        if failure_policy not in ("recompute", "fail"):
-            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}load_failure_policy must be recompute or fail, not {failure_policy!r}")
-        if not (0 <= self.lookup_wait <= self.lookup_timeout):
-            raise ValueError(f"lmcache: {CONNECTOR_PREFIX}lookup_wait must be between 0 and lookup_timeout")
+        config_file, overrides = self._config_overrides(extra)
         pc = vllm_config.parallel_config
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
@@ -364,15 +342,21 @@ class LMCacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # the scheduler opens no tiers: the workers' engines answer its lookups
             self.config: Config = load_config(config_file, **overrides)
-            if failure_policy == "recompute" and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
-                # a cache miss must never fail a request: vLLM reads this after building us
-                self._kv_transfer_config.kv_load_failure_policy = "recompute"
-                log.info("lmcache: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
         else:
             # the engine's lookup service answers the scheduler on this rank's socket
             sock = socket_path(self.instance, self.dp_rank, self.tp_rank)
             self.engine = _acquire_engine(config_file, {**overrides, "lookup_socket": sock}, self.kv_spec)
             self.config = self.engine.config
+        opts = self.config.vllm
+        self.layerwise = opts.layerwise
+        self.async_loads = opts.async_loads
+        self.lookup_wait = opts.lookup_wait
+        self.lookup_timeout = opts.lookup_timeout
+        if role == KVConnectorRole.SCHEDULER and opts.load_failure_policy == "recompute" and \
+                getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            # a cache miss must never fail a request: vLLM reads this after building us
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            log.info("lmcache: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
         self.chunk_size = self.config.chunk_size
         self._tier_sources = [t.backend for t in self.config.tiers]
         #: rotary frequencies when shifted reuse is on (docs/truncation.md, "vLLM"), else None
@@ -403,6 +387,22 @@ class LMCacheConnector(KVConnectorBase_V1):
         if role != KVConnectorRole.SCHEDULER:
             with _LOCAL_LOCK:  # a scheduler in this process asks it directly
                 _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
+
+    @staticmethod
+    def _config_overrides(extra: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """The config file and the overrides that ``kv_connector_extra_config`` names:
+        ``lmcache.config_file``, ``lmcache.<key>`` and ``lmcache.vllm.<key>`` (the ``vllm``
+        section, :class:`lmcache.config.VllmOptions`). Checked by :func:`load_config`, so
+        an unknown key is refused there, named."""
+        config_file = extra.get("lmcache.config_file")
+        own = {k[len(CONNECTOR_PREFIX):]: v for k, v in extra.items() if k.startswith(CONNECTOR_PREFIX)}
+        overrides: dict[str, Any] = {
+            k[len("lmcache."):]: v for k, v in extra.items()
+            if k.startswith("lmcache.") and not k.startswith(CONNECTOR_PREFIX) and k != "lmcache.config_file"
+        }  # fmt: skip
+        if own:
+            overrides["vllm"] = own
+        return config_file, overrides
 
     def _shifted_freqs(self, vllm_config: VllmConfig, role: KVConnectorRole) -> torch.Tensor | None:
         """The model's rotary frequencies if shifted reuse can run under this vLLM, else
