@@ -335,6 +335,8 @@ class Config:
     lookup_pin_timeout: float = option(30.0, check.seconds())
     # a Unix socket where the engine answers lookups from another process (the lookup service)
     lookup_socket: str | None = option(None, check.optional(check.text))
+    # the longest lookup the socket accepts (tokens); a longer frame is refused unread (vLLM: max_model_len)
+    lookup_max_tokens: int = option(1 << 20, check.integer(1))
     kv_spec: KVSpec | None = option(None, check.optional(lambda k, v, s: parse(KVSpec, v, k, s)))
     api: ApiConfig = field(default_factory=ApiConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
