@@ -207,7 +207,7 @@ def run_ours_tier(shape: dict[str, Any], spec: dict[str, Any], tier: str) -> dic
         for r in range(spec["store_rounds"]):
             if r:  # the same chunks again, into memory (and files) freed by a removal
                 engine.flush()
-                engine.admin.clear()
+                engine.admin.clear(all=True)
             t0 = time.perf_counter()
             stored = sum(engine.store(toks[i], kvs[i]).stored_tokens for i in range(prompts))
             engine.flush()
@@ -284,7 +284,7 @@ def run_ours_cpu_over_disk(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(od["threads"])
         for r in range(od["repeats"]):
             if r:  # the previous store's disk writes are done; its chunks removed from both tiers
-                engine.admin.clear()
+                engine.admin.clear(all=True)
                 engine.flush()
             t0 = time.perf_counter()
             stored = engine.store(toks, kv).stored_tokens

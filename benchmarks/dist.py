@@ -289,7 +289,7 @@ def run_p2p(chunks: int, chunk_size: int, layers: int, kv_heads: int, head_size:
             exact = True
             e.print(f"fetching {total / 1e9:.2f} GB over p2p and over raw TCP, {repeats} times ...")
             for _ in range(repeats):  # best of: the first round also pays page faults
-                me.admin.clear()
+                me.admin.clear(all=True)
                 t0 = time.perf_counter()
                 got = me.p2p._fetch_from(url, cks, keys)
                 fetch_s = min(fetch_s, time.perf_counter() - t0)

@@ -239,16 +239,21 @@ def _command(name: str, url: str, token: str | None, timeout: float, as_json: bo
 @app.command("clear")
 def clear(instance: InstanceArg, tier: TierOpt = None, tokens: TokensOpt = None, tokens_file: TokensFileOpt = None,
           key: KeysOpt = None, url: CtlUrlOpt = DEFAULT_URL, token: CtlTokenOpt = None, timeout: TimeoutOpt = 30.0,
+          all_: Annotated[bool, typer.Option("--all", "-a", help="Every entry of every tier.")] = False,
           yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
           as_json: JsonOpt = False) -> None:
-    """Evict an instance's entries: all (of --tier), or only the chunks of --tokens / --key."""
+    """Evict an instance's entries: those of --tier, only the chunks of --tokens / --key, or --all."""
     from ._util import confirm
 
     ids = _parse_tokens(tokens, tokens_file)
+    if ids is None and not key and tier is None and not all_:
+        raise typer.BadParameter("say what to clear: --tier, --tokens, --key or --all",
+                                 param_hint="'--tier' / '--tokens' / '--key' / '--all'")
     if ids is None and not key:
         confirm(f"Evict every entry of {instance}{f' tier {tier}' if tier else ''}?", yes=yes,
                 what=f"clear {instance}")
-    _command("clear", url, token, timeout, as_json, instance=instance, tier=tier, tokens=ids, keys=key or None)
+    _command("clear", url, token, timeout, as_json, instance=instance, tier=tier, tokens=ids, keys=key or None,
+             all=True if all_ else None)
 
 
 @app.command("pin")

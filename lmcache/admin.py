@@ -355,10 +355,18 @@ class Admin:
             skipped += [{"tier": tname, "key": k, "reason": why} for k, why in no]
         return done, skipped
 
-    def clear(self, tier: str | None = None, *, namespace: str | None = None) -> dict[str, Any]:
-        """Empty the tier(s) (of one namespace's entries only, with ``namespace``): drop
-        the pins made through this admin, then evict every entry (entries that a lookup
-        leased or a reader holds stay, reported as skipped)."""
+    def clear(
+        self, tier: str | None = None, *, namespace: str | None = None, all: bool = False  # noqa: A002
+    ) -> dict[str, Any]:
+        """Empty ``tier`` (every tier with ``all=True``; of one namespace's entries only,
+        with ``namespace``): drop the pins made through this admin, then evict every
+        entry (entries that a lookup leased or a reader holds stay, reported as skipped).
+        Nothing selected (no tier, no namespace, ``all`` false) is an :class:`AdminError`:
+        an empty request never means "everything"."""
+        if not isinstance(all, bool):
+            raise AdminError(f"all must be true or false, got {all!r}")
+        if tier is None and namespace is None and not all:
+            raise AdminError("say what to clear: tier, namespace or all: true (an empty selection clears nothing)")
         tiers = self._select(tier)
         names = {t.name for t in tiers}
         match = _matcher(namespace, None)
@@ -431,12 +439,15 @@ class Admin:
 
     # ------------------------------------------------------------ push (p2p)
     def push(self, target: str, *, tokens: Sequence[int] | None = None, keys: Sequence[str] | None = None,
-             tier: str | None = None, target_tier: str | None = None, remove_source: bool | None = False) -> dict[str, Any]:
+             tier: str | None = None, target_tier: str | None = None, remove_source: bool | None = False,
+             namespace: str | None = None) -> dict[str, Any]:
         """Send entries to another instance's peer endpoint (``target``: ``lm://host:port``
         or an instance id): the cached prefix of ``tokens``, or ``keys``, from ``tier``
         (default: whichever tier has them) into the target's ``target_tier``; with
         ``remove_source`` they are then evicted here. Answered when the target stored
-        them (see :meth:`lmcache.engine.CacheEngine.push`)."""
+        them (see :meth:`lmcache.engine.CacheEngine.push`). With ``namespace`` (a
+        tenant's request) the target must be an instance id the controller registered in
+        that namespace: an address is 403, another namespace's instance 404."""
         self._need_live("push")
         engine = self.engine
         if engine.p2p is None:
@@ -453,9 +464,9 @@ class Admin:
         if tier is not None:
             self.tier(tier)
         try:
-            return engine.push(tokens, target, keys=keys, tier=tier, target_tier=target_tier,
-                               remove_source=bool(remove_source))
-        except ValueError as exc:  # an unknown or unresolvable target
+            return engine.p2p.push_prompt(tokens, target, keys=keys, tier=tier, target_tier=target_tier,
+                                          remove_source=bool(remove_source), namespace=namespace)
+        except ValueError as exc:  # an unresolvable target
             raise AdminError(str(exc)) from None
         except BackendError as exc:  # the target refused or did not answer
             err = AdminError(str(exc))

@@ -25,6 +25,9 @@ from .errors import LMCacheError
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
+_LINE = 1024  # a chunk-size or trailer line of a chunked body
+_MAX_TRAILERS = 32
+_HEX = b"0123456789abcdefABCDEF"
 #: connections an HTTP service (instance API, controller) serves at once; one more gets 503
 DEFAULT_MAX_CONNECTIONS = 64
 
@@ -185,24 +188,75 @@ class JSONHandler(BaseHTTPRequestHandler):
             out[k] = v[0]
         return out
 
-    def _body(self, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
+    def _raw_body(self) -> bytes:
+        """The request's body, at most MAX_BODY bytes: ``Content-Length`` bytes, or a
+        ``Transfer-Encoding: chunked`` body decoded (what ``http.client`` sends for an
+        iterable); none of either is an empty body. Both at once is 400, another
+        transfer coding 501, a body over the bound 413 (the rest is not read)."""
         length = self.headers.get("Content-Length")
+        coding = self.headers.get("Transfer-Encoding")
+        if coding is not None:
+            if length is not None:
+                raise HTTPError(400, "request has both Content-Length and Transfer-Encoding; send one")
+            if coding.strip().lower() != "chunked":
+                raise HTTPError(501, f"Transfer-Encoding {coding!r} is not supported; send Content-Length or chunked")
+            self._body_read = True  # read now, or never: the connection closes after the answer
+            return self._read_chunked()
         if length is None:
-            raw = b""
-        else:
-            try:
-                n = int(length)
-            except ValueError:
-                raise HTTPError(400, f"bad Content-Length {length!r}") from None
-            if n < 0:
-                raise HTTPError(400, f"bad Content-Length {length!r}")
-            if n > MAX_BODY:
-                self._body_read = True  # not read: the connection closes after the answer
-                raise HTTPError(413, f"body of {n} bytes is larger than {MAX_BODY} bytes")
-            self._body_read = True
-            raw = self.rfile.read(n)
-            if len(raw) != n:
-                raise HTTPError(400, f"body ended after {len(raw)} of {n} bytes")
+            return b""
+        try:
+            n = int(length)
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length {length!r}") from None
+        if n < 0:
+            raise HTTPError(400, f"bad Content-Length {length!r}")
+        if n > MAX_BODY:
+            self._body_read = True  # not read: the connection closes after the answer
+            raise HTTPError(413, f"body of {n} bytes is larger than {MAX_BODY} bytes")
+        self._body_read = True
+        raw = self.rfile.read(n)
+        if len(raw) != n:
+            raise HTTPError(400, f"body ended after {len(raw)} of {n} bytes")
+        return raw
+
+    def _read_chunked(self) -> bytes:
+        """Decode a chunked body within MAX_BODY bytes (each size line and trailer line
+        within _LINE bytes, at most _MAX_TRAILERS trailers); the whole-request deadline
+        bounds the time."""
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self._line("chunk size line")
+            size_text = line.split(b";", 1)[0].strip()
+            if not size_text or size_text.strip(_HEX):
+                raise HTTPError(400, f"bad chunk size {size_text[:40].decode('latin-1')!r}")
+            size = int(size_text, 16)
+            if size == 0:
+                break
+            total += size
+            if total > MAX_BODY:
+                raise HTTPError(413, f"chunked body is larger than {MAX_BODY} bytes")
+            data = self.rfile.read(size)
+            if len(data) != size:
+                raise HTTPError(400, f"body ended inside a chunk ({len(data)} of {size} bytes)")
+            parts.append(data)
+            if self.rfile.read(2) != b"\r\n":
+                raise HTTPError(400, "chunk not followed by CRLF")
+        for _ in range(_MAX_TRAILERS + 1):
+            if not self._line("trailer line").strip():
+                return b"".join(parts)
+        raise HTTPError(400, f"more than {_MAX_TRAILERS} trailer lines after a chunked body")
+
+    def _line(self, what: str) -> bytes:
+        line = self.rfile.readline(_LINE + 1)
+        if not line.endswith(b"\n"):
+            if len(line) > _LINE:
+                raise HTTPError(400, f"{what} longer than {_LINE} bytes")
+            raise HTTPError(400, f"body ended before the {what} ended")
+        return line
+
+    def _body(self, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
+        raw = self._raw_body()
         self._arrived()
         if not raw.strip():
             body: Any = {}

@@ -23,9 +23,12 @@ registers again, which resets what the controller knew of it, and resends a snap
 Commands (``clear``, ``pin``, ``unpin``, ``compress``, ``decompress``) go to the
 instance's own API with the token the worker registered, and are answered when the
 instance answered. ``move`` tells the source instance (through its API's ``/v1/push``)
-to send the chunks to the destination's peer endpoint (``peer_url``, registered by
-instances with ``p2p.enabled``) and answers when the source answered, i.e. when the
-destination has stored them; the source tier keeps them unless ``remove_source``.
+to send the chunks to the destination instance, named by its id: the source resolves
+it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
+and the endpoint must prove it knows the cluster's peer token and announce that id, so a
+``peer_url`` registered with a tenant token that points elsewhere gets nothing. It
+answers when the source answered, i.e. when the destination has stored them; the
+source tier keeps them unless ``remove_source``.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
          "remove_source": _B},
         ("src_instance", "src_tier", "dst_instance", "dst_tier"),
     ),
-    "/v1/clear": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L}, ("instance",)),
+    "/v1/clear": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L, "all": _B}, ("instance",)),
     "/v1/pin": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L}, ("instance",)),
     "/v1/unpin": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L}, ("instance",)),
     "/v1/compress": ({"instance": _S, "tier": _S, "codec": _S, "tokens": _L, "keys": _L}, ("instance", "tier", "codec")),
@@ -198,7 +201,9 @@ class ControllerServer:
             keys = self.index.keys_for(src, body["tokens"])
         from lmcache.plugins.services.api_client import ApiClient
 
-        req = {"target": dst.peer_url, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
+        # the destination by id, not by the URL it registered: the source resolves it through its own
+        # controller and the endpoint must prove the peer token and announce that id (lmcache.auth)
+        req = {"target": dst.instance_id, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
                "remove_source": bool(body.get("remove_source"))}
         try:
             with ApiClient(src.api_url, src.api_token, self.dispatch_timeout) as api:
@@ -232,6 +237,10 @@ class ControllerServer:
                     raise HTTPError(400, f"field 'keys'[{i}] must be a key string")
             if tenant is not ADMIN:
                 own_keys(tenant, keys)
+        if name == "clear" and body.get("all") and keys is not None:
+            raise HTTPError(400, "all cannot be combined with tokens or keys")
+        if name == "clear" and keys is None and tier is None and not body.get("all"):
+            raise HTTPError(400, "say what to clear: tier, tokens, keys or all: true (an empty selection clears nothing)")
         if name in ("pin", "unpin") and not keys:
             raise HTTPError(400, f"{name} needs the field 'tokens' or 'keys'")
         from lmcache.plugins.services.api_client import ApiClient
@@ -240,7 +249,7 @@ class ControllerServer:
         try:
             if name == "clear":
                 if keys is None:  # a tenant clears its own namespace's entries only
-                    result: Any = api.clear(tier, namespace=tenant)
+                    result: Any = api.clear(tier, namespace=tenant, all=tier is None)
                 elif not keys:
                     result = {"evicted": [], "skipped": [], "bytes": 0, "dry_run": False}
                 else:
@@ -313,7 +322,8 @@ _DOCS = {
     "/v1/lookup": "Which healthy instances hold the longest cached prefix of tokens (or chunk hashes, or keys).",
     "/v1/move": "Copy (or, with remove_source, move) chunks from an instance's tier into another instance's tier "
                  "over the peer protocol; answered when the destination stored them.",
-    "/v1/clear": "Evict an instance's entries (of a tier; of tokens' chunks) through its API.",
+    "/v1/clear": "Evict an instance's entries (of a tier; of tokens' chunks; every entry only with all: true) "
+                 "through its API.",
     "/v1/pin": "Pin the chunks of tokens (or keys) in an instance through its API.",
     "/v1/unpin": "Unpin the chunks of tokens (or keys) in an instance.",
     "/v1/compress": "Re-encode entries of an instance's byte tier with a codec.",

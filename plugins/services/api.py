@@ -8,8 +8,10 @@ Bound to ``127.0.0.1`` by default; ``port: 0`` picks a free port
 ``tenants`` (``{namespace: token}``) adds tokens scoped to one namespace
 (:mod:`lmcache.auth`): with one, ``/v1/keys``, ``/v1/pins`` and ``/v1/tiers`` show that
 namespace's entries only, evict/clear/recode act on them only, a key or namespace of
-another tenant is refused with 403, and ``/v1/stats``, ``/v1/config`` and ``/metrics``
-(which cover every namespace) need the admin token.
+another tenant is refused with 403, ``/v1/push`` takes as ``target`` only an instance id
+that the controller registered in the tenant's namespace (an ``lm://`` address is 403:
+a request never chooses where this instance connects), and ``/v1/stats``,
+``/v1/config`` and ``/metrics`` (which cover every namespace) need the admin token.
 
 =======  ================  ==================================================
 method   path              what
@@ -21,7 +23,7 @@ GET      /v1/config        effective config and the source of each value
 GET      /v1/keys          entries, paged: ``?tier=&namespace=&model=&offset=&limit=``
 GET      /v1/pins          the pins made through the API
 POST     /v1/evict         ``{tier, keys | bytes | older_than | all, namespace, model, dry_run}``
-POST     /v1/clear         ``{tier, namespace}``: every entry (of the tier, of the namespace), pins dropped
+POST     /v1/clear         ``{tier, namespace, all}``: every entry (of the tier, of the namespace; of every tier with ``all: true``), pins dropped; ``{}`` is 400
 POST     /v1/pin           ``{key, tier}``
 POST     /v1/unpin         ``{key, tier}``
 POST     /v1/recode        ``{tier, codec, keys, namespace, model, dry_run}``: re-encode in place
@@ -70,7 +72,7 @@ _EVICT_FIELDS = {
 }
 _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/evict": (_EVICT_FIELDS, ()),
-    "/v1/clear": ({"tier": (str,), "namespace": (str,)}, ()),
+    "/v1/clear": ({"tier": (str,), "namespace": (str,), "all": (bool,)}, ()),
     "/v1/pin": ({"key": (str,), "tier": (str,)}, ("key",)),
     "/v1/unpin": ({"key": (str,), "tier": (str,)}, ("key",)),
     "/v1/recode": (
@@ -198,7 +200,7 @@ class ApiServer:
                 body["all"] = False
             return a.evict(tier, dry_run=dry_run, **body)
         if path == "/v1/clear":
-            return a.clear(body.get("tier"), namespace=body.get("namespace"))
+            return a.clear(body.get("tier"), namespace=body.get("namespace"), all=bool(body.get("all")))
         if path == "/v1/pin":
             return a.pin(body["key"], body.get("tier"))
         if path == "/v1/unpin":
@@ -206,9 +208,9 @@ class ApiServer:
         if path == "/v1/recode":
             body = dict(body)
             return a.recode(body.pop("tier"), body.pop("codec"), **body)
-        if path == "/v1/push":
+        if path == "/v1/push":  # a tenant pushes to its namespace's registered instances only
             body = dict(body)
-            return a.push(body.pop("target"), **body)
+            return a.push(body.pop("target"), **body, namespace=None if tenant is ADMIN else tenant)
         raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
 
 
@@ -255,7 +257,8 @@ def _scoped_body(path: str, body: dict[str, Any], tenant: str, admin: Admin) -> 
     if path in ("/v1/pin", "/v1/unpin"):
         _own_keys(tenant, body["key"], "key")
     elif path == "/v1/clear":
-        body["namespace"] = _narrow(tenant, body.get("namespace"))
+        if body.get("tier") is not None or body.get("namespace") is not None or body.get("all"):
+            body["namespace"] = _narrow(tenant, body.get("namespace"))  # nothing selected stays a 400
     elif path == "/v1/evict":
         if body.get("keys") is not None:
             _own_keys(tenant, body["keys"], "keys")

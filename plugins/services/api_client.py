@@ -163,8 +163,10 @@ class ApiClient:
             skipped += r["skipped"]
         return done, skipped
 
-    def clear(self, tier: str | None = None, *, namespace: str | None = None) -> dict[str, Any]:
-        body = {"tier": tier, "namespace": namespace}
+    def clear(self, tier: str | None = None, *, namespace: str | None = None, all: bool = False) -> dict[str, Any]:  # noqa: A002
+        """``POST /v1/clear``: ``all=True`` is sent as ``all: true`` (the API clears
+        nothing on an empty selection)."""
+        body = {"tier": tier, "namespace": namespace, "all": True if all else None}
         return self.request("POST", "/v1/clear", body={k: v for k, v in body.items() if v is not None})
 
     def pin(self, key: str, tier: str | None = None) -> dict[str, Any]:

@@ -202,6 +202,9 @@ def test_wrong_or_missing_token_is_401(cluster):
     ("/v1/clear", {"tier": "cpu"}, 400, "'instance' is required"),
     ("/v1/clear", {"instance": "nope"}, 404, "unknown instance 'nope'"),
     ("/v1/clear", {"instance": "eng-a", "tier": "tape"}, 404, "no tier 'tape'"),
+    ("/v1/clear", {"instance": "eng-a"}, 400, "say what to clear: tier, tokens, keys or all: true"),
+    ("/v1/clear", {"instance": "eng-a", "all": False}, 400, "say what to clear"),
+    ("/v1/clear", {"instance": "eng-a", "all": True, "keys": ["k"]}, 400, "all cannot be combined"),
     ("/v1/pin", {"instance": "eng-a"}, 400, "'tokens' or 'keys'"),
     ("/v1/compress", {"instance": "eng-a", "tier": "disk"}, 400, "'codec' is required"),
     ("/v1/events", {"instance_id": "eng-a", "session": "forged", "events": []}, 404, "register again"),
@@ -414,7 +417,7 @@ def test_hierarchy_listener_reports_admits_and_evictions():
                                                  ("admit", keys[2])]
         assert sorted(engine.hierarchy.tiers[0].key_list()) == sorted(keys[1:])
         engine.hierarchy.set_listener(None)
-        engine.admin.clear()
+        engine.admin.clear(all=True)
         assert len(seen) == 4
 
 

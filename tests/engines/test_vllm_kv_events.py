@@ -123,7 +123,7 @@ def test_vllm_decoder_reads_our_events(tmp_path, ctx, fmt):
             ]
             assert all(x.lora_id is None and x.lora_name is None for x in stored(evs, medium))
         n = len(evs)
-        e.admin.clear()
+        e.admin.clear(all=True)
         evs = sub.until(lambda ev: any(isinstance(x, AllBlocksCleared) for x in ev[n:]), decoder)
         tail = evs[n:]
         end = next(i for i, x in enumerate(tail) if isinstance(x, AllBlocksCleared))

@@ -199,7 +199,7 @@ def test_a_tenant_token_reaches_its_own_namespace_only_through_the_instance_api(
         assert status == 200 and pins == []
         status, ev = http(url + "/v1/evict", "POST", {"all": True, "dry_run": True}, token="tok-t2")
         assert status == 200 and {_ns_of(v["key"]) for v in ev["evicted"]} == {"t2"}
-        status, cl = http(url + "/v1/clear", "POST", {}, token="tok-t2")
+        status, cl = http(url + "/v1/clear", "POST", {"all": True}, token="tok-t2")
         assert status == 200, cl
         assert sorted(v["key"] for v in cl["evicted"]) == sorted(t2_keys)
         assert keys_seen(ADMIN_TOKEN) == sorted(t1_keys)
@@ -343,7 +343,7 @@ def test_a_tenant_token_reaches_its_own_namespace_only_through_the_controller(fr
             assert status == 200 and len(res["result"]["recoded"]) == 2, res
 
             # a clear with t2's token, dispatched to t2's instance over the shared store: t2's entries only
-            status, cl = http(ctl.url + "/v1/clear", "POST", {"instance": "t2-inst"}, token="tok-t2")
+            status, cl = http(ctl.url + "/v1/clear", "POST", {"instance": "t2-inst", "all": True}, token="tok-t2")
             assert status == 200, cl
             assert len(cl["result"]["evicted"]) == 2
             assert all(_ns_of(v["key"]) == "t2" for v in cl["result"]["evicted"])

@@ -97,7 +97,7 @@ def test_evict_pin_unpin_clear(engine):
     status, res = call(url, "/v1/evict", {"tier": "cpu", "bytes": "4KiB"})
     assert len(res["evicted"]) == 1 and engine.stats()["tiers"]["cpu"]["evictions"] == 1
     assert call(url, "/v1/unpin", {"key": key, "tier": "cpu"})[1]["unpinned"] == ["cpu"]
-    status, res = call(url, "/v1/clear", {})
+    status, res = call(url, "/v1/clear", {"all": True})
     assert status == 200 and len(res["evicted"]) == 3 + 4 and res["skipped"] == []
     assert engine.stats()["tiers"]["disk"]["entries"] == 0
 

@@ -189,7 +189,7 @@ def test_evict_and_clear(tmp_path, ctx):
         back = stored(evs[n:], "cpu")
         assert hashes(back) == want and [t for b in back for t in b["token_ids"]] == toks
         n = len(evs)
-        result = e.admin.clear()
+        result = e.admin.clear(all=True)
         assert not result["skipped"]
         evs = r.wait(lambda ev: any(x["type"] == "AllBlocksCleared" for x in ev[n:]))
         tail = evs[n:]
@@ -297,7 +297,7 @@ def test_bind_failure_disables_once_and_engine_works(ctx, caplog):
                 toks = list(range(8))
                 e.store(toks, kv_for(8))
                 assert e.retrieve(toks).num_tokens == 8
-                e.admin.clear()
+                e.admin.clear(all=True)
                 assert e.stats()["kv_events"]["enabled"] is False
         warnings = [r for r in caplog.records if r.name == "lmcache.plugins.services.kv_events"]
         assert len(warnings) == 1 and "kv events disabled" in warnings[0].getMessage()
