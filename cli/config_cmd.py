@@ -1,7 +1,8 @@
-"""``lmcache config show`` and ``lmcache config validate``."""
+"""``lmcache config show``, ``lmcache config validate`` and ``lmcache config convert``."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,8 @@ from lmcache.units import format_size
 from ._target import DEFAULT_TIMEOUT, JsonOpt, TimeoutOpt, TokenOpt, UrlOpt, config_path, open_target
 from ._util import note, out, print_json
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show the effective config, or check a config file.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Show the effective config, check a config file, or convert an LMCache one.")
 
 _SIZE_KEYS = {"capacity", "memory_pool_size", "staging_size"}
 
@@ -32,6 +34,8 @@ def _fmt(key: str, value: Any) -> str:
 
 
 def _source(src: str) -> str:
+    if ", " in src:  # tiers made from several LMCache keys
+        return ", ".join(_source(part) for part in src.split(", "))
     kind, _, detail = src.partition(":")
     if kind == "file":  # the file is named above the table
         return "file"
@@ -131,3 +135,70 @@ def validate(
         return
     desc = ", ".join(f"{t['name']} ({t['backend']}, {format_size(t['capacity'])})" for t in tiers)
     out().print(escape(f"{file}: valid; tiers: {desc}"))
+
+
+def _size(n: int) -> str | int:
+    """A capacity as the shortest exact size string (``5GiB``), else bytes."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return n
+
+
+def converted(cfg: Any) -> dict[str, Any]:
+    """The keys ``cfg`` got from its sources (not its defaults), in our format: what
+    ``lmcache config convert`` writes. Tiers keep only what differs from a tier's defaults."""
+    values = cfg.to_dict()
+    out_: dict[str, Any] = {}
+    for path in cfg.sources:
+        head, _, sub = path.partition(".")
+        if head == "tiers":
+            out_["tiers"] = [
+                {k: _size(v) if k == "capacity" else v for k, v in t.items()
+                 if (k, v) not in (("codec", "raw"), ("policy", "lru"), ("name", t["backend"]))}
+                for t in values["tiers"]
+            ]
+        elif sub:
+            out_.setdefault(head, {})[sub] = values[head][sub]
+        elif head in values:
+            out_[head] = values[head]
+    return out_
+
+
+@app.command("convert")
+def convert(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="An LMCache (LMCache/LMCache) YAML config file.",
+                                         show_default=False)],
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", metavar="OUT", show_default=False,
+                     help="Write the converted config here (default: stdout)."),
+    ] = None,
+) -> None:
+    """Translate an LMCache config file (local_cpu, max_local_cpu_size, remote_url, ...) into lmcache's format (YAML).
+
+    The file is read on its own (LMCACHE_<KEY> environment variables are not applied) and checked as load_config checks it. Keys that have no effect here are listed on stderr, one per line. The output loads to the same config. See docs/migrating.md.
+    """
+    import logging
+
+    import yaml
+
+    from lmcache.config import _read_yaml, load_config
+    from lmcache.upstream import no_effect_keys
+
+    quiet = logging.getLogger("lmcache.config")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the no-effect keys are listed below, once
+    try:
+        cfg = load_config(file, environ={})
+    finally:
+        quiet.setLevel(level)
+    text = f"# converted from {file} by `lmcache config convert`\n" + yaml.safe_dump(
+        converted(cfg), sort_keys=False, default_flow_style=False)
+    for key, why in no_effect_keys(_read_yaml(file)).items():
+        note(f"no effect here: {key} ({why})")
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.write_text(text, encoding="utf-8")
+        note(f"wrote {output}")

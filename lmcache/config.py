@@ -24,16 +24,19 @@ from urllib.parse import urlsplit
 import yaml
 
 from . import settings as check
+from . import upstream
 from .auth import parse_tenants
 from .errors import ConfigError
 from .settings import copy, env_values, keys, mask, option, parse, section_type, show, touched
 
-# Environment variables with the LMCACHE_ prefix that are not config keys.
+# Environment variables with the LMCACHE_ prefix that are not config keys (LMCache's own
+# variables, LMCACHE_LOCAL_CPU and the like, are read by lmcache.upstream).
 _ENV_NOT_KEYS = {
     "LMCACHE_CONFIG_FILE", "LMCACHE_DEBUG", "LMCACHE_PLUGINS", "LMCACHE_DISABLED_PLUGINS",
     "LMCACHE_DISABLE_PLUGIN_AUTOLOAD", "LMCACHE_LOG_LEVEL", "LMCACHE_MODEL_CACHE",
     "LMCACHE_API_URL",  # the CLI's --url
-    "LMCACHE_CONTROLLER_URL",  # `lmcache controller --url`, not controller.url: no engine registers by accident
+    # `lmcache controller --url`, not controller.url (nor LMCache's old controller_url): no engine registers by accident
+    "LMCACHE_CONTROLLER_URL",
 }
 
 
@@ -427,8 +430,14 @@ def load_config(
     ``LMCACHE_CONFIG_FILE`` names the file, if set). Environment variables
     ``LMCACHE_<KEY>`` override it (and a secret's own variable, ``LMCACHE_API_TOKEN``,
     taken verbatim) and keyword ``overrides`` override both.
+
+    Every source also takes LMCache's vocabulary (``local_cpu``, ``max_local_cpu_size``,
+    ``remote_url``, ... in the file, ``LMCACHE_LOCAL_CPU=True`` in the environment,
+    ``local_cpu=True`` as an override), translated by :mod:`lmcache.upstream`; the same
+    thing set in both vocabularies is a ConfigError naming both keys.
     """
     environ = os.environ if environ is None else environ
+    layers: list[tuple[Mapping[str, Any], str | None, str]] = []
     if isinstance(source, Config):
         cfg = copy(source)
     else:
@@ -436,21 +445,34 @@ def load_config(
         if source is None and environ.get("LMCACHE_CONFIG_FILE"):
             source = environ["LMCACHE_CONFIG_FILE"]
         if isinstance(source, Mapping):
-            cfg = _apply(cfg, source, None, "mapping")
+            layers.append((source, None, "mapping"))
         elif source is not None:
             path = Path(source)
             cfg.source = str(path)
-            cfg = _apply(cfg, _read_yaml(path), str(path), f"file:{path}")
-    for var, data in env_values(type(cfg), environ, not_keys=_ENV_NOT_KEYS):
+            layers.append((_read_yaml(path), str(path), f"file:{path}"))
+    theirs: dict[str, upstream.Setting] = {}
+    ours = keys(Config)
+    for data, src, origin in layers:
+        own, up = upstream.split(data, ours)
+        cfg = _apply(cfg, own, src, origin)
+        theirs.update({k: upstream.Setting(v, origin, src) for k, v in up.items()})
+    for var, data in env_values(type(cfg), environ, not_keys=_ENV_NOT_KEYS | upstream.env_names(environ)):
         cfg = _apply(cfg, data, f"${var}", f"env:{var}")
-    cfg = _apply(cfg, overrides, None, "override")
-    _check_memory(cfg)
+    theirs.update(upstream.env_settings(environ, skip=_ENV_NOT_KEYS))
+    own, up = upstream.split(overrides, ours)
+    cfg = _apply(cfg, own, None, "override")
+    theirs.update({k: upstream.Setting(v, "override", None) for k, v in up.items()})
+    translation = upstream.translate(theirs, cfg.sources, environ)
+    for fragment, origin, src in translation.parts:
+        cfg = _apply(cfg, fragment, src, origin)
+    _check_memory(cfg, translation.names)
     return cfg
 
 
-def _check_memory(cfg: Config) -> None:
+def _check_memory(cfg: Config, names: Mapping[str, tuple[str, str | None]] | None = None) -> None:
     """The host memory pool must fit in this machine's memory: a CPU tier of 1 TiB passes
-    every field check and then fails deep inside torch, naming no key."""
+    every field check and then fails deep inside torch, naming no key. ``names``: the
+    LMCache key (and source) that set a tier's capacity, named instead of ours."""
     total = _physical_memory()
     if not total:
         return
@@ -463,5 +485,6 @@ def _check_memory(cfg: Config) -> None:
         else:
             cpu = [i for i, t in enumerate(cfg.tiers) if t.backend == "cpu"]
             key = f"tiers[{cpu[0]}].capacity" if len(cpu) == 1 else "tiers"
+        key, source = (names or {}).get(key, (key, cfg.source))
         raise ConfigError(key, f"the memory pool would need {format_size(need)}, more than this machine has "
-                               f"({format_size(total)})", cfg.source)
+                               f"({format_size(total)})", source)
