@@ -453,7 +453,7 @@ def load_config(
     theirs: dict[str, upstream.Setting] = {}
     ours = keys(Config)
     for data, src, origin in layers:
-        own, up = upstream.split(data, ours)
+        own, up = upstream.split(data, ours, src)
         cfg = _apply(cfg, own, src, origin)
         theirs.update({k: upstream.Setting(v, origin, src) for k, v in up.items()})
     for var, data in env_values(type(cfg), environ, not_keys=_ENV_NOT_KEYS | upstream.env_names(environ)):

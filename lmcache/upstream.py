@@ -19,6 +19,7 @@ ours, with our defaults. Setting one thing in both vocabularies (``tiers`` and
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import threading
@@ -177,16 +178,22 @@ def warn_once(key: str, message: str) -> None:
 
 
 # ------------------------------------------------------------------ picking the keys out of a source
-def split(data: Mapping[Any, Any], ours: Collection[str]) -> tuple[dict[Any, Any], dict[str, Any]]:
-    """``data`` as ``(our keys and unknown ones, upstream keys with aliases resolved)``;
-    an unknown key stays with ours, so that our parser refuses it, named."""
+def split(data: Mapping[Any, Any], ours: Collection[str],
+          src: str | None = None) -> tuple[dict[Any, Any], dict[str, Any]]:
+    """``data`` as ``(our keys and unknown ones, upstream keys with aliases resolved)``.
+    An unknown key close to an upstream key (``local_cpus``) is a ConfigError naming it
+    with the hint; other unknown keys stay with ours, so that our parser refuses them."""
     own: dict[Any, Any] = {}
     theirs: dict[str, Any] = {}
     for k, v in data.items():
         if isinstance(k, str) and k not in ours and k in KEYS:
             theirs[ALIASES.get(k, k)] = v
-        else:
-            own[k] = v
+            continue
+        if isinstance(k, str) and k not in ours:
+            hint = difflib.get_close_matches(k, [*ours, *sorted(KEYS)], n=1)
+            if hint and hint[0] in KEYS:
+                raise ConfigError(k, f"unknown key; did you mean '{hint[0]}' (LMCache's)?", src)
+        own[k] = v
     return own, theirs
 
 

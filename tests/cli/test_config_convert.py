@@ -1,0 +1,83 @@
+"""``lmcache config convert`` and ``lmcache config show`` with LMCache's vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from lmcache import upstream
+from lmcache.cli.main import app
+from lmcache.config import load_config
+
+runner = CliRunner()
+
+UPSTREAM = """\
+chunk_size: 256
+local_cpu: True
+max_local_cpu_size: 1.5
+local_disk: "file://{disk}/"
+max_local_disk_size: 2
+remote_url: "lm://localhost:65432"
+remote_serde: "cachegen"
+use_layerwise: true
+enable_controller: true
+controller_pull_url: "localhost:8300"
+controller_reply_url: "localhost:8400"
+lmcache_instance_id: pod-1
+enable_nixl: True
+extra_config: {{use_odirect: false, lookup_backoff_time: 0.001}}
+"""
+
+
+def _same(a, b) -> None:
+    assert [(t.backend, t.name, t.capacity, t.codec, t.policy, t.options) for t in a.tiers] == \
+        [(t.backend, t.name, t.capacity, t.codec, t.policy, t.options) for t in b.tiers]
+    assert (a.chunk_size, a.vllm, a.controller) == (b.chunk_size, b.vllm, b.controller)
+
+
+def test_convert_writes_our_format_and_lists_no_effect_keys(tmp_path):
+    upstream._warned.clear()
+    src = tmp_path / "lmcache-upstream.yaml"
+    src.write_text(UPSTREAM.format(disk=tmp_path / "disk"))
+    result = runner.invoke(app, ["config", "convert", str(src)])
+    assert result.exit_code == 0, result.output
+    assert "local_cpu" not in result.stdout and "tiers:" in result.stdout
+    assert sorted(result.stderr.splitlines()) == sorted([
+        "lmcache: no effect here: enable_nixl (" + upstream.NO_EFFECT["enable_nixl"] + ")",
+        "lmcache: no effect here: controller_reply_url (" + upstream.NO_EFFECT["controller_reply_url"] + ")",
+        "lmcache: no effect here: extra_config.lookup_backoff_time (" + upstream._EXTRA_WHY + ")",
+    ])
+    out = tmp_path / "ours.yaml"
+    out.write_text(result.stdout)
+    _same(load_config(out, environ={}), load_config(src, environ={}))
+
+    written = tmp_path / "written.yaml"
+    again = runner.invoke(app, ["config", "convert", str(src), "-o", str(written)])
+    assert again.exit_code == 0 and again.stdout == "" and written.read_text() == result.stdout
+    valid = runner.invoke(app, ["config", "validate", str(written)])
+    assert valid.exit_code == 0 and "valid" in valid.stdout
+
+
+def test_convert_refuses_a_bad_file_in_one_line(tmp_path):
+    src = tmp_path / "bad.yaml"
+    src.write_text('remote_url: "infinistore://127.0.0.1:12345"\n')
+    result = runner.invoke(app, ["config", "convert", str(src)])
+    assert result.exit_code == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "remote_url" in lines[0] and "infinistore" in lines[0]
+
+
+def test_show_takes_upstream_file_and_env(tmp_path, monkeypatch):
+    src = tmp_path / "lmcache-upstream.yaml"
+    src.write_text("local_cpu: true\nuse_layerwise: true\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(src))
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "1.5")
+    monkeypatch.delenv("LMCACHE_API_URL", raising=False)
+    result = runner.invoke(app, ["config", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["values"]["tiers"][0]["capacity"] == 3 << 29 and report["values"]["vllm"]["layerwise"] is True
+    assert report["sources"]["tiers"] == f"file:{src}, env:LMCACHE_MAX_LOCAL_CPU_SIZE"
+    table = runner.invoke(app, ["config", "show"])
+    assert table.exit_code == 0 and "env (LMCACHE_MAX_LOCAL_CPU_SIZE)" in table.stdout
