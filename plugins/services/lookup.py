@@ -34,6 +34,14 @@ names). Lookup flag 2 asks for shifted reuse past the exact prefix (``approximat
 docs/truncation.md): the hit then counts the tokens the content index covers without a
 gap after it, and the tier bytes stay those of the exact chunks (so the exact part is
 ``min(hit, chunks * chunk_size)``; only it is pinned). The socket is created mode 0600 in a directory only its user can enter.
+
+Bounds (a peer is not trusted to behave): a peer of another uid (``SO_PEERCRED``) is
+refused unread; a frame over ``lookup_max_tokens`` (vLLM: ``max_model_len``) is refused from
+its header; a body is received into one buffer, handed to the engine as a ``uint32`` view.
+A connection idle ``idle_timeout``, or slower than ``frame_timeout`` with a frame or reply,
+is closed; one process holds at most ``max_per_peer`` of the ``max_connections`` slots, and
+with all taken a new connection closes the one idle the longest, so idle connections never
+starve the scheduler, whose client reconnects quietly (and by itself before ``IDLE_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LookupChannel", "LookupServer", "LookupClient", "LookupReply", "socket_path", "MAX_TOKENS"]
@@ -61,8 +71,10 @@ HIT = struct.Struct("<Q")
 OP_LOOKUP, OP_RELEASE, OP_HELLO = 1, 2, 3
 FLAG_PIN, FLAG_SHIFTED = 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
-#: the longest prompt a lookup may carry (vLLM's max_model_len is far below)
+#: the longest lookup a client sends; a server accepts at most its ``lookup_max_tokens``
 MAX_TOKENS = 1 << 24
+#: seconds a server keeps a connection that sends no frame; a client reconnects after half
+IDLE_TIMEOUT = 60.0
 
 
 def socket_dir() -> str:
@@ -78,14 +90,39 @@ def socket_path(instance: str, dp_rank: int, tp_rank: int) -> str:
     return os.path.join(socket_dir(), f"vllm-{safe}-dp{dp_rank}-tp{tp_rank}.sock")
 
 
+class _Closed(ConnectionError):
+    """The peer closed the connection (end of stream)."""
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Fill ``view`` from ``sock``: :class:`_Closed` at end of stream, ``TimeoutError`` once
+    ``deadline`` (``time.monotonic``; ``None``: none) has passed."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("lookup frame deadline passed")
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise _Closed("lookup channel closed")
+        got += n
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("lookup channel closed")
-        buf += part
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), None)
     return bytes(buf)
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of a Unix socket's peer; ``(-1, our uid)`` without ``SO_PEERCRED``."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return -1, os.getuid()
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
+    return pid, uid
 
 
 @dataclass
@@ -102,24 +139,40 @@ class LookupReply:
 
 
 # ------------------------------------------------------------------ worker side
-class LookupServer:
-    """Answers lookups for one worker's cache engine on a Unix socket.
+@dataclass(eq=False)
+class _Conn:
+    """One accepted connection: its peer's pid, and since when it waits for a frame
+    (``None`` while one is read or answered: it cannot be closed to make room then)."""
 
-    ``lookup(tokens, pin) -> (hit_tokens, tier_indexes)`` and ``release(tokens)`` are the
-    engine calls; ``info()`` is the HELLO reply. Runs on daemon threads; :meth:`close`
-    stops them and removes the socket.
-    """
+    sock: socket.socket
+    pid: int
+    idle_since: float | None
+    evicted: bool = False
+
+
+class LookupServer:
+    """Answers lookups for one worker's cache engine on a Unix socket, on daemon threads.
+
+    ``lookup(tokens, pin, shifted) -> (hit_tokens, tier_indexes)`` and ``release(tokens)``
+    are the engine calls (``tokens``: a ``uint32`` numpy array), ``info()`` the HELLO reply;
+    ``max_tokens`` and the class attributes are the bounds of the module docstring."""
 
     max_connections = 16
+    max_per_peer = 4
+    idle_timeout = IDLE_TIMEOUT
+    frame_timeout = 5.0
 
-    def __init__(self, path: str, lookup: Callable[[list[int], bool, bool], tuple[int, Sequence[int]]],
-                 release: Callable[[list[int]], None], info: Callable[[], dict[str, Any]]):
+    def __init__(self, path: str, lookup: Callable[[Any, bool, bool], tuple[int, Sequence[int]]],
+                 release: Callable[[Any], None], info: Callable[[], dict[str, Any]], *,
+                 max_tokens: int = 1 << 20):
         self.path = path
+        self.max_tokens = max_tokens
         self._lookup, self._release, self._info = lookup, release, info
         self._closed = False
-        self._conns: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
-        self.stats = {"lookups": 0, "releases": 0, "errors": 0, "hit_tokens": 0}
+        self.stats = {"lookups": 0, "releases": 0, "errors": 0, "hit_tokens": 0,
+                      "refused": 0, "evicted": 0, "idle_closed": 0}
         try:
             os.unlink(path)  # a socket left by a killed worker of the same name
         except FileNotFoundError:
@@ -134,56 +187,138 @@ class LookupServer:
         self._thread = threading.Thread(target=self._accept, name="lmcache-vllm-lookup", daemon=True)
         self._thread.start()
 
+    @property
+    def connections(self) -> int:
+        """Connections held now."""
+        with self._lock:
+            return len(self._conns)
+
     def _accept(self) -> None:
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
-                if self._closed or len(self._conns) >= self.max_connections:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="lmcache-vllm-lookup-conn", daemon=True).start()
+            c = self._admit(conn)
+            if c is not None:
+                threading.Thread(target=self._serve, args=(c,), name="lmcache-vllm-lookup-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket) -> _Conn | None:
+        """A slot for a new connection, or ``None`` (it is closed, with one log line): a
+        peer of another uid, a process at ``max_per_peer``, or every slot busy with a frame.
+        With every slot taken, the connection idle the longest is closed to make room."""
+        try:
+            pid, uid = _peer(conn)
+        except OSError:
+            conn.close()
+            return None
+        why, victim = None, None
+        with self._lock:
+            if self._closed:
+                why = "closing"
+            elif uid != os.getuid():
+                why = f"peer uid {uid} is not this process's uid {os.getuid()}"
+            elif pid >= 0 and sum(c.pid == pid for c in self._conns) >= self.max_per_peer:
+                why = f"process {pid} already holds {self.max_per_peer} connections"
+            elif len(self._conns) >= self.max_connections:
+                idle = [c for c in self._conns if c.idle_since is not None]
+                if not idle:
+                    why = f"all {self.max_connections} connections are busy"
+                else:
+                    victim = min(idle, key=lambda c: c.idle_since or 0.0)
+                    victim.evicted = True
+                    self._conns.discard(victim)
+                    self.stats["evicted"] += 1
+            if why is None:
+                c = _Conn(conn, pid, time.monotonic())
+                self._conns.add(c)
+            else:
+                self.stats["refused"] += 1
+        if victim is not None:
+            log.debug("lmcache: lookup connection of process %d closed to make room (idle the longest)", victim.pid)
+            _shut(victim.sock)
+        if why is not None:
+            log.warning("lmcache: lookup connection refused: %s", why)
+            conn.close()
+            return None
+        return c
+
+    def _busy(self, c: _Conn, busy: bool) -> bool:
+        """Mark ``c`` reading/answering a frame (``busy``) or waiting for one; ``False`` if
+        it was closed to make room meanwhile (the frame is then dropped unanswered)."""
+        with self._lock:
+            if c.evicted:
+                return False
+            c.idle_since = None if busy else time.monotonic()
+            return True
+
+    def _serve(self, c: _Conn) -> None:
+        conn = c.sock
+        head = bytearray(HEADER.size)
         try:
             while not self._closed:
-                magic, version, op, flags, count, seq = HEADER.unpack(_recv_exact(conn, HEADER.size))
-                if magic != MAGIC or version != VERSION or op not in (OP_LOOKUP, OP_RELEASE, OP_HELLO):
-                    raise ValueError(f"bad lookup frame (magic {magic!r}, version {version}, op {op})")
-                if count > MAX_TOKENS:
-                    raise ValueError(f"lookup of {count} tokens (limit {MAX_TOKENS})")
-                tokens = array("I")
-                if count:
-                    tokens.frombytes(_recv_exact(conn, 4 * count))
+                try:
+                    _recv_into(conn, memoryview(head), time.monotonic() + self.idle_timeout)
+                except TimeoutError:
+                    self.stats["idle_closed"] += 1
+                    log.debug("lmcache: closing a lookup connection idle for %.0f s", self.idle_timeout)
+                    return
+                if not self._busy(c, True):
+                    return
+                deadline = time.monotonic() + self.frame_timeout
+                tokens = self._body(conn, head, deadline)
+                if tokens is None:
+                    return
+                magic, version, op, flags, count, seq = HEADER.unpack(head)
+                conn.settimeout(self.frame_timeout)  # a reply the peer does not take is dropped
                 if op == OP_RELEASE:
                     self.stats["releases"] += 1
-                    self._safe(lambda: self._release(tokens.tolist()))
-                    continue
-                if op == OP_HELLO:
+                    self._safe(lambda: self._release(tokens))
+                elif op == OP_HELLO:
                     body = json.dumps(self._info()).encode()
                     conn.sendall(HEADER.pack(MAGIC, VERSION, op, STATUS_OK, 0, seq) + HIT.pack(len(body)) + body)
-                    continue
-                self.stats["lookups"] += 1
-                try:
-                    hit, tiers = self._lookup(tokens.tolist(), bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED))
-                    status = STATUS_OK
-                except Exception:
-                    log.exception("lmcache: lookup for the vLLM scheduler failed; answering a miss")
-                    self.stats["errors"] += 1
-                    hit, tiers, status = 0, (), STATUS_ERROR
-                self.stats["hit_tokens"] += hit
-                conn.sendall(HEADER.pack(MAGIC, VERSION, op, status, len(tiers), seq) + HIT.pack(hit) + bytes(tiers))
-        except (ConnectionError, OSError):
+                else:
+                    hit, tiers, status = self._answer(tokens, flags)
+                    conn.sendall(HEADER.pack(MAGIC, VERSION, op, status, len(tiers), seq) + HIT.pack(hit) + bytes(tiers))
+                if not self._busy(c, False):
+                    return
+        except _Closed:
             pass
-        except Exception as exc:
-            log.warning("lmcache: dropping a lookup connection: %s", exc)
+        except Exception as exc:  # a reset, a frame or reply past frame_timeout, a failed HELLO
+            if not c.evicted and not self._closed:
+                log.warning("lmcache: dropping a lookup connection of process %d: %s", c.pid, exc or "timed out")
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(c)
             conn.close()
+
+    def _body(self, conn: socket.socket, head: bytearray, deadline: float) -> np.ndarray | None:
+        """The token ids of the frame whose header is ``head``, received into one buffer
+        (``None``, with one log line, for a bad header or one over ``max_tokens``: its
+        body is never read)."""
+        magic, version, op, _flags, count, _seq = HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or op not in (OP_LOOKUP, OP_RELEASE, OP_HELLO):
+            log.warning("lmcache: bad lookup frame (magic %r, version %d, op %d); closing", magic, version, op)
+            return None
+        if count > self.max_tokens:
+            log.warning("lmcache: lookup of %d tokens refused (lookup_max_tokens %d); closing", count, self.max_tokens)
+            return None
+        body = bytearray(4 * count)
+        if count:
+            _recv_into(conn, memoryview(body), deadline)
+        return np.frombuffer(body, dtype="<u4")
+
+    def _answer(self, tokens: np.ndarray, flags: int) -> tuple[int, Sequence[int], int]:
+        self.stats["lookups"] += 1
+        try:
+            hit, tiers = self._lookup(tokens, bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED))
+            status = STATUS_OK
+        except Exception:
+            log.exception("lmcache: lookup for the vLLM scheduler failed; answering a miss")
+            self.stats["errors"] += 1
+            hit, tiers, status = 0, (), STATUS_ERROR
+        self.stats["hit_tokens"] += hit
+        return hit, tiers, status
 
     def _safe(self, fn: Callable[[], None]) -> None:
         try:
@@ -196,23 +331,25 @@ class LookupServer:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self._sock)
         self._sock.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
+            _shut(c.sock)
+            c.sock.close()
         try:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways (which wakes a thread blocked on it); gone already is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 # ------------------------------------------------------------------ scheduler side
@@ -223,15 +360,21 @@ class _Rank:
         self.path = path
         self.client = client
         self.sock: socket.socket | None = None
+        self.used = 0.0  # when a frame was last sent on sock
         self.down_since: float | None = None
         self.next_try = 0.0
         self.backoff = 0.05
         self.warned = False
 
     def connected(self) -> socket.socket | None:
-        if self.sock is not None:
-            return self.sock
         now = time.monotonic()
+        if self.sock is not None:
+            if now - self.used < self.client.max_idle:
+                return self.sock
+            # idle for long: the server may be about to close it, so a fresh one (quietly)
+            s, self.sock = self.sock, None
+            _shut(s)
+            s.close()
         if now < self.next_try:
             return None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -242,7 +385,7 @@ class _Rank:
             s.close()
             self._down(exc)
             return None
-        self.sock = s
+        self.sock, self.used = s, now
         self.backoff = 0.05
         if self.warned:
             log.warning("lmcache: lookup channel to %s is back", self.path)
@@ -264,15 +407,20 @@ class _Rank:
             return False
         try:
             s.sendall(frame)
+            self.used = time.monotonic()
             return True
         except OSError as exc:
             self.drop(s, exc)
             return False
 
-    def drop(self, s: socket.socket, exc: BaseException) -> None:
+    def drop(self, s: socket.socket, exc: BaseException, *, quiet: bool = False) -> None:
+        """Close ``s``; if it was this rank's connection, its outstanding lookups are misses
+        and, unless ``quiet``, the rank is down (one warning, a reconnect after backoff)."""
         if self.sock is s:
             self.sock = None
-            self._down(exc)
+            if not quiet:
+                self._down(exc)
+            self.client._fail_rank(self)
         try:
             s.close()
         except OSError:
@@ -295,8 +443,10 @@ class _Rank:
                 reply = LookupReply(value if status == STATUS_OK else 0, tiers if status == STATUS_OK else b"")
                 self.client._deliver(self, seq, reply)
         except (OSError, ConnectionError, ValueError, struct.error) as exc:
-            self.drop(s, exc)
-            self.client._fail_rank(self)
+            # the server closed an idle connection (after its idle_timeout, or to make
+            # room): no outage, the next lookup reconnects at once
+            quiet = isinstance(exc, _Closed) and not self.client._outstanding(self)
+            self.drop(s, exc, quiet=quiet)
 
 
 class LookupClient:
@@ -307,9 +457,11 @@ class LookupClient:
     replies (a rank that is down answers a miss) or ``None`` if some are still out.
     """
 
-    def __init__(self, paths: Sequence[str], *, send_timeout: float = 0.5):
+    def __init__(self, paths: Sequence[str], *, send_timeout: float = 0.5, max_idle: float = IDLE_TIMEOUT / 2):
         self.ranks = [_Rank(p, self) for p in paths]
         self.send_timeout = send_timeout
+        #: a connection idle this long is replaced before a send (servers close at IDLE_TIMEOUT)
+        self.max_idle = max_idle
         self.closed = False
         self._seq = 0
         self._cond = threading.Condition()
@@ -359,6 +511,12 @@ class LookupClient:
                 if len(got) == len(self.ranks):
                     self._cond.notify_all()
 
+    def _outstanding(self, rank: _Rank) -> bool:
+        """Whether a lookup still waits for ``rank``'s reply."""
+        i = self.ranks.index(rank)
+        with self._cond:
+            return any(i not in got for got in self._pending.values())
+
     def _fail_rank(self, rank: _Rank) -> None:
         """A rank's connection died: its outstanding lookups are misses."""
         i = self.ranks.index(rank)
@@ -399,10 +557,7 @@ class LookupClient:
             # taken first: shutting it down wakes the reader thread, which drops it too
             s, r.sock = r.sock, None
             if s is not None:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:  # already gone (ENOTCONN)
-                    pass
+                _shut(s)
                 s.close()
 
 
@@ -418,7 +573,8 @@ class LookupChannel:
         self._tier_index = {t.name: min(i, 255) for i, t in enumerate(view.hierarchy.tiers)}
         self.server: LookupServer | None = None
         try:
-            self.server = LookupServer(view.config.lookup_socket, self.lookup, view.release, self.hello)
+            self.server = LookupServer(view.config.lookup_socket, self.lookup, view.release, self.hello,
+                                       max_tokens=view.config.lookup_max_tokens)
         except OSError as exc:
             log.warning("lmcache: no lookup channel on %s (%s); lookups from other processes will miss",
                         view.config.lookup_socket, exc)
@@ -427,8 +583,9 @@ class LookupChannel:
     def enabled(config: Any) -> bool:
         return bool(config.lookup_socket)
 
-    def lookup(self, tokens: list[int], pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
-        """The cached prefix of ``tokens`` and, per hit chunk, the index of its tier.
+    def lookup(self, tokens: Any, pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
+        """The cached prefix of ``tokens`` (a list or a 1-D integer array) and, per hit
+        chunk, the index of its tier.
         ``shifted``: past the exact prefix, also the tokens that shifted reuse covers
         without a gap (where this engine has ``approximate_reuse``; never the last token)."""
         n, tiers = self._view.locate(tokens, pin=pin)
@@ -446,7 +603,9 @@ class LookupChannel:
                 "kv": spec.signature if spec else None, "tiers": [t.name for t in self._view.hierarchy.tiers]}
 
     def info(self) -> dict[str, Any]:
-        return {"socket": self.server.path, **self.server.stats} if self.server else {"socket": None}
+        if self.server is None:
+            return {"socket": None}
+        return {"socket": self.server.path, "connections": self.server.connections, **self.server.stats}
 
     def close(self) -> None:
         if self.server is not None:
