@@ -202,19 +202,17 @@ def test_an_idle_or_slow_connection_is_closed_and_the_scheduler_reconnects_quiet
     ever; after: closed after ``idle_timeout`` / ``frame_timeout``. The scheduler's own
     connection, closed the same way while it had nothing to ask, costs no miss and no
     warning: the next lookup reconnects at once."""
-    monkeypatch.setattr(LookupServer, "idle_timeout", 0.2, raising=False)
-    monkeypatch.setattr(LookupServer, "frame_timeout", 0.2, raising=False)
+    monkeypatch.setattr(LookupServer, "idle_timeout", 1.0, raising=False)
+    monkeypatch.setattr(LookupServer, "frame_timeout", 1.0, raising=False)
     sock = str(tmp_path / "w0.sock")
     tokens = list(range(100, 112))
     with caplog.at_level(logging.WARNING, logger="lmcache"), engine(sock) as e:
         e.store(tokens, kv_for(12))
-        idle = raw(sock)
-        assert closed_by_server(idle)
-        idle.close()
-        slow = raw(sock)
+        idle, slow = raw(sock), raw(sock)
         slow.sendall(frame(100, b"\1" * 10))  # 10 bytes of a 400-byte body, then nothing
-        assert closed_by_server(slow)
-        slow.close()
+        for s in (idle, slow):
+            assert closed_by_server(s)
+            s.close()
 
         client = LookupClient([sock])
         try:
