@@ -28,6 +28,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .settings import show
 
 log = logging.getLogger("lmcache.config")
 
@@ -228,24 +229,27 @@ def _unquote(raw: str) -> str:
 def _bool(key: str, v: Any, src: str | None) -> bool:
     if isinstance(v, bool):
         return v
+    if not isinstance(v, (str, int)):
+        raise ConfigError(key, f"expected True or False, got {show(v)}", src)
     s = str(v).strip().lower()
     if s in ("true", "1", "yes", "on"):
         return True
     if s in ("false", "0", "no", "off", "", "none", "null"):
         return False
-    raise ConfigError(key, f"expected True or False, got {v!r}", src)
+    raise ConfigError(key, f"expected True or False, got {show(v)}", src)
 
 
-def _number(kind: type) -> Callable[[str, Any, str | None], Any]:
+def _number(kind: type, maximum: float = 1e12) -> Callable[[str, Any, str | None], Any]:
+    """A number of ``kind`` from 0 to ``maximum`` (sizes in GB at most 1 PiB)."""
     def conv(key: str, v: Any, src: str | None) -> Any:
         if isinstance(v, bool) or (kind is int and isinstance(v, float)):
-            raise ConfigError(key, f"expected {'an integer' if kind is int else 'a number'}, got {v!r}", src)
+            raise ConfigError(key, f"expected {'an integer' if kind is int else 'a number'}, got {show(v)}", src)
         try:
             n = kind(v)
         except (TypeError, ValueError):
-            raise ConfigError(key, f"expected {'an integer' if kind is int else 'a number'}, got {v!r}", src) from None
-        if n < 0 or n != n or n == float("inf"):
-            raise ConfigError(key, f"expected a finite number >= 0, got {v!r}", src)
+            raise ConfigError(key, f"expected {'an integer' if kind is int else 'a number'}, got {show(v)}", src) from None
+        if not 0 <= n <= maximum:  # NaN fails too
+            raise ConfigError(key, f"expected a number from 0 to {maximum:.0f}, got {show(v)}", src)
         return n
     return conv
 
@@ -254,7 +258,7 @@ def _text(key: str, v: Any, src: str | None) -> str | None:
     if v is None:
         return None
     if isinstance(v, (dict, list, bool)):
-        raise ConfigError(key, f"expected a string, got {v!r}", src)
+        raise ConfigError(key, f"expected a string, got {show(v)}", src)
     s = str(v).strip()
     return s or None
 
@@ -265,7 +269,9 @@ def _disk(key: str, v: Any, src: str | None) -> str | None:
 
 
 def _ints(key: str, v: Any, src: str | None) -> list[int]:
-    items = v if isinstance(v, list) else [v] if isinstance(v, int) else str(v).split(",")
+    if not isinstance(v, (list, int, str)):
+        raise ConfigError(key, f"expected a port or a list of ports, got {show(v)}", src)
+    items = v if isinstance(v, list) else [v] if isinstance(v, int) else v.split(",")
     conv = _number(int)
     return [conv(key, x.strip() if isinstance(x, str) else x, src) for x in items if x != ""]
 
@@ -277,7 +283,7 @@ def _json(key: str, v: Any, src: str | None) -> dict[str, Any]:
         try:
             v = json.loads(v)
         except ValueError as exc:
-            raise ConfigError(key, f"expected a JSON object, got {v[:80]!r}: {exc}", src) from None
+            raise ConfigError(key, f"expected a JSON object, got {show(v)}: {exc}", src) from None
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise ConfigError(key, f"expected a mapping of names to values, got {type(v).__name__}", src)
     return v
@@ -286,7 +292,7 @@ def _json(key: str, v: Any, src: str | None) -> dict[str, Any]:
 _CONVERT: dict[str, Callable[[str, Any, str | None], Any]] = {
     **dict.fromkeys(("local_cpu", "use_layerwise", "enable_async_loading", "internal_api_server_enabled",
                      "enable_controller", "enable_p2p", "enable_kv_events", "use_gds"), _bool),
-    **dict.fromkeys(("max_local_cpu_size", "max_local_disk_size"), _number(float)),
+    **dict.fromkeys(("max_local_cpu_size", "max_local_disk_size"), _number(float, 1 << 20)),
     **dict.fromkeys(("pin_timeout_sec", "lookup_timeout_ms", "internal_api_server_port_start",
                      "lmcache_worker_heartbeat_time"), _number(int)),
     "local_disk": _disk,
@@ -369,7 +375,7 @@ def _refuse_mixing(settings: Mapping[str, Setting], ours: Mapping[str, str], ext
 def _pick(key: str, val: Mapping[str, Any], table: Mapping[str, str], settings: Mapping[str, Setting]) -> str:
     name = str(val[key]).lower()
     if name not in table:
-        raise ConfigError(key, f"{val[key]!r} is not one of {', '.join(table)}", settings[key].source)
+        raise ConfigError(key, f"{show(val[key])} is not one of {', '.join(table)}", settings[key].source)
     return table[name]
 
 
@@ -414,7 +420,7 @@ def _storage(tr: Translation, settings: Mapping[str, Setting], val: Mapping[str,
         serde = settings.get("remote_serde")
         tier["codec"] = _SERDES.get(str(serde.value).strip().lower() if serde and serde.value is not None else "null")
         if tier["codec"] is None:
-            raise ConfigError("remote_serde", f"{serde.value!r} is not naive, cachegen or NULL", serde.source)
+            raise ConfigError("remote_serde", f"{show(serde.value)} is not naive, cachegen or NULL", serde.source)
         add(tier, None)
     if not tiers:
         warn_once("upstream:no-storage", "the LMCache settings ask for no storage (no local_cpu, local_disk, "
@@ -440,7 +446,7 @@ def _local_disk(v: str | None, settings: Mapping[str, Setting]) -> list[str]:
     paths = [p.strip()[7:] if p.strip().startswith("file://") else p.strip() for p in v.split(",") if p.strip()]
     for p in paths:
         if not p:
-            raise ConfigError("local_disk", f"{v!r} names no directory", settings["local_disk"].source)
+            raise ConfigError("local_disk", f"{show(v)} names no directory", settings["local_disk"].source)
     return paths
 
 
@@ -456,9 +462,9 @@ def _hostport(url: str, scheme: str, src: str | None, *, need_host: bool = True)
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ConfigError("remote_url", f"malformed {scheme}:// URL {_redact(url)!r}: {exc}", src) from None
+        raise ConfigError("remote_url", f"malformed {scheme}:// URL {show(_redact(url))}: {exc}", src) from None
     if need_host and not parts.hostname:
-        raise ConfigError("remote_url", f"the {scheme}:// URL {_redact(url)!r} names no host", src)
+        raise ConfigError("remote_url", f"the {scheme}:// URL {show(_redact(url))} names no host", src)
     return parts.hostname or "", port, parts.path
 
 
@@ -469,7 +475,7 @@ def remote_tier(url: str, extra: Mapping[str, Any], environ: Mapping[str, str], 
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or not scheme:
-        raise ConfigError("remote_url", f"{_redact(url)!r} has no scheme; expected e.g. lm://host:port", src)
+        raise ConfigError("remote_url", f"{show(_redact(url))} has no scheme; expected e.g. lm://host:port", src)
     if scheme not in SCHEMES:
         raise ConfigError("remote_url", f"scheme '{scheme}' has no backend here (supported: "
                                         f"{', '.join(SCHEMES)})", src)
@@ -477,7 +483,7 @@ def remote_tier(url: str, extra: Mapping[str, Any], environ: Mapping[str, str], 
     if scheme == "fs":
         _, _, path = _hostport(url, scheme, src, need_host=False)
         if not path or "," in path:
-            raise ConfigError("remote_url", f"fs:// URL {url!r}: expected one directory, fs://[host:port]/path", src)
+            raise ConfigError("remote_url", f"fs:// URL {show(url)}: expected one directory, fs://[host:port]/path", src)
         return {**tier, "backend": "fs", "url": "file://" + path}
     multi = scheme in ("redis-sentinel", "redis-cluster")
     _hostport(url.split(",")[0] if multi else url, scheme, src)
@@ -526,7 +532,7 @@ def _controller_url(v: str, s: Setting) -> str:
     except ValueError:
         ok = False
     if not ok:
-        raise ConfigError("controller_pull_url", f"expected host:port of `lmcache controller`, got {v!r}", s.source)
+        raise ConfigError("controller_pull_url", f"expected host:port of `lmcache controller`, got {show(v)}", s.source)
     return url.rstrip("/")
 
 

@@ -269,7 +269,7 @@ def test_no_effect_keys_warned_once_each(caplog):
 @pytest.mark.parametrize("env,match", [
     ({"LMCACHE_LOCAL_CPU": "maybe"}, r"'local_cpu' \(in \$LMCACHE_LOCAL_CPU\): expected True or False"),
     ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "5GB"}, r"'max_local_cpu_size'.*expected a number"),
-    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, r"'max_local_cpu_size'.*>= 0"),
+    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, r"'max_local_cpu_size'.*a number from 0 to 1048576, got '-1'"),
     ({"LMCACHE_EXTRA_CONFIG": "{use_odirect: false}"}, r"'extra_config'.*expected a JSON object"),
     ({"LMCACHE_EXTRA_CONFIG": "[1]"}, r"'extra_config'.*expected a mapping"),
     ({"LMCACHE_LOOKUP_TIMEOUT_MS": "1.5"}, r"'lookup_timeout_ms'.*expected an integer"),
@@ -373,3 +373,23 @@ def test_every_upstream_key_is_mapped_or_accepted_without_effect():
     unresolved = [a for a in aliases if upstream.ALIASES.get(a, a) not in {**upstream.MAPPED, **upstream.NO_EFFECT}]
     assert not unresolved, f"upstream aliases that resolve to no known key: {unresolved}"
     assert not set(upstream.MAPPED) & set(upstream.NO_EFFECT)
+
+
+BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]\n" for i in range(1, 9))
+HOSTILE = [None, True, -1, 0, 1e308, float("nan"), float("inf"), "", "x" * 100_000, "::::", "lm://", "a,b,,c",
+           [1, "x", None], {"a": {"b": [1, 2]}}, "BOMB"]
+
+
+@pytest.mark.parametrize("key", sorted(upstream._CONVERT))
+def test_hostile_values_of_mapped_keys_raise_only_config_error_and_short(key):
+    import yaml
+
+    bomb = yaml.safe_load(BOMB)["a8"]
+    for value in HOSTILE:
+        data = {key: bomb if value == "BOMB" else value}
+        for wrap in (data, {**data, "remote_url": "lm://h:1", "enable_controller": True}):
+            try:
+                load_config(wrap, environ={})
+            except ConfigError as exc:
+                assert len(str(exc)) < 1000 and "\n" not in str(exc)
