@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import lmcache
 from lmcache import wire as proto
-from lmcache.server import CacheServer
+from lmcache.server import ENTRY_OVERHEAD, CacheServer
 from lmcache.codecs import load_codec
 from lmcache.errors import BackendError, ConfigError
 from lmcache.testing.stores import free_port
@@ -135,7 +135,9 @@ def test_health_reports_usage(server):
         assert h["status"] == "ok" and h["protocol"] == proto.VERSION and h["policy"] == "lru"
         before = h["used_bytes"]
         size = b.put([(make_key(1), make_obj(1))])[0]
-        assert b.health()["used_bytes"] == before + size
+        # an entry counts its value, its key (with the backend's prefix) and a fixed overhead
+        key_bytes = len((b.prefix + make_key(1)).encode())
+        assert b.health()["used_bytes"] == before + size + key_bytes + ENTRY_OVERHEAD
     finally:
         b.remove([make_key(1)])
         b.close()
@@ -191,8 +193,8 @@ def test_capacity_and_lru_eviction_at_the_server():
     with lm_store(capacity="100KiB") as s:
         b = LMBackend(BackendContext.standalone(s.options))
         try:
-            val = b"x" * (20 << 10)
-            for i in range(5):  # exactly full
+            val = b"x" * ((20 << 10) - ENTRY_OVERHEAD - len(make_key(0)))
+            for i in range(5):  # exactly full: values, keys and each entry's overhead
                 b.write(make_key(i), [val])
             assert b.health()["entries"] == 5
             assert b.read(make_key(0)) is not None  # key 0 is now the most recent
@@ -212,11 +214,12 @@ def test_capacity_and_lru_eviction_at_the_server():
 def test_fifo_policy_ignores_reads():
     with lm_store(capacity="40KiB", policy="fifo") as s:
         b = LMBackend(BackendContext.standalone(s.options))
+        val = b"x" * ((20 << 10) - ENTRY_OVERHEAD - len(make_key(0)))  # two entries fill it exactly
         try:
             for i in range(2):
-                b.write(make_key(i), [b"x" * (20 << 10)])
+                b.write(make_key(i), [val])
             b.read(make_key(0))
-            b.write(make_key(2), [b"x" * (20 << 10)])
+            b.write(make_key(2), [val])
             assert b.contains([make_key(i) for i in range(3)]) == [False, True, True]
         finally:
             b.close()
