@@ -58,6 +58,7 @@ from lmcache.kernels import KVLayout, get_layout, register_layout
 from lmcache import kernels as K
 
 from ..services.lookup import LookupClient, LookupReply, socket_path
+from .prometheus import Metrics
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -187,6 +188,8 @@ class _Lookup:
     #: tokens in vLLM's own prefix cache when the hit was offered, and whether it loads async
     local: int = 0
     is_async: bool = False
+    #: reported to the metrics (once, when the answer is first used)
+    counted: bool = False
 
     @property
     def hit(self) -> int:
@@ -345,7 +348,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         else:
             # the engine's lookup service answers the scheduler on this rank's socket
             sock = socket_path(self.instance, self.dp_rank, self.tp_rank)
-            self.engine = _acquire_engine(config_file, {**overrides, "lookup_socket": sock}, self.kv_spec)
+            # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
+            max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
+            bound = {"lookup_max_tokens": max_len} if max_len > 0 else {}
+            self.engine = _acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
             self.config = self.engine.config
         opts = self.config.vllm
         self.layerwise = opts.layerwise
@@ -357,6 +363,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             # a cache miss must never fail a request: vLLM reads this after building us
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             log.info("lmcache: kv_load_failure_policy set to 'recompute' (a failed load is recomputed)")
+        #: a kv_consumer (vLLM's role for an instance that only takes KV) stores nothing
+        self.saves = getattr(self._kv_transfer_config, "kv_role", None) != "kv_consumer"
         self.chunk_size = self.config.chunk_size
         self._tier_sources = [t.backend for t in self.config.tiers]
         #: rotary frequencies when shifted reuse is on (docs/truncation.md, "vLLM"), else None
@@ -369,6 +377,12 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._async_pending: set[str] = set()  # async loads admitted, not reported finished yet
         self._hit_sources: dict[str, dict[str, int]] = {}
+        mc = vllm_config.model_config
+        served = getattr(mc, "served_model_name", None)
+        #: upstream LMCache's Prometheus metrics, in vLLM's /metrics (plugins/connectors/prometheus.py)
+        self.metrics = Metrics(model_name=str(getattr(mc, "model", "")), worker_id=tp_rank,
+                               role="scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+                               served_model_name=str(served[0] if isinstance(served, (list, tuple)) and served else served or ""))
         self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0,
                       "shifted_hit_tokens": 0}
         # worker state
@@ -546,6 +560,9 @@ class LMCacheConnector(KVConnectorBase_V1):
                 got = [LookupReply(0, b"")]
             lk.replies = got
         hit = lk.hit
+        if not lk.counted:
+            lk.counted = True
+            self.metrics.lookup(len(lk.tokens), hit, num_computed_tokens, time.monotonic() - lk.started)
         # vLLM computes at least the last token; hits are whole blocks
         usable = min(hit, request.num_tokens - 1) // self.block_size * self.block_size
         if usable <= num_computed_tokens:
@@ -591,7 +608,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             out[label] = out.get(label, 0) + n
         return out
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None, num_external_tokens: int) -> None:
         req_id = request.request_id
         st = self._reqs.get(req_id)
         if st is None:
@@ -608,7 +625,9 @@ class LMCacheConnector(KVConnectorBase_V1):
             return
         local, is_async = lk.local, lk.is_async
         end = local + num_external_tokens
-        block_ids = list(blocks.get_block_ids()[0])
+        # vLLM's LMCacheConnectorV1 wrapper passes no blocks: a sync load's blocks are the
+        # scheduled request's, set in build_connector_meta
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         # the load reads (and then releases on every rank) the prefix all ranks hold; a
         # rank's pins past it expire after lookup_pin_timeout
         exact = min(r.exact(self.chunk_size) for r in lk.replies)
@@ -657,7 +676,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             end = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n = len(st.prompt)
             save_end = n if end >= n else end // self.chunk_size * self.chunk_size
-            if save_end > st.saved_end:
+            if save_end > st.saved_end and self.saves:
                 meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end))
                 st.saved_end = save_end
         for req_id in scheduler_output.finished_req_ids:
@@ -847,6 +866,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         """One asynchronous load, on the I/O thread: failures are filed before the request
         is reported finished, so vLLM sees them no later than the finish."""
         bad: list[int] = []
+        t0 = time.perf_counter()
+        got = 0
         try:
             got = self._load_bulk(spec, "io")
             if got < spec.load_end:
@@ -854,6 +875,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("lmcache: loading %s failed; vLLM will recompute it", spec.req_id)
             bad = self._bad_blocks(spec, 0)
+        self._loaded(spec, got, t0)
         with self._async_lock:
             self._failed.update(bad)
             self._async_done.add(spec.req_id)
@@ -876,6 +898,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                     self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-vllm-load")
                 self._io.submit(self._load_async, spec)
                 continue
+            t0 = time.perf_counter()
             try:
                 if self.layerwise:
                     assert self.engine is not None
@@ -889,11 +912,20 @@ class LMCacheConnector(KVConnectorBase_V1):
                     self._layer_loads.append((spec, handle, buf, slots))
                 else:
                     got = self._load_bulk(spec)
+                self._loaded(spec, got, t0)
                 if got < spec.load_end:
                     self._fail(spec, got)
             except Exception:
                 log.exception("lmcache: loading %s failed; vLLM will recompute it", spec.req_id)
+                self._loaded(spec, 0, t0)
                 self._fail(spec, 0)
+
+    def _loaded(self, spec: LoadSpec, got: int, t0: float) -> None:
+        """Report one load to the metrics: the tokens vLLM was promised, those loaded."""
+        self.metrics.retrieve(spec.load_end - spec.skip, max(0, min(got, spec.load_end) - spec.skip),
+                              time.perf_counter() - t0)
+        if self.engine is not None:
+            self.metrics.usage(self.engine.hierarchy.tiers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._layer_loads:
@@ -974,7 +1006,10 @@ class LMCacheConnector(KVConnectorBase_V1):
                 return
             # chunks before ``skip`` stay pinned (leased) until after the store, so the
             # store skips them and never reads their unfilled rows
-            self.engine.store(spec.token_ids, view)
+            t0 = time.perf_counter()
+            res = self.engine.store(spec.token_ids, view)
+            self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
+            self.metrics.usage(self.engine.hierarchy.tiers)
         except Exception:
             log.exception("lmcache: storing %s failed", spec.req_id)
         finally:

@@ -68,9 +68,14 @@ def model_config(tmp_path_factory):
     return ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="float32", max_model_len=2048)
 
 
-def make_config(model_config, policy: str = "recompute", prefix_caching: bool = True, **extra) -> VllmConfig:
+def make_config(model_config, policy: str = "recompute", prefix_caching: bool = True, *, upstream: bool = False,
+                role: str = "kv_both", **extra) -> VllmConfig:
+    """A VllmConfig naming lmcache's connector; ``upstream``: as LMCache's users name it,
+    ``kv_connector: LMCacheConnectorV1`` with no module path (vLLM's wrapper)."""
     extra.setdefault("lmcache.chunk_size", CHUNK)
     extra.setdefault("lmcache.namespace", f"t{next(_ids)}")  # a fresh cache engine per test
+    names = ({"kv_connector": "LMCacheConnectorV1"} if upstream else
+             {"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lmcache.plugins.connectors.vllm"})
     vc = VllmConfig(
         model_config=model_config,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
@@ -79,9 +84,8 @@ def make_config(model_config, policy: str = "recompute", prefix_caching: bool = 
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="LMCacheConnector",
-            kv_connector_module_path="lmcache.plugins.connectors.vllm",
-            kv_role="kv_both",
+            **names,
+            kv_role=role,
             kv_load_failure_policy=policy,
             kv_connector_extra_config=extra,
         ),
@@ -182,9 +186,11 @@ class Engine:
         self.workers = []
 
     def worker(self, layers):
-        from lmcache.plugins.connectors.vllm import LMCacheConnector
+        """A worker-role connector, built as vLLM's factory builds it (vLLM's
+        ``LMCacheConnectorV1`` wrapper for that name, else lmcache's class)."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        w = LMCacheConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+        w = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, self.kcc)
         w.register_kv_caches(dict(zip(LAYERS, layers)))
         self.workers.append(w)
         return w
@@ -652,5 +658,145 @@ def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, laye
         req = new_req(out, "b")
         assert req.num_computed_tokens == 192 and invalid == set()
         assert same(layers, layout, slots[:192], b_layers, layout, slots_of(req.block_ids[0], 192))
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------ vLLM's LMCacheConnectorV1 (LMCache's users)
+def _impl(conn):
+    return getattr(conn, "_lmcache_engine", conn)
+
+
+def test_lmcacheconnectorv1_by_name_runs_lmcache_in_both_roles(model_config):
+    """``kv_connector: LMCacheConnectorV1`` with no module path, as every LMCache deployment
+    writes it: vLLM's wrapper imports lmcache.integration.vllm.vllm_v1_adapter in both roles,
+    and its impl is lmcache's connector; upstream's extra-config keys are taken."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
+
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    vc = make_config(model_config, policy="fail", upstream=True, discard_partial_chunks=False,
+                     lmcache_rpc_port="producer1", use_layerwise=True)
+    conns = [KVConnectorFactory.create_connector(vc, role, kv_cache_config(False)) for role in KVConnectorRole]
+    try:
+        assert all(type(c) is LMCacheConnectorV1 and type(_impl(c)) is LMCacheConnectorV1Impl for c in conns)
+        sched, worker = (_impl(c) for c in sorted(conns, key=lambda c: c.role != KVConnectorRole.SCHEDULER))
+        assert sched.engine is None and worker.engine is not None
+        assert worker.layerwise and sched.layerwise  # use_layerwise -> vllm.layerwise
+        assert sched.async_loads == "never"  # the wrapper reports every load as synchronous
+        assert vc.kv_transfer_config.kv_load_failure_policy == "recompute"
+    finally:
+        for c in conns:
+            _impl(c).shutdown()
+
+
+@pytest.mark.parametrize("layout", ["std_nhd", "mla"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
+def test_lmcacheconnectorv1_stores_then_loads_through_vllms_wrapper(model_config, layout, layerwise):
+    """The same store and load as test_store_then_load_into_other_blocks, every call going
+    through vLLM's wrapper: its scheduler side passes no blocks to update_state_after_alloc
+    and takes a bare count from get_num_new_matched_tokens."""
+    mla = LAYOUTS[layout]
+    eng = Engine(make_config(model_config, upstream=True, use_layerwise=layerwise), kv_cache_config(mla))
+    gen = torch.Generator().manual_seed(11)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, invalid = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
+        a_blocks = new_req(out, "a").block_ids[0]
+        assert invalid == set() and _impl(wa).engine.lookup(prompt) == 200
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("filler", [7] * 40)
+        eng.step(wb, b_layers, layout, gen)
+        eng.submit("b", prompt + list(range(500, 520)))
+        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
+        b = new_req(out, "b")
+        assert b.num_computed_tokens == 192 and invalid == set()
+        assert same(a_layers, layout, slots_of(a_blocks, 192), b_layers, layout, slots_of(b.block_ids[0], 192))
+        assert _impl(wb)._connector_metadata is None  # dropped after wait_for_save: no stale load next step
+    finally:
+        eng.close()
+
+
+def _store_one(model_config, monkeypatch=None, *, role="kv_both", **extra):
+    """One 200-token prompt through the V1 wrapper; the worker's lookup of it afterwards."""
+    eng = Engine(make_config(model_config, upstream=True, role=role, **extra), kv_cache_config(False))
+    try:
+        layers = alloc("std_nhd")
+        w = eng.worker(layers)
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        eng.step(w, layers, "std_nhd", torch.Generator().manual_seed(2))
+        return _impl(w).engine.lookup(prompt)
+    finally:
+        eng.close()
+
+
+def _store_then_ask(eng: Engine, prompt: list[int], tail: list[int], seed: int):
+    """Request "a" stores ``prompt``; vLLM forgets it; request "b" (``prompt + tail``) is
+    scheduled: the scheduler output of b's step."""
+    layers = alloc("std_nhd")
+    w = eng.worker(layers)
+    gen = torch.Generator().manual_seed(seed)
+    eng.submit("a", prompt)
+    eng.step(w, layers, "std_nhd", gen)
+    eng.finish("a")
+    eng.sched.reset_prefix_cache()
+    eng.submit("b", prompt + tail)
+    return eng.step(w, layers, "std_nhd", gen)[0]
+
+
+def test_lmcacheconnectorv1_discard_partial_chunks_and_skip_save(model_config, monkeypatch):
+    """discard_partial_chunks: true stores the full chunks only; kv_role kv_consumer and
+    LMCACHE_FORCE_SKIP_SAVE store nothing, as with LMCache."""
+    assert _store_one(model_config) == 200
+    assert _store_one(model_config, discard_partial_chunks=True) == 192
+    assert _store_one(model_config, role="kv_consumer") == 0
+    monkeypatch.setenv("LMCACHE_FORCE_SKIP_SAVE", "1")
+    assert _store_one(model_config) == 0
+
+
+def test_lmcacheconnectorv1_skip_last_n_tokens_and_a_bad_value(model_config):
+    """skip_last_n_tokens leaves a prompt's last n tokens out of its lookup; a value that is
+    not a whole number is refused naming the key."""
+    eng = Engine(make_config(model_config, upstream=True, skip_last_n_tokens=80), kv_cache_config(False))
+    try:
+        out = _store_then_ask(eng, list(range(1, 301)), [9, 9], seed=4)
+        assert new_req(out, "b").num_computed_tokens == 192  # (302 - 80) tokens looked up: 3 whole chunks
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="skip_last_n_tokens"):
+        Engine(make_config(model_config, upstream=True, skip_last_n_tokens="lots"), kv_cache_config(False))
+
+
+def test_upstream_metrics_count_what_was_loaded(model_config):
+    """lmcache:* metrics in LMCache's names and labels (in the process's registry here;
+    vLLM serves them from its multiprocess directory): the hit tokens are exactly the
+    tokens the scheduler admitted as external hits."""
+    import prometheus_client
+
+    eng = Engine(make_config(model_config, upstream=True), kv_cache_config(False))
+    labels = {"model_name": model_config.model, "worker_id": "0", "role": "worker", "served_model_name": model_config.model}
+
+    def value(name: str, role: str = "worker") -> float:
+        return prometheus_client.REGISTRY.get_sample_value(f"lmcache:{name}", {**labels, "role": role}) or 0.0
+
+    before = {n: value(n) for n in ("num_hit_tokens_total", "num_retrieve_requests_total", "num_stored_tokens_total")}
+    lookups = value("num_lookup_requests_total", "scheduler")
+    try:
+        out = _store_then_ask(eng, list(range(1, 201)), [3, 3], seed=5)
+        hit = new_req(out, "b").num_computed_tokens
+        assert hit == 192
+        assert value("num_hit_tokens_total") - before["num_hit_tokens_total"] == hit
+        assert value("num_retrieve_requests_total") - before["num_retrieve_requests_total"] == 1
+        assert value("num_stored_tokens_total") - before["num_stored_tokens_total"] == 200 + 10  # a, then b's new tail
+        assert value("num_lookup_requests_total", "scheduler") - lookups == 2
+        assert value("retrieve_hit_rate") == 1.0
+        assert value("local_cache_usage") > 0
+        assert value("time_to_retrieve_count") >= 1
     finally:
         eng.close()

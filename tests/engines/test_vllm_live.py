@@ -301,3 +301,88 @@ def test_bench_truncation_under_vllm_quick_json(vllm_bin, tmp_path):
         assert shifted["hit_rate"] >= 0.5, shifted  # a window of 512 in chunks of 64, most of it loaded
         assert 0 <= shifted["greedy_match"] <= 1 and shifted["ttft_p50"] > 0
     assert set(data["floor_ttft"]) == {"full", "shifted-0"} and "--kv-transfer-config" in data["commands"]["shifted-0"]
+
+
+# ------------------------------------------------------------------ as LMCache's users run it
+UPSTREAM_KV = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}  # vLLM's docs, Helm, llm-d, Dynamo
+
+
+def lmcache_metric(srv: VllmServer, name: str) -> float:
+    return srv.metrics().get(f"lmcache:{name}", 0.0)
+
+
+def prometheus_dir(tmp_path: Path) -> dict[str, str]:
+    """PROMETHEUS_MULTIPROC_DIR as deployments set it (an emptyDir in the pod): vLLM then
+    serves /metrics from it, with what every process of the server wrote there."""
+    d = tmp_path / f"prometheus-{len(list(tmp_path.glob('prometheus-*')))}"
+    d.mkdir()
+    return {"PROMETHEUS_MULTIPROC_DIR": str(d)}
+
+
+def test_lmcacheconnectorv1_configured_by_lmcache_env_vars(vllm_bin, model, reference, tmp_path):
+    """`vllm serve ... --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1",...}'`
+    with LMCache's environment variables only (vLLM's CPU-offload example): vLLM's own
+    wrapper loads lmcache; answers equal vLLM alone's, the second question about a document
+    hits its chunks, and lmcache:num_hit_tokens_total in vLLM's /metrics (through vLLM's
+    Prometheus multiprocess directory) agrees with vLLM's external_prefix_cache_hits."""
+    env = {"LMCACHE_USE_EXPERIMENTAL": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", **prometheus_dir(tmp_path)}
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "vllm.log") as srv:
+        for seed in (1, 2):
+            first, second = DOCS[seed]
+            assert srv.complete(first, MAX_TOKENS).text == reference[first]
+            before = hits(srv)
+            assert srv.complete(second, MAX_TOKENS).text == reference[second]
+            got = hits(srv) - before
+            assert got >= CHUNK and got % CHUNK == 0, got
+        m = srv.metrics()
+        print("vLLM /metrics:", {k: v for k, v in sorted(m.items()) if k.startswith("lmcache:") and "bucket" not in k})
+        assert m["lmcache:num_hit_tokens_total"] == m["vllm:external_prefix_cache_hits_total"] >= 2 * CHUNK
+        assert m["lmcache:num_retrieve_requests_total"] == 2 and m["lmcache:retrieve_hit_rate"] == 1.0
+        assert m["lmcache:num_lookup_requests_total"] >= 4 and m["lmcache:local_cache_usage"] > 0
+        assert m["lmcache:time_to_retrieve_count"] == 2 and m["lmcache:num_stored_tokens_total"] > 0
+    assert "is not a config key" not in (tmp_path / "vllm.log").read_text()  # every LMCACHE_* variable understood
+
+
+def _upstream_yaml(path: Path, **keys) -> Path:
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in keys.items()))
+    return path
+
+
+def test_lmcacheconnectorv1_upstream_yaml_with_local_disk_across_a_restart(vllm_bin, model, reference, tmp_path):
+    """An LMCache-format YAML through LMCACHE_CONFIG_FILE (local_cpu, max_local_cpu_size,
+    local_disk as a file:// URL, max_local_disk_size): a restarted server's first request
+    is served from the disk files the first server wrote."""
+    disk = tmp_path / "kv-store-disk"
+    cfg = _upstream_yaml(tmp_path / "lmcache-config.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.25,
+                         local_disk=f"file://{disk}/", max_local_disk_size=1.0)
+    env = {"LMCACHE_CONFIG_FILE": str(cfg)}
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "a.log") as a:
+        p = DOCS[1][0]
+        assert a.complete(p, MAX_TOKENS).text == reference[p]
+        assert len(_settled_files(disk)) >= 2
+    env.update(prometheus_dir(tmp_path))
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "b.log") as b:
+        q = DOCS[1][1]
+        assert b.complete(q, MAX_TOKENS).text == reference[q]
+        assert hits(b) >= CHUNK
+        assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)
+
+
+def test_lmcacheconnectorv1_upstream_yaml_with_a_redis_remote_url_shared_by_two_servers(vllm_bin, model, reference, tmp_path):
+    """remote_url: redis://HOST:PORT with remote_serde: naive in an LMCache-format YAML:
+    server B's first request hits the chunks server A stored, while A still runs."""
+    with loopback_store("redis") as store:
+        url = store.options["url"]
+        cfg = _upstream_yaml(tmp_path / "lmcache-config.yaml", chunk_size=256, local_cpu=True,
+                             max_local_cpu_size=0.25, remote_url=url, remote_serde="naive")
+        env = {"LMCACHE_CONFIG_FILE": str(cfg)}
+        with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "a.log") as a:
+            p = DOCS[3][0]
+            assert a.complete(p, MAX_TOKENS).text == reference[p]
+            with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env={**env, **prometheus_dir(tmp_path)},
+                            log_path=tmp_path / "b.log") as b:
+                q = DOCS[3][1]
+                assert b.complete(q, MAX_TOKENS).text == reference[q]
+                assert hits(b) >= CHUNK
+                assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)

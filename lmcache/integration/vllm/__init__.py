@@ -1,0 +1,1 @@
+"""vLLM's import paths into LMCache (see :mod:`lmcache.integration`)."""
