@@ -57,7 +57,6 @@ MAPPED: dict[str, str] = {
     "enable_controller": "controller.url",
     "controller_pull_url": "controller.url",
     "lmcache_instance_id": "controller.instance_id",
-    "lmcache_worker_heartbeat_time": "controller.heartbeat_interval",
     "enable_p2p": "p2p.enabled",
     "p2p_host": "p2p.host",
     "p2p_init_ports": "p2p.port",
@@ -90,6 +89,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
         ("retrieve_locations", "store_location", "local_device", "pipelined_backend"),
     "our controller is one HTTP endpoint (controller.url): no reply port, worker ports or ids":
         ("controller_reply_url", "lmcache_worker_ports", "lmcache_worker_ids", "lmcache_worker_heartbeat_delay_time"),
+    "lmcache controller drops an instance silent for --instance-timeout (10 s), so the worker keeps its "
+    "2 s beat (controller.heartbeat_interval); LMCache's 30 s would make it flap": ("lmcache_worker_heartbeat_time",),
     "peers are found through the controller, not on lookup ports": ("p2p_lookup_ports",),
     "LMCache's multi-process (MP) server mode is not implemented": ("mp_host", "mp_port"),
     "chunk statistics are not implemented (lmcache stats shows the tiers)":
@@ -293,8 +294,7 @@ _CONVERT: dict[str, Callable[[str, Any, str | None], Any]] = {
     **dict.fromkeys(("local_cpu", "use_layerwise", "enable_async_loading", "internal_api_server_enabled",
                      "enable_controller", "enable_p2p", "enable_kv_events", "use_gds"), _bool),
     **dict.fromkeys(("max_local_cpu_size", "max_local_disk_size"), _number(float, 1 << 20)),
-    **dict.fromkeys(("pin_timeout_sec", "lookup_timeout_ms", "internal_api_server_port_start",
-                     "lmcache_worker_heartbeat_time"), _number(int)),
+    **dict.fromkeys(("pin_timeout_sec", "lookup_timeout_ms", "internal_api_server_port_start"), _number(int)),
     "local_disk": _disk,
     **dict.fromkeys(("remote_url", "remote_serde", "cache_policy", "gds_path",
                      "pre_caching_hash_algorithm", "internal_api_server_host", "controller_pull_url",
@@ -336,8 +336,7 @@ def translate(settings: Mapping[str, Setting], ours: Mapping[str, str],
         _storage(tr, settings, val, extra, environ or {})
     if "pre_caching_hash_algorithm" in val:
         put("hash_algorithm", _pick("pre_caching_hash_algorithm", val, _HASHES, settings), "pre_caching_hash_algorithm")
-    for key, path, scale in (("pin_timeout_sec", "lookup_pin_timeout", 1), ("lookup_timeout_ms", "vllm.lookup_timeout",
-                             1000), ("lmcache_worker_heartbeat_time", "controller.heartbeat_interval", 1)):
+    for key, path, scale in (("pin_timeout_sec", "lookup_pin_timeout", 1), ("lookup_timeout_ms", "vllm.lookup_timeout", 1000)):
         if key in val:
             put(path, val[key] / scale, key)
     for key, path in (("use_layerwise", "vllm.layerwise"), ("internal_api_server_enabled", "api.enabled"),

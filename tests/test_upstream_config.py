@@ -201,7 +201,8 @@ def test_production_stack_controller_env():
            "LMCACHE_LOG_LEVEL": "INFO", "LMCACHE_SERVER_SERVICE_PORT": "81", "LMCACHE_ENABLE_KV_EVENTS": "true"}
     cfg = load_config(None, environ=env)
     c = cfg.controller
-    assert (c.url, c.instance_id, c.heartbeat_interval) == ("http://rel-router-service:9000", "pod-1", 30.0)
+    # a 30 s beat would make the instance flap at lmcache controller's 10 s instance timeout: ours stays
+    assert (c.url, c.instance_id, c.heartbeat_interval) == ("http://rel-router-service:9000", "pod-1", 2.0)
     assert (cfg.p2p.enabled, cfg.p2p.host, cfg.p2p.port, cfg.kv_events.enabled) == (True, "localhost", 30081, True)
     assert cfg.source_of("controller.instance_id") == "env:LMCACHE_LMCACHE_INSTANCE_ID"
     assert cfg.source_of("controller.url") == "env:LMCACHE_CONTROLLER_PULL_URL"
