@@ -11,6 +11,12 @@ entries first after a restart), so entries survive restarts, and a file that fai
 checks is removed and reported as a miss. Opened ``read_only`` (``lmcache ls`` on a
 config), it creates, repairs and removes nothing.
 
+The directory is claimed with a marker file and shared safely by several processes (the
+tensor-parallel ranks of one server): one capacity for the whole directory, kept in a
+ledger under a lock, and no process removes another's temporaries; a directory of
+another backend, or holding files the tier did not write, is refused
+(:mod:`lmcache.backends.disk_dir` says how and why).
+
 Options: ``path`` (required), ``o_direct`` (bypass the page cache), ``fsync`` (make each
 write durable before it is visible; off by default: a cache may lose entries on power
 loss, but never hands out a torn one).
@@ -33,16 +39,17 @@ from typing import Callable, Iterator, Sequence
 import xxhash
 
 from lmcache import payload
-from lmcache.codecs import Codec
 from lmcache.dtypes import dtype_from_name
 from lmcache.errors import ConfigError, CorruptPayloadError, EntryPathError
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
+from . import disk_dir
+from .file_io import BLOCK, _direct_views, _pread_all, _read_all, _write_all, read_payload
+
 log = logging.getLogger(__name__)
 SUFFIX = ".lmc"
-TMP_PREFIX = ".tmp-"
-BLOCK = 4096
+TMP_PREFIX = disk_dir.TMP_PREFIX
 
 
 def _file_name(key: str) -> str:
@@ -87,6 +94,8 @@ def _unlink_file(path: Path) -> None:
 
 class DiskBackend(BytesBackend):
     OPTIONS = {"path": None, "o_direct": False, "fsync": False}
+    #: the backend named in the directory's marker (the layout is the disk layout's)
+    CLAIM_BACKEND = "disk"
 
     @classmethod
     def check_options(cls, options):
@@ -114,13 +123,19 @@ class DiskBackend(BytesBackend):
             raise ConfigError("path", f"{self.root} is not a directory")
         self.o_direct = self.options["o_direct"]
         self.fsync = self.options["fsync"]
-        if self.o_direct and not self.read_only:
-            self._check_o_direct()
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}  # key -> file size, oldest first
         self._meta: dict[str, tuple[str, float]] = {}  # key -> (codec, wall-clock time written)
         self._used = 0
-        self._rebuild()
+        #: the directory's lock, shared ledger and this opener's liveness (None: read-only)
+        self._dir: disk_dir.DirState | None = None
+        try:
+            self._rebuild()
+            if self.o_direct and not self.read_only:
+                self._check_o_direct()
+        except BaseException:
+            self._close_dir()
+            raise
 
     # ------------------------------------------------------------------ files
     def _path(self, key: str) -> Path:
@@ -130,7 +145,7 @@ class DiskBackend(BytesBackend):
     def _check_o_direct(self) -> None:
         if not hasattr(os, "O_DIRECT"):
             raise ConfigError("o_direct", "O_DIRECT is not available on this platform")
-        probe = self.root / f"{TMP_PREFIX}odirect-{uuid.uuid4().hex}"
+        probe = self.root / (self._dir.tmp_name() if self._dir else f"{TMP_PREFIX}odirect-{uuid.uuid4().hex}")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
             try:
@@ -146,69 +161,112 @@ class DiskBackend(BytesBackend):
             probe.unlink(missing_ok=True)
 
     def _rebuild(self) -> None:
-        """Index every valid chunk file, oldest first; remove temporaries and files that
-        fail checks (unless read-only)."""
-        removed = 0
-        found: list[tuple[float, str, int, str]] = []
+        """Claim the directory (or refuse it), then index every valid entry file, oldest
+        first; unless read-only, remove the temporaries of writers that are gone and the
+        files of the layout that fail their checks, and set the shared ledger. Nothing
+        outside the layout's names is ever touched."""
         if self.read_only and not self.root.exists():
             log.warning("disk tier %s: directory %s does not exist (yet): no entries", self.context.tier, self.root)
             return
-        for sub in self.root.iterdir():
-            if sub.name.startswith(TMP_PREFIX):
-                if not self.read_only:
-                    _unlink_file(sub)
-                continue
-            if sub.is_symlink() or not sub.is_dir() or len(sub.name) != 2:
-                continue
+        claim = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
+        if claim is None:  # unclaimed: adopted only if every file in it is of the layout
+            self._refuse_foreign(disk_dir.list_dir(self.root, self._warn))
+        if self.read_only:
+            found, _bad = self._index_files(disk_dir.list_dir(self.root, self._warn))
+            self._admit_found(found)
+            return
+        state = self._dir = disk_dir.DirState(self.root)
+        state.open()
+        with state.locked():
+            claim = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
+            listing = disk_dir.list_dir(self.root, self._warn)
+            if claim is None:
+                self._refuse_foreign(listing)
+                self._write_marker(state)
+            state.register()
+            gone = state.dead(listing.live)
+            alive = {owner for _, owner in listing.live} - gone
+            for path, owner in listing.temps:
+                if owner is None or (owner not in alive and owner != state.id):
+                    _unlink_file(path)
+            found, bad = self._index_files(listing)
+            for path in bad:
+                _unlink_file(path)
+            state.set_total(sum(size for _, _, size, _ in found))
+        if listing.foreign:
+            log.warning(
+                "disk tier %s: %d files in %s are not this tier's (e.g. %s); left alone",
+                self.context.tier, len(listing.foreign), self.root, listing.foreign[0],
+            )
+        self._admit_found(found)
+
+    def _warn(self, message: str) -> None:
+        log.warning("disk tier %s: %s", self.context.tier, message)
+
+    def _refuse_foreign(self, listing: disk_dir.Listing) -> None:
+        if listing.foreign:
+            raise ConfigError(
+                "path",
+                f"{self.root} holds {len(listing.foreign)} files that a disk tier did not write "
+                f"(e.g. {listing.foreign[0]}); give the tier an empty directory of its own (nothing was changed)",
+            )
+
+    def _write_marker(self, state: disk_dir.DirState) -> None:
+        """Claim the directory: the marker appears whole or not at all (written under a
+        temporary name and linked into place, so that an fs tier claiming it at the same
+        moment loses or wins cleanly)."""
+        tmp = self.root / state.tmp_name("marker")
+        tmp.write_bytes(disk_dir.marker_bytes(self.CLAIM_BACKEND, disk_dir.DISK_LAYOUT))
+        try:
+            os.link(tmp, self.root / disk_dir.MARKER)
+        except FileExistsError:
+            disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _index_files(self, listing: disk_dir.Listing) -> tuple[list[tuple[float, str, int, str]], list[Path]]:
+        """``(mtime, key, size, codec)`` of each valid entry file, and the entry files
+        that fail their checks (counted as corrupt; the caller removes them unless
+        read-only)."""
+        found: list[tuple[float, str, int, str]] = []
+        bad: list[Path] = []
+        for f in listing.entries:
             try:
-                names = list(sub.iterdir())
+                found.append(self._check_file(f))
+            except CorruptPayloadError as exc:
+                bad.append(f)
+                self._warn(f"{'skipping' if self.read_only else 'removing'} bad file {f}: {exc}")
+            except FileNotFoundError:
+                continue  # removed meanwhile (another opener's eviction)
+            except _NotAFile as exc:  # a directory, FIFO, socket or link: not ours to touch
+                self._warn(f"skipping {f}: {exc}")
             except OSError as exc:
-                log.warning("disk tier %s: skipping unreadable directory %s: %s", self.context.tier, sub, exc)
-                continue
-            for f in names:
-                if f.name.startswith(TMP_PREFIX):
-                    if not self.read_only:
-                        _unlink_file(f)
-                    continue
-                if not f.name.endswith(SUFFIX):
-                    continue
-                try:
-                    fd = _open_entry(f)
-                except _NotAFile as exc:  # a directory, FIFO, socket or link: not ours to touch
-                    log.warning("disk tier %s: skipping %s: %s", self.context.tier, f, exc)
-                    continue
-                except OSError as exc:
-                    log.warning("disk tier %s: skipping unreadable %s: %s", self.context.tier, f, exc)
-                    continue
-                try:
-                    with open(fd, "rb", buffering=0) as fh:
-                        head = fh.read(payload.HEADER_READ_HINT)
-                        if len(head) >= payload.PREFIX_SIZE:
-                            hlen = int.from_bytes(head[6:10], "little")
-                            if payload.PREFIX_SIZE + hlen > len(head) and hlen <= payload.MAX_HEADER:
-                                head += fh.read(payload.PREFIX_SIZE + hlen - len(head))
-                        st = os.fstat(fh.fileno())
-                        size = st.st_size
-                    h = payload.parse_header(head)
-                    if _file_name(h.key) != f.name:
-                        raise CorruptPayloadError("file name does not match the key in its header")
-                    if size != h.total_len:
-                        raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
-                except (CorruptPayloadError, OSError) as exc:
-                    removed += 1
-                    if self.read_only:
-                        log.warning("disk tier %s: skipping bad file %s: %s", self.context.tier, f, exc)
-                        continue
-                    log.warning("disk tier %s: removing bad file %s: %s", self.context.tier, f, exc)
-                    _unlink_file(f)
-                    continue
-                found.append((st.st_mtime, h.key, size, h.codec))
+                self._warn(f"skipping unreadable {f}: {exc}")
+        self.integrity.corrupt += len(bad)
+        return found, bad
+
+    def _check_file(self, f: Path) -> tuple[float, str, int, str]:
+        fd = _open_entry(f)
+        with open(fd, "rb", buffering=0) as fh:
+            head = fh.read(payload.HEADER_READ_HINT)
+            if len(head) >= payload.PREFIX_SIZE:
+                hlen = int.from_bytes(head[6:10], "little")
+                if payload.PREFIX_SIZE + hlen > len(head) and hlen <= payload.MAX_HEADER:
+                    head += fh.read(payload.PREFIX_SIZE + hlen - len(head))
+            st = os.fstat(fh.fileno())
+        h = payload.parse_header(head)
+        if _file_name(h.key) != f.name or f.parent.name != f.name[:2]:
+            raise CorruptPayloadError("file name does not match the key in its header")
+        if st.st_size != h.total_len:
+            raise CorruptPayloadError(f"file is {st.st_size} bytes, header says {h.total_len}")
+        return st.st_mtime, h.key, st.st_size, h.codec
+
+    def _admit_found(self, found: list[tuple[float, str, int, str]]) -> None:
         found.sort()
         for mtime, key, size, codec in found:
             self._index[key] = size
             self._meta[key] = (codec, mtime)
             self._used += size
-        self.integrity.corrupt += removed
 
     # ------------------------------------------------------------- BytesBackend
     def exists(self, key: str) -> bool:
@@ -238,7 +296,7 @@ class DiskBackend(BytesBackend):
             if size is not None:
                 self._used -= size
         try:
-            self._path(key).unlink()
+            self._unlink_entry(self._path(key))
         except FileNotFoundError:
             return size is not None
         except OSError as exc:  # a directory (or worse) where the entry's file was: forgotten, left there
@@ -247,6 +305,17 @@ class DiskBackend(BytesBackend):
             log.warning("disk tier %s: cannot remove %s: %s", self.context.tier, self._path(key), exc)
             return size is not None
         return True
+
+    def _unlink_entry(self, path: Path) -> None:
+        """Remove an entry's file; the shared ledger loses its bytes (only the process
+        whose unlink succeeded counts it)."""
+        if self._dir is None:
+            path.unlink()
+            return
+        with self._dir.locked():
+            st = os.lstat(path)
+            path.unlink()
+            self._dir.set_total(self._dir.total() - (st.st_size if stat.S_ISREG(st.st_mode) else 0))
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -263,14 +332,14 @@ class DiskBackend(BytesBackend):
             raise EntryPathError(f"{final.parent} is not a directory; entry {final.name} cannot be written") from None
         if final.is_dir() or (final.exists() and not final.is_file()):
             raise EntryPathError(f"{final} is not a regular file; the entry cannot be written there")
-        tmp = final.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+        tmp = final.parent / (self._dir.tmp_name() if self._dir else f"{TMP_PREFIX}{uuid.uuid4().hex}")
         total = sum(len(b) for b in buffers)
         try:
             self._write_file(tmp, buffers, total)
+            self._publish(tmp, final, total)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        os.replace(tmp, final)
         try:  # the payload's own codec: a re-encoded entry (lmcache compress) has another
             codec = payload.parse_header(buffers[0]).codec
         except CorruptPayloadError:
@@ -281,9 +350,41 @@ class DiskBackend(BytesBackend):
             self._meta[key] = (codec, time.time())
             self._used += total - (old or 0)
 
+    def _publish(self, tmp: Path, final: Path, total: int) -> None:
+        """Rename ``tmp`` into place and add its bytes to the shared ledger, in one step
+        under the directory's lock. A write that would carry the directory past the
+        capacity (other processes filled it meanwhile) is refused with ``ENOSPC``: the
+        tier skips that store and keeps serving."""
+        if self._dir is None:
+            os.replace(tmp, final)
+            return
+        with self._dir.locked():
+            try:
+                st = os.lstat(final)
+                old = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            except FileNotFoundError:
+                old = 0
+            before = self._dir.total()
+            after = before - old + total
+            if after > before and after > self.context.capacity:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the directory {self.root} is at its capacity ({before} of {self.context.capacity} bytes, "
+                    "shared by every process that opens it)",
+                )
+            os.replace(tmp, final)
+            self._dir.set_total(after)
+
     def reserve_size(self, key: str, obj: MemoryObj) -> int:
+        """The payload's bound, plus the bytes other processes hold in the directory:
+        the tier then evicts until the whole directory, not only this process's
+        entries, has room (its books hold this process's entries only)."""
         size = super().reserve_size(key, obj)
-        return size + BLOCK if self.o_direct else size  # the header padded to a block
+        if self.o_direct:
+            size += BLOCK  # the header padded to a block
+        if self._dir is not None:
+            size += max(0, self._dir.total() - self._used)
+        return size
 
     def put_one(self, key: str, obj: MemoryObj) -> int:
         if not self.o_direct:
@@ -486,104 +587,11 @@ class DiskBackend(BytesBackend):
         pool = self.__dict__.pop("_pool_exec", None)
         if pool is not None:
             pool.shutdown(wait=True)
+        self._close_dir()
 
-
-def _direct_views(buffers: Sequence[bytes | memoryview]) -> list[memoryview] | None:
-    """``buffers`` as they can go to an O_DIRECT write as they are (every one a whole
-    number of blocks at a block-aligned address, the header copied into an aligned
-    block first), or ``None``."""
-    if len(buffers) != 2 or len(buffers[0]) % BLOCK or len(buffers[1]) % BLOCK:
-        return None
-    body = memoryview(buffers[1]).cast("B")
-    if not body.contiguous or len(body) == 0:
-        return None
-    import numpy as np
-
-    addr = np.frombuffer(body, dtype=np.uint8).ctypes.data
-    if addr % BLOCK:
-        return None
-    head = mmap.mmap(-1, len(buffers[0]))
-    head[:] = buffers[0]
-    return [memoryview(head), body]
-
-
-def read_payload(
-    read_at: Callable[[memoryview, int], int],
-    size: int,
-    key: str,
-    codec_lookup: Callable[[str], Codec],
-    allocate: Callable[..., MemoryObj],
-) -> MemoryObj:
-    """Check and decode the ``size``-byte payload of ``key`` that ``read_at(dst, offset)``
-    reads (it fills ``dst`` from ``offset`` and returns the bytes it read); raises
-    :class:`CorruptPayloadError` like :func:`lmcache.payload.decode`.
-
-    Why not read everything and call :func:`~lmcache.payload.decode`: the header comes
-    first, in one small read, and a ``raw`` body then goes straight into the memory it
-    is served from and is checked there: one copy from the storage instead of two
-    (every file-like backend reads this way; other codecs decode from one whole read)."""
-    head_buf = bytearray(min(size, payload.HEADER_READ_HINT))
-    head = bytes(memoryview(head_buf)[: read_at(memoryview(head_buf), 0)])
-    h = payload.parse_header(head)
-    if h.key != key:
-        raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
-    if size != h.total_len:
-        raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
-    if h.codec != "raw":
-        whole = bytearray(size)
-        whole[: len(head)] = head
-        got = len(head) + (read_at(memoryview(whole)[len(head) :], len(head)) if size > len(head) else 0)
-        return payload.decode(memoryview(whole)[:got], key, codec_lookup, allocate)
-    obj = allocate(h.shape, dtype_from_name(h.dtype))
-    try:
-        dst = memoryview(obj.byte_view().numpy()) if h.nbytes else memoryview(bytearray())
-        have = head[h.header_len :]
-        dst[: len(have)] = have
-        if h.body_len > len(have):
-            got = read_at(dst[len(have) :], len(head))
-            if got != h.body_len - len(have):
-                raise CorruptPayloadError("file ended before its body")
-        if xxhash.xxh3_64_intdigest(dst) != h.body_xxh3:
-            raise CorruptPayloadError("body checksum mismatch")
-    except BaseException:
-        obj.unref()
-        raise
-    return obj
-
-
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    bufs = [b for b in bufs if len(b)]
-    while bufs:
-        try:
-            n = os.writev(fd, bufs)
-        except InterruptedError:  # pragma: no cover
-            continue
-        while n and bufs:
-            if n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0
-
-
-def _pread_all(fd: int, dst: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(dst):
-        n = os.preadv(fd, [dst[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _read_all(fd: int, dst: memoryview) -> int:
-    got = 0
-    while got < len(dst):
-        n = os.readv(fd, [dst[got:]])
-        if n == 0:
-            break
-        got += n
-    return got
-
-
+    def _close_dir(self) -> None:
+        """Let go of the directory: this opener's liveness lock (its temporaries are
+        then anyone's to remove) and the ledger's descriptor."""
+        state, self._dir = self._dir, None
+        if state is not None:
+            state.close()

@@ -59,12 +59,15 @@ from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo
 
+from . import disk_dir
 from .disk import read_payload
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".lmc"
 TMP_PREFIX = ".tmp+"  # "+" never appears in an encoded key, so no key looks like a temporary
+#: the fs layout, named in the directory's marker (``disk_dir.MARKER``)
+FS_LAYOUT = "fs/encoded-key"
 SEGMENT = 200  # bytes of encoded key per path component (NAME_MAX is 255)
 #: filesystems whose ``mv`` is a rename that replaces the target atomically (fsspec's
 #: generic ``mv`` is copy + delete); the others are written in place
@@ -233,6 +236,9 @@ class FSBackend(BytesBackend):
         self._workers = _Workers(self.options["concurrency"], f"lmcache-fs-{context.tier}")
         try:  # connect now if the filesystem answers in time; a bad argument is a config error
             self._call(self._fs)
+        except ConfigError:  # the directory is claimed by a tier of another layout
+            self._workers.close()
+            raise
         except TypeError as exc:
             raise ConfigError("fs_options", f"{cls.__name__} rejected its arguments: {exc}") from None
         except Exception as exc:  # unreachable: open anyway, serve misses, retry on each call
@@ -248,9 +254,27 @@ class FSBackend(BytesBackend):
                     fs = self._fs_cls(**self._fs_kwargs)
                     if not self.context.read_only:
                         fs.makedirs(self.root, exist_ok=True)
+                    self._claim(fs)
                     self._fs_obj = fs
                 fs = self._fs_obj
         return fs
+
+    def _claim(self, fs: Any) -> None:
+        """Refuse a directory that a tier of another layout claimed (a ``disk`` tier
+        names its files by a hash and would not know ours); claim an unclaimed one
+        (unless read-only) with the marker ``.lmcache-tier``."""
+        marker = f"{self.root.rstrip('/')}/{disk_dir.MARKER}"
+        for attempt in range(2):
+            try:
+                data = fs.cat_file(marker, start=0, end=disk_dir.MAX_MARKER + 1)
+            except FileNotFoundError:
+                if self.context.read_only or attempt:
+                    return
+                fs.pipe_file(marker, disk_dir.marker_bytes("fs", FS_LAYOUT))
+                continue  # read it back: a disk tier claiming it at the same time may have won
+            claim = disk_dir.parse_marker(data, marker, "url")
+            disk_dir.check_marker(claim, self.url, FS_LAYOUT, "fs", "url")
+            return
 
     def _batch(
         self,

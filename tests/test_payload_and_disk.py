@@ -75,7 +75,8 @@ def _disk(path, codec="raw", **opts):
 
 
 def _files(path: Path):
-    return sorted(p for p in path.rglob("*") if p.is_file())
+    """Entry and temporary files (not the directory's marker, ledger and liveness files)."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".lmcache-"))
 
 
 def test_disk_entries_survive_a_new_process(tmp_path):

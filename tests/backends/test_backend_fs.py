@@ -296,7 +296,7 @@ def test_concurrent_writers_of_one_key_never_expose_a_partial_entry(FSBackend, t
     assert hits > 0
     assert reader.integrity.corrupt == 0
     assert [k for k, _ in reader.keys()] == [make_key(0)]  # one entry, no temporaries left
-    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lmc")]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith((".lmc", ".lmcache-tier"))]
 
 
 # ------------------------------------------------------------------ a hung filesystem
