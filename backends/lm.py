@@ -20,8 +20,16 @@ while the server is down) and kept in a small pool (``max_connections``); any er
 closes the connection it happened on and drops the idle ones (after a server restart
 they are all dead), so the first call after the server is back connects afresh.
 
+Why the token is never sent: each new connection runs the mutual handshake of
+:mod:`lmcache.auth`; the server must prove it knows the token before this side proves
+it, so an address that is not a real server of the cluster learns nothing usable and
+gets no request. With ``peer_id`` (set by the peer-to-peer client to the instance id it
+resolved) the server must also announce that identity, so a relay to another peer is
+refused.
+
 Options: ``url`` (required, ``lm://host[:port]``, default port 7171), ``timeout``
-(seconds), ``token`` (sent as the first frame of each connection), ``prefix`` (put in
+(seconds), ``token`` (proved on each new connection, never sent), ``peer_id`` (the
+identity the server must announce), ``prefix`` (put in
 front of every key on the server, to share one server between separate caches),
 ``batch`` (requests per round trip), ``max_connections``, ``max_value_size`` (the
 largest value this client accepts from the server).
@@ -29,6 +37,7 @@ largest value this client accepts from the server).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import threading
@@ -36,7 +45,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from lmcache import payload
+from lmcache import auth, payload
 from lmcache import wire as proto
 from lmcache.errors import BackendError, ConfigError
 from lmcache.keys import CacheKey
@@ -74,7 +83,8 @@ def _chunks(seq: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
 class Connection:
     """One socket to the server and the number of its next request."""
 
-    def __init__(self, host: str, port: int, timeout: float, token: str | None, max_value: int):
+    def __init__(self, host: str, port: int, timeout: float, token: str | None, max_value: int,
+                 peer_id: str | None = None):
         self.max_value = max_value
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -82,10 +92,48 @@ class Connection:
         self._scratch: memoryview | None = None
         if token:
             try:
-                self.request([(proto.AUTH, b"", [token.encode()])])
+                self._handshake(token.encode(), peer_id)
             except BaseException:
                 self.close()
                 raise
+
+    def _auth_frame(self, value: bytes) -> bytes:
+        """Send one AUTH frame and return the value of its OK answer (at most 4 KiB is
+        read, whatever the other side declares); :class:`BackendError` otherwise."""
+        seq, self.seq = self.seq, self.seq + 1
+        self.sock.sendall(proto.encode(proto.AUTH, seq, b"", value))
+        try:
+            f = proto.parse_header(proto.recv_exact(self.sock, proto.HEADER_SIZE), proto.MAX_TOKEN)
+        except proto.ProtocolError as exc:
+            raise BackendError(f"bad answer to the token handshake: {exc}") from None
+        body = bytes(proto.recv_exact(self.sock, f.key_len + f.value_len))[f.key_len:]
+        if f.status == proto.FATAL:
+            raise BackendError(f"server refused the request: {body.decode(errors='replace')}")
+        if f.status != proto.OK or f.op != proto.AUTH or f.seq != seq:
+            raise BackendError(f"unexpected answer to the token handshake (op {f.op}, status {f.status}, seq {f.seq})")
+        return body
+
+    def _handshake(self, token: bytes, peer_id: str | None) -> None:
+        """The mutual token handshake (:mod:`lmcache.auth`): the server proves it knows
+        the token first; only then is this side's proof sent. The token never is."""
+        nc = auth.nonce()
+        try:
+            got = self._auth_frame(auth.HELLO + nc)
+        except BackendError as exc:
+            if str(exc).endswith("wrong token"):  # what a server older than the handshake says to a hello
+                raise BackendError(f"{exc} (or the server predates the mutual token handshake: upgrade it)") from None
+            raise
+        if len(got) < 2 * auth.NONCE or len(got) > 2 * auth.NONCE + auth.MAX_IDENTITY:
+            raise BackendError("the server did not prove it knows the token (no token set there, or not an "
+                               "lmcache server): refusing to authenticate to it; nothing was sent")
+        ns, sp, ident = got[: auth.NONCE], got[auth.NONCE : 2 * auth.NONCE], got[2 * auth.NONCE :]
+        if not hmac.compare_digest(sp, auth.proof(token, "server", nc, ns, ident)):
+            raise BackendError("wrong token, or not a server of this cluster: the server did not prove it knows "
+                               "this token; refusing to authenticate to it, nothing was sent")
+        if peer_id is not None and not hmac.compare_digest(ident, peer_id.encode()):
+            raise BackendError(f"the server is {ident.decode(errors='replace')!r}, not the expected {peer_id!r} "
+                               "(a relay or a stale address): refusing to authenticate to it")
+        self._auth_frame(auth.HELLO + auth.proof(token, "client", nc, ns, ident))
 
     def close(self) -> None:
         try:
@@ -153,6 +201,7 @@ class LMBackend(BytesBackend):
         "url": None,
         "timeout": 2.0,
         "token": None,
+        "peer_id": None,
         "prefix": "",
         "batch": 64,
         "max_connections": 8,
@@ -169,6 +218,8 @@ class LMBackend(BytesBackend):
             raise ConfigError("timeout", f"expected a positive number of seconds, got {t!r}")
         if opts["token"] is not None and (not isinstance(opts["token"], str) or not opts["token"]):
             raise ConfigError("token", "expected a non-empty string (or none)")
+        if opts["peer_id"] is not None and (not isinstance(opts["peer_id"], str) or not opts["peer_id"]):
+            raise ConfigError("peer_id", "expected a non-empty string (or none)")
         if not isinstance(opts["prefix"], str):
             raise ConfigError("prefix", f"expected a string, got {opts['prefix']!r}")
         for key in ("batch", "max_connections", "max_value_size"):
@@ -205,7 +256,8 @@ class LMBackend(BytesBackend):
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                conn = Connection(self.host, self.port, self.timeout, self.options["token"], self.options["max_value_size"])
+                conn = Connection(self.host, self.port, self.timeout, self.options["token"], self.options["max_value_size"],
+                                  self.options["peer_id"])
             if consume is None:
                 res = conn.request(reqs)
             else:

@@ -1,4 +1,5 @@
-"""Bearer tokens for lmcache's HTTP services: one admin token and tenant tokens.
+"""Tokens: bearer tokens for lmcache's HTTP services (one admin token and tenant
+tokens), and the mutual token handshake of the binary protocol (:mod:`lmcache.wire`).
 
 The instance API (``api.token`` / ``api.tenants``) and the controller (``--token`` /
 ``--tenants-file``) accept two kinds of token:
@@ -14,12 +15,33 @@ tokens per namespace allow rotation). When any token is configured, a request wi
 one of them is refused with 401. Every configured token is compared with
 :func:`hmac.compare_digest`, all of them on every request, so the time a refusal takes
 says nothing about which token came close.
+
+The binary protocol's handshake (``lmcache server``, the ``lm`` backend, peer
+endpoints) never sends the shared token: each side proves it knows it.
+
+1. client -> server: AUTH, value ``HELLO + nc`` (``nc``: 32 random bytes);
+2. server -> client: AUTH OK, value ``ns + server_proof + identity`` (``ns``: 32 random
+   bytes; ``identity``: the server's name, a peer endpoint's instance id, up to
+   :data:`MAX_IDENTITY` bytes; ``server_proof = HMAC-SHA256(token, "lmcache server" |
+   nc | ns | identity)``);
+3. the client checks the proof (and, when it knows whom it dialled, the identity) and
+   only then sends AUTH, value ``HELLO + client_proof`` (the same HMAC with "lmcache
+   client"); the server checks it and answers AUTH OK.
+
+Why: a listener that does not know the token (an address a request named, a stolen
+registration) cannot produce ``server_proof``, so the client stops before sending a
+proof or any request; what it saw (``nc``) is useless. The two labels differ, so a
+server cannot be used as an oracle for client proofs. A relay that forwards the
+handshake to a real peer is caught by the identity: the client expects the instance id
+it resolved, the real peer announces its own, and both proofs cover it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
+import secrets
 from typing import Any, Mapping
 
 from .errors import ConfigError, LMCacheError
@@ -101,9 +123,30 @@ class Credentials:
         return scope
 
 
+#: first bytes of a handshake's AUTH value (then a 32-byte nonce or proof)
+HELLO = b"LMA1"
+NONCE = 32
+#: the longest server identity a client accepts
+MAX_IDENTITY = 256
+
+
+def nonce() -> bytes:
+    """32 random bytes."""
+    return secrets.token_bytes(NONCE)
+
+
+def proof(token: bytes, side: str, nc: bytes, ns: bytes, identity: bytes) -> bytes:
+    """``HMAC-SHA256(token, "lmcache <side>" | nc | ns | identity)``; ``side`` is
+    ``"server"`` or ``"client"`` (the nonces have fixed sizes, so the concatenation is
+    unambiguous)."""
+    assert side in ("server", "client")
+    return hmac.new(token, b"lmcache " + side.encode() + b"|" + nc + ns + identity, hashlib.sha256).digest()
+
+
 def foreign(tenant: str | None, namespace: str | None) -> bool:
     """Whether ``namespace`` is out of reach for a caller scoped to ``tenant``."""
     return tenant is not ADMIN and namespace != tenant
 
 
-__all__ = ["ADMIN", "Credentials", "Unauthorized", "foreign", "parse_tenants"]
+__all__ = ["ADMIN", "HELLO", "MAX_IDENTITY", "NONCE", "Credentials", "Unauthorized", "foreign", "nonce", "parse_tenants",
+           "proof"]

@@ -16,10 +16,14 @@ answers FATAL with a message where it can and closes the connection; other conne
 and the server carry on. A request that is well-formed but cannot be served (a value
 larger than the whole capacity) is an ERROR response and the connection stays open.
 
-When a token is set, the first frame of every connection must be AUTH with the token as
-its value (compared in constant time); anything else is answered FATAL and closed as soon
-as its header is read, before any of its key or value: an unauthenticated peer can make
-the server hold no more than one AUTH frame (at most 4 KiB). Unauthenticated connections
+When a token is set, a connection starts with the mutual token handshake of
+:mod:`lmcache.auth` (AUTH frames; the server proves it knows the token before the
+client proves it, and the token itself never crosses the wire); anything else is
+answered FATAL and closed as soon as its header is read, before any of its key or
+value: an unauthenticated peer can make the server hold no more than one AUTH frame (at
+most 4 KiB). With ``legacy_auth`` (``lmcache server``'s default, for clients older than
+the handshake) an AUTH frame whose value is the token itself is accepted too; peer
+endpoints refuse it. Unauthenticated connections
 are bounded in time (``auth_timeout``: the AUTH frame must arrive within it) and in number
 (``max_unauthenticated``), so idle sockets cannot fill ``max_connections``.
 """
@@ -36,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
+from . import auth
 from .wire import (
     AUTH, DEFAULT_MAX_VALUE, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
     LAZY_ALLOC, LIST, LIST_PAGE, MAGIC, MORE, NOT_FOUND, OK, PUT, ProtocolError, VERSION, alloc,
@@ -51,9 +56,6 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_AUTH_TIMEOUT = 5.0
 #: connections that may wait for their AUTH frame at once (with a token set)
 DEFAULT_MAX_UNAUTHENTICATED = 32
-#: bytes each stored entry counts beyond its key and value (the dict slot, the buffer
-#: object, the eviction policy's record: about 235 bytes measured with tracemalloc)
-ENTRY_OVERHEAD = 256
 
 
 # ------------------------------------------------------------------- store
@@ -82,9 +84,6 @@ class ByteStore:
     """Opaque values under string keys, within a byte capacity; ``policy`` (an
     :class:`lmcache.policies.EvictionPolicy`) picks what goes when a put needs room.
 
-    Every entry costs its value's bytes, its key's UTF-8 bytes and :data:`ENTRY_OVERHEAD`
-    (:meth:`cost`), so keys with empty values fill the capacity and are evicted like any
-    other entry: ``used_bytes`` never exceeds ``capacity`` and memory stays bounded.
     Stored buffers are never changed after they are stored (a put replaces the object),
     so a response can send one while another thread replaces or deletes its key."""
 
@@ -96,20 +95,15 @@ class ByteStore:
         self.evictions = 0
         self._lock = threading.Lock()
 
-    @staticmethod
-    def cost(key: str, value: bytearray | memoryview) -> int:
-        """The bytes an entry counts against the capacity: value, key and overhead."""
-        return len(value) + len(key.encode()) + ENTRY_OVERHEAD
-
     def put(self, key: str, value: bytearray | memoryview) -> bool:
-        """Store ``value``; False when the entry (:meth:`cost`) is larger than the whole capacity."""
-        n = self.cost(key, value)
+        """Store ``value``; False when it is larger than the whole capacity."""
+        n = len(value)
         if n > self.capacity:
             return False
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
-                self.used -= self.cost(key, old)
+                self.used -= len(old)
                 self.policy.on_remove(key)
             while self.used + n > self.capacity:
                 victim = self.policy.victim(lambda k: False)
@@ -118,7 +112,7 @@ class ByteStore:
                 self.policy.on_remove(victim)
                 gone = self._data.pop(victim, None)
                 if gone is not None:
-                    self.used -= self.cost(victim, gone)
+                    self.used -= len(gone)
                     self.evictions += 1
             self._data[key] = value
             self.used += n
@@ -126,8 +120,7 @@ class ByteStore:
         return True
 
     def refusal(self, value: bytearray | memoryview) -> str:
-        return (f"value of {len(value)} bytes (plus its key and {ENTRY_OVERHEAD} bytes of overhead) "
-                f"is larger than the server's capacity ({self.capacity})")
+        return f"value of {len(value)} bytes is larger than the server's capacity ({self.capacity})"
 
     def get(self, key: str) -> bytearray | memoryview | None:
         with self._lock:
@@ -145,7 +138,7 @@ class ByteStore:
             v = self._data.pop(key, None)
             if v is None:
                 return False
-            self.used -= self.cost(key, v)
+            self.used -= len(v)
             self.policy.on_remove(key)
             return True
 
@@ -279,10 +272,15 @@ class CacheServer:
         name: str = "lmcache server",
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        identity: str = "",
+        legacy_auth: bool = True,
     ):
         """``store``: serve this :class:`Store` instead of a new :class:`ByteStore` of
         ``capacity`` bytes evicting with ``policy`` (a peer endpoint serves its engine's
-        tiers); ``name`` is how logs call this server."""
+        tiers); ``name`` is how logs call this server. ``identity`` is the name the
+        handshake announces and both proofs cover (a peer endpoint's instance id);
+        ``legacy_auth`` also accepts the token sent in clear (clients that predate the
+        handshake)."""
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if max_value_size < 1:
@@ -296,6 +294,10 @@ class CacheServer:
         self.policy_name = policy if store is None else None
         self.name = name
         self.token = token.encode() if token else None
+        self.identity = identity.encode()
+        if len(self.identity) > auth.MAX_IDENTITY:
+            raise ValueError(f"identity of {len(self.identity)} bytes is over {auth.MAX_IDENTITY}")
+        self.legacy_auth = legacy_auth
         self.max_value_size = max_value_size
         self.max_connections = max_connections
         self.auth_timeout = float(auth_timeout)
@@ -401,7 +403,7 @@ class CacheServer:
 
     def _serve_conn(self, conn: socket.socket) -> None:
         io = _ConnIO(conn)
-        authed = [self.token is None]
+        authed: list[Any] = [self.token is None]  # [done, handshake state (nc, ns) once the hello came]
         timer = None
         if not authed[0]:
             # the whole AUTH frame within auth_timeout, however slowly its bytes come
@@ -439,7 +441,7 @@ class CacheServer:
             except OSError:
                 pass
 
-    def _loop(self, conn: socket.socket, io: _ConnIO, authed: list[bool]) -> None:
+    def _loop(self, conn: socket.socket, io: _ConnIO, authed: list[Any]) -> None:
         while True:
             # the first byte may take forever (an idle pooled connection); EOF here is a clean close
             if not io.wait(HEADER_SIZE):
@@ -467,16 +469,39 @@ class CacheServer:
                 raise ProtocolError("key is not UTF-8") from None
             value = io.take(f.value_len) if f.value_len else bytearray()
             if not authed[0]:
-                if self.token is not None and hmac.compare_digest(bytes(value), self.token):
-                    authed[0] = True
-                    self._authenticated(conn)
-                    io.send(pack_header(AUTH, f.seq))
+                answer = self._auth_step(authed, bytes(value))
+                if answer is not None:
+                    if authed[0]:
+                        self._authenticated(conn)
+                    io.send(encode(AUTH, f.seq, b"", answer))
                     continue
                 why = "wrong token"
                 io.flush()
                 self._fatal(conn, f.op, f.seq, why)
                 raise ProtocolError(why)
             self._handle(io, f, key, value)
+
+    def _auth_step(self, authed: list[Any], value: bytes) -> bytes | None:
+        """One AUTH frame of an unauthenticated connection: the value to answer OK with
+        (``authed[0]`` set once the client proved it knows the token), or ``None`` to
+        refuse it. See :mod:`lmcache.auth` for the handshake."""
+        assert self.token is not None
+        hs = authed[1] if len(authed) > 1 else None
+        n = len(auth.HELLO) + auth.NONCE
+        if len(value) != n or not value.startswith(auth.HELLO):
+            if hs is None and self.legacy_auth and hmac.compare_digest(value, self.token):
+                authed[0] = True  # a client that predates the handshake: the token itself
+                return b""
+            return None
+        if hs is None:  # the hello: prove we know the token, bound to the client's nonce
+            nc, ns = value[len(auth.HELLO):], auth.nonce()
+            authed.append((nc, ns))
+            return ns + auth.proof(self.token, "server", nc, ns, self.identity) + self.identity
+        nc, ns = hs
+        if not hmac.compare_digest(value[len(auth.HELLO):], auth.proof(self.token, "client", nc, ns, self.identity)):
+            return None
+        authed[0] = True
+        return b""
 
     def _handle(self, io: _ConnIO, f: Frame, key: str, value: bytearray | memoryview) -> None:
         op, seq = f.op, f.seq
@@ -528,32 +553,6 @@ class CacheServer:
 
 
 # ------------------------------------------------------------- entry point
-def exposure_warning(host: str, token: str | None) -> str | None:
-    """What ``lmcache server`` says on stderr at start when it listens beyond loopback
-    with no token (anyone who reaches the port may read, overwrite and delete every
-    entry); ``None`` on loopback or with a token. A host name other than ``localhost``
-    counts as beyond loopback."""
-    import ipaddress
-
-    if token:
-        return None
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
-        return None
-    return (f"WARNING: lmcache server listens on {host}, beyond loopback, with NO TOKEN: anyone who can reach "
-            "this port can read, overwrite and delete every entry. Set --token (or $LMCACHE_SERVER_TOKEN), "
-            "or bind 127.0.0.1.")
-
-
-def _stderr(message: str) -> None:
-    import sys
-
-    print(message, file=sys.stderr, flush=True)
-
-
 def run(
     host: str,
     port: int,
@@ -565,17 +564,11 @@ def run(
     max_connections: int,
     announce: Callable[[str], None] = print,
     auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
-    warn: Callable[[str], None] = _stderr,
 ) -> None:
-    """Bind, print ``LISTENING host:port`` once ready, serve until SIGTERM or SIGINT.
-    Listening beyond loopback with no token is said through ``warn`` (stderr) first
-    (:func:`exposure_warning`)."""
+    """Bind, print ``LISTENING host:port`` once ready, serve until SIGTERM or SIGINT."""
     server = CacheServer(host, port, capacity=capacity, policy=policy, token=token,
                          max_value_size=max_value_size, max_connections=max_connections,
                          auth_timeout=auth_timeout).bind()
-    exposed = exposure_warning(host, token)
-    if exposed is not None:
-        warn(exposed)
 
     def stop(signum: int, frame: Any) -> None:
         server._stop.set()

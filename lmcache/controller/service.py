@@ -23,9 +23,12 @@ registers again, which resets what the controller knew of it, and resends a snap
 Commands (``clear``, ``pin``, ``unpin``, ``compress``, ``decompress``) go to the
 instance's own API with the token the worker registered, and are answered when the
 instance answered. ``move`` tells the source instance (through its API's ``/v1/push``)
-to send the chunks to the destination's peer endpoint (``peer_url``, registered by
-instances with ``p2p.enabled``) and answers when the source answered, i.e. when the
-destination has stored them; the source tier keeps them unless ``remove_source``.
+to send the chunks to the destination instance, named by its id: the source resolves
+it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
+and the endpoint must prove it knows the cluster's peer token and announce that id, so a
+``peer_url`` registered with a tenant token that points elsewhere gets nothing. It
+answers when the source answered, i.e. when the destination has stored them; the
+source tier keeps them unless ``remove_source``.
 """
 
 from __future__ import annotations
@@ -198,7 +201,9 @@ class ControllerServer:
             keys = self.index.keys_for(src, body["tokens"])
         from lmcache.plugins.services.api_client import ApiClient
 
-        req = {"target": dst.peer_url, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
+        # the destination by id, not by the URL it registered: the source resolves it through its own
+        # controller and the endpoint must prove the peer token and announce that id (lmcache.auth)
+        req = {"target": dst.instance_id, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
                "remove_source": bool(body.get("remove_source"))}
         try:
             with ApiClient(src.api_url, src.api_token, self.dispatch_timeout) as api:

@@ -8,8 +8,10 @@ Bound to ``127.0.0.1`` by default; ``port: 0`` picks a free port
 ``tenants`` (``{namespace: token}``) adds tokens scoped to one namespace
 (:mod:`lmcache.auth`): with one, ``/v1/keys``, ``/v1/pins`` and ``/v1/tiers`` show that
 namespace's entries only, evict/clear/recode act on them only, a key or namespace of
-another tenant is refused with 403, and ``/v1/stats``, ``/v1/config`` and ``/metrics``
-(which cover every namespace) need the admin token.
+another tenant is refused with 403, ``/v1/push`` takes as ``target`` only an instance id
+that the controller registered in the tenant's namespace (an ``lm://`` address is 403:
+a request never chooses where this instance connects), and ``/v1/stats``,
+``/v1/config`` and ``/metrics`` (which cover every namespace) need the admin token.
 
 =======  ================  ==================================================
 method   path              what
@@ -206,9 +208,9 @@ class ApiServer:
         if path == "/v1/recode":
             body = dict(body)
             return a.recode(body.pop("tier"), body.pop("codec"), **body)
-        if path == "/v1/push":
+        if path == "/v1/push":  # a tenant pushes to its namespace's registered instances only
             body = dict(body)
-            return a.push(body.pop("target"), **body)
+            return a.push(body.pop("target"), **body, namespace=None if tenant is ADMIN else tenant)
         raise HTTPError(404, f"no such endpoint: POST {path}")  # pragma: no cover
 
 

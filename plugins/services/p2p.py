@@ -24,8 +24,18 @@ the token must not crash or stall the engine. Each call has ``p2p.timeout``; a p
 failed is skipped with a growing backoff (0.5 s doubling up to 30 s), and said once per
 outage, not once per call.
 
-All peers of a cluster share one token (``p2p.token``): the endpoint requires it and
-the engine sends it to the peers it fetches from and pushes to.
+All peers of a cluster share one token (``p2p.token``), and it never crosses the wire:
+peers run the mutual handshake of :mod:`lmcache.auth`, the endpoint proving it knows the
+token before the client does, and announcing its instance id, which the client checks
+against the instance it resolved (through the controller). A listener registered as a
+peer without the token, or a relay to another peer, gets neither a proof nor a request.
+
+Why a tenant cannot choose where to push: a push to an address a request names would
+let any API caller point this instance at a listener of its own. A tenant token
+(``api.tenants``) may push only to an instance id that the controller has registered in
+the tenant's namespace; ``lm://`` addresses are for the admin token and the Python API.
+The endpoint serves (GET, EXISTS, LIST) and accepts (PUT) keys of this instance's
+namespace and model only, also when its tiers are shared with other namespaces.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from lmcache import payload
 from lmcache import server as proto
 from lmcache.dtypes import dtype_name
-from lmcache.errors import BackendError, CorruptPayloadError
+from lmcache.errors import AdminError, BackendError, CorruptPayloadError, NotFoundError
 from lmcache.keys import CacheKey, Chunk
 from lmcache.memory import MemoryObj, MemoryPool
 
@@ -90,11 +100,22 @@ class EngineStore:
         #: counters: chunks served to peers and received from them, refused PUTs
         self.served = self.received = self.refused = 0
 
+    def _own(self, key: str) -> bool:
+        """Whether ``key`` is of this instance's namespace and model."""
+        try:
+            ck = CacheKey.parse(key)
+        except ValueError:
+            return False
+        cfg = self.engine.config
+        return ck.namespace == cfg.namespace and ck.model == cfg.model
+
     # -- reads
     def get(self, key: str) -> _Held | None:
         try:
             tier, key = split_tier(key)
         except ValueError:
+            return None
+        if not self._own(key):
             return None
         if tier is not None:
             try:
@@ -122,6 +143,8 @@ class EngineStore:
     def exists(self, key: str) -> bool:
         try:
             tier, key = split_tier(key)
+            if not self._own(key):
+                return False
             if tier is not None:
                 return self.hierarchy.tier(tier).contains([key])[0]
         except (ValueError, KeyError):
@@ -135,7 +158,7 @@ class EngineStore:
         seen: dict[str, int] = {}
         for t in self.hierarchy.tiers:
             for k in t.key_list():
-                if k.startswith(prefix) and k not in seen:
+                if k.startswith(prefix) and k not in seen and self._own(k):
                     seen[k] = t.size_of(k) or 0
         return sorted(seen.items())
 
@@ -215,7 +238,8 @@ class PeerEndpoint:
 
         self.store = EngineStore(engine)
         self.server = proto.CacheServer(cfg.host, cfg.port, token=cfg.token, store=self.store,
-                                        name="lmcache peer endpoint")
+                                        name="lmcache peer endpoint", identity=engine.instance_id,
+                                        legacy_auth=False)
         try:
             self.server.bind()
         except OSError as exc:
@@ -246,7 +270,7 @@ class Peers:
     def __init__(self, engine: EngineView, cfg: P2PConfig):
         self.engine = engine
         self.cfg = cfg
-        self._clients: dict[tuple[str, str], Any] = {}
+        self._clients: dict[tuple[str, str, str | None], Any] = {}
         self._health: dict[str, _PeerHealth] = {}
         self._lock = threading.Lock()
 
@@ -254,19 +278,21 @@ class Peers:
         obj = self.engine.hierarchy.allocate(shape, dtype)
         return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 
-    def client(self, url: str, prefix: str = ""):
+    def client(self, url: str, prefix: str = "", peer_id: str | None = None):
+        """The client of the endpoint at ``url``; with ``peer_id``, the endpoint must
+        announce that instance id in the handshake (see :mod:`lmcache.auth`)."""
         from lmcache.storage import BackendContext
 
         with self._lock:
-            c = self._clients.get((url, prefix))
+            c = self._clients.get((url, prefix, peer_id))
             if c is None:
                 h = self.engine.hierarchy
                 LMBackend = h.registries.backends.load("lm")  # a peer speaks the lm server protocol
                 opts = LMBackend.check_options({"url": url, "timeout": self.cfg.timeout, "token": self.cfg.token,
-                                                "prefix": prefix, "batch": BATCH})
+                                                "peer_id": peer_id, "prefix": prefix, "batch": BATCH})
                 ctx = BackendContext(f"peer {url}", 1 << 62, opts, h.codec("raw"), h.codec, self._allocate,
                                      self.engine.clock)
-                c = self._clients[(url, prefix)] = LMBackend(ctx)
+                c = self._clients[(url, prefix, peer_id)] = LMBackend(ctx)
             return c
 
     def available(self, url: str) -> bool:
@@ -353,8 +379,6 @@ class P2P:
         missing = list(keys[have:])
         if not missing or not self.fetching:
             return 0
-        from lmcache.errors import AdminError
-
         self.stats.lookups += 1
         try:
             r = self._controller.lookup(keys=missing)  # type: ignore[union-attr]
@@ -368,23 +392,23 @@ class P2P:
             self._ctl_down = False
         me = self.engine.instance_id
         for row in r.get("results", []) if isinstance(r, dict) else []:
-            url = row.get("peer_url")
-            if row.get("instance_id") == me or not isinstance(url, str) or not self.peers.available(url):
+            url, iid = row.get("peer_url"), row.get("instance_id")
+            if iid == me or not isinstance(url, str) or not isinstance(iid, str) or not self.peers.available(url):
                 continue
             n = min(int(row.get("hit_chunks") or 0), len(missing))
             if n <= 0:
                 continue
-            got = self._fetch_from(url, chunks[have : have + n], missing[:n])
+            got = self._fetch_from(url, chunks[have : have + n], missing[:n], peer_id=iid)
             if got:
                 return got
         return 0
 
-    def _fetch_from(self, url: str, chunks: Sequence[Chunk], keys: Sequence[str]) -> int:
+    def _fetch_from(self, url: str, chunks: Sequence[Chunk], keys: Sequence[str], peer_id: str | None = None) -> int:
         spec = self.engine.kv_spec
         assert spec is not None
         t0 = time.perf_counter()
         try:
-            objs = self.peers.client(url).get(keys)
+            objs = self.peers.client(url, peer_id=peer_id).get(keys)
         except (BackendError, OSError) as exc:
             self.stats.failed_fetches += 1
             self.peers.failed(url, "fetch", exc)
@@ -416,37 +440,50 @@ class P2P:
         return got
 
     # ------------------------------------------------------------ push
-    def resolve(self, target: str) -> str:
-        """A peer URL (``lm://host:port``) as given, or an instance id looked up in the
-        controller's instances."""
-        if target.startswith("lm://"):
-            return target
+    def resolve(self, target: str, namespace: str | None = None) -> tuple[str, str | None]:
+        """``(url, instance id)`` of a push target: an instance id looked up in the
+        controller's instances (the endpoint must then announce that id), or, without
+        ``namespace``, a peer URL (``lm://host:port``) as given (``(url, None)``). With
+        ``namespace`` (a tenant's push) only an instance of that namespace is a target:
+        an address is an :class:`AdminError` of status 403, another namespace's instance
+        unknown (:class:`NotFoundError`)."""
+        if "://" in target:
+            if namespace is not None:
+                err = AdminError(f"a tenant token may push only to an instance id registered with the controller in "
+                                 f"namespace {namespace!r}, not to an address ({target[:100]!r})")
+                err.status = 403  # type: ignore[misc]
+                raise err
+            if not target.startswith("lm://"):
+                raise ValueError(f"{target[:100]!r} is not an lm://host:port address")
+            return target, None
         if self._controller is None:
             raise ValueError(f"{target!r} is not an lm://host:port address and no controller.url is set to resolve it")
         for inst in self._controller.instances():
-            if inst.get("instance_id") == target:
+            if inst.get("instance_id") == target and (namespace is None or inst.get("namespace") == namespace):
                 url = inst.get("peer_url")
                 if not url:
                     raise ValueError(f"instance {target!r} runs no peer endpoint (p2p.enabled)")
-                return url
-        raise ValueError(f"unknown instance {target!r}")
+                return url, target
+        raise NotFoundError(f"unknown instance {target!r}" + (f" in namespace {namespace!r}" if namespace else ""))
 
     def push_prompt(self, tokens: Any, target: str, *, keys: Sequence[str] | None = None, **kw: Any) -> dict[str, Any]:
         """:meth:`push` of the cached prefix of ``tokens``, or of ``keys`` (one of them)."""
         if (tokens is None) == (keys is None):
             raise ValueError("give tokens or keys, not both")
         if keys is None and self.engine.kv_spec is None:
+            self.resolve(target, kw.get("namespace"))  # a target this caller may not name is refused all the same
             return {"target": target, "pushed": [], "missing": [], "bytes": 0, "removed": [], "skipped": []}
         keys = self.engine.chunk_keys(tokens)[1] if keys is None else keys
         return self.push(list(keys), target, prefix_only=tokens is not None, **kw)
 
     def push(self, keys: Sequence[str], target: str, *, tier: str | None = None, target_tier: str | None = None,
-             remove_source: bool = False, prefix_only: bool = False) -> dict[str, Any]:
+             remove_source: bool = False, prefix_only: bool = False, namespace: str | None = None) -> dict[str, Any]:
         """Send the entries of ``keys`` (from ``tier``, or whichever tier has them) to
-        the endpoint ``target``, into ``target_tier`` (or its top tier). With
+        the endpoint ``target`` (see :meth:`resolve`; ``namespace`` restricts it to an
+        instance of that namespace), into ``target_tier`` (or its top tier). With
         ``prefix_only``, stop at the first key not held. With ``remove_source``, the
         sent entries are then evicted here (from ``tier``, or from every tier)."""
-        url = self.resolve(target)
+        url, peer_id = self.resolve(target, namespace)
         h = self.engine.hierarchy
         src = h.tier(tier) if tier is not None else None
         if src is not None:
@@ -461,7 +498,7 @@ class P2P:
                     missing.append(key)
                     continue
                 items.append((key, obj))
-            client = self.peers.client(url, f"@{target_tier}|" if target_tier else "")
+            client = self.peers.client(url, f"@{target_tier}|" if target_tier else "", peer_id)
             t0 = time.perf_counter()
             try:
                 sizes = client.put(items) if items else []
