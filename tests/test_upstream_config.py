@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lmcache import upstream
-from lmcache.config import _physical_memory, load_config
+from lmcache.config import KVSpec, _physical_memory, load_config
 from lmcache.errors import ConfigError
 from tests._missing import missing
 
@@ -394,3 +394,55 @@ def test_hostile_values_of_mapped_keys_raise_only_config_error_and_short(key):
                 load_config(wrap, environ={})
             except ConfigError as exc:
                 assert len(str(exc)) < 1000 and "\n" not in str(exc)
+
+
+# ------------------------------------------------------------------ engines built from LMCache's settings
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_size=2, dtype="float32")
+
+
+def _kv(tokens):
+    import torch
+
+    t = torch.as_tensor(list(tokens), dtype=torch.float32).reshape(1, 1, -1, 1, 1)
+    return (t * 0.25 + torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 2, 1, 2, 2)).contiguous()
+
+
+def test_engines_from_upstream_env_share_kv_through_an_lm_server(tmp_path):
+    """vLLM's sharing example (LMCACHE_LOCAL_CPU=False, remote lm://, serde naive) and the
+    llm-d disk env, as real engines: what one stores, the other retrieves from the server."""
+    import torch
+
+    from lmcache import CacheEngine
+    from tests._missing import loopback_store
+
+    toks = list(range(64))
+    with loopback_store("lm") as store:
+        sharing = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "5.0", "LMCACHE_CHUNK_SIZE": "16",
+                   "LMCACHE_REMOTE_URL": store.options["url"], "LMCACHE_REMOTE_SERDE": "naive"}
+        disk = {"LMCACHE_CHUNK_SIZE": "16", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.004",
+                "LMCACHE_LOCAL_DISK": f"file://{tmp_path}/kv-store-disk/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "0.05",
+                "LMCACHE_EXTRA_CONFIG": '{"use_odirect": false}', "LMCACHE_REMOTE_URL": store.options["url"]}
+        with CacheEngine(load_config(None, environ=disk), kv_spec=SPEC) as a:
+            assert [t.backend for t in a.config.tiers] == ["cpu", "disk", "lm"]
+            a.store(toks, _kv(toks))
+            a.flush()  # the write-through copies reach the disk and the server before the engine closes
+            assert a.config.tiers[1].options == {"path": f"{tmp_path}/kv-store-disk/", "o_direct": False}
+            assert len(list((tmp_path / "kv-store-disk").rglob("*.lmc"))) == 4
+        with CacheEngine(load_config(None, environ=sharing), kv_spec=SPEC) as b:
+            assert [t.backend for t in b.config.tiers] == ["lm"]
+            res = b.retrieve(toks)
+            assert res.num_tokens == 64 and torch.equal(res.kv, _kv(toks)) and set(res.tiers) == {"lm"}
+
+
+def test_an_engine_from_a_pd_config_with_no_storage_runs():
+    import torch
+
+    from lmcache import CacheEngine
+
+    env = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_REMOTE_SERDE": "NULL",
+           "LMCACHE_ENABLE_NIXL": "True", "LMCACHE_CHUNK_SIZE": "16"}
+    toks = list(range(32))
+    with CacheEngine(load_config(None, environ=env), kv_spec=SPEC) as e:
+        e.store(toks, _kv(toks))
+        res = e.retrieve(toks)
+        assert res.num_tokens == 32 and torch.equal(res.kv, _kv(toks))
