@@ -99,7 +99,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
          "chunk_statistics_strategy"),
     "the instance API is one HTTP server per engine (api.host, api.port)":
         ("internal_api_server_include_index_list", "internal_api_server_socket_path_prefix"),
-    "each engine process needs a directory of its own; sharding is not done for you":
+    "the processes of one engine (TP ranks) share one disk directory and its capacity; no per-GPU subdirectories":
         ("local_disk_path_sharding", "gds_path_sharding"),
     "our gds tier sizes its own buffers and picks kvikio or POSIX I/O": ("gds_buffer_size", "gds_backend"),
     "the Maru CXL backend is not implemented": ("maru_path", "maru_pool_size"),
@@ -126,9 +126,10 @@ ALIASES: dict[str, str] = {
 KEYS = (set(MAPPED) | set(NO_EFFECT) | set(ALIASES)) - set(SHARED)
 
 #: ``LMCACHE_*`` variables upstream deployments set that name no key: quiet, or one warning
+#: (LMCACHE_FORCE_SKIP_SAVE is read by lmcache.integration.vllm's LMCacheConnectorV1 adapter)
 QUIET_ENV = {"LMCACHE_USE_EXPERIMENTAL", "LMCACHE_SERVER_SERVICE_PORT", "LMCACHE_INSTANCE_ID",
-             "LMCACHE_WORKER_PORT"}
-IGNORED_ENV = {"LMCACHE_FORCE_SKIP_SAVE": "skipping every save is not implemented; saves go on"}
+             "LMCACHE_WORKER_PORT", "LMCACHE_FORCE_SKIP_SAVE"}
+IGNORED_ENV: dict[str, str] = {}
 
 #: ``extra_config`` keys that have a meaning here (the rest: no effect)
 EXTRA_MAPPED = {"use_odirect", "s3_region", "aws_access_key_id", "aws_secret_access_key", "s3_num_io_threads",

@@ -263,8 +263,8 @@ def test_no_effect_keys_warned_once_each(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("save_decode_cache has no effect" in m for m in msgs) == 1
     assert sum("extra_config.lookup_backoff_time has no effect" in m for m in msgs) == 1
-    assert sum("LMCACHE_FORCE_SKIP_SAVE" in m for m in msgs) == 1
-    assert not any("LMCACHE_USE_EXPERIMENTAL" in m for m in msgs)
+    # read elsewhere (the LMCacheConnectorV1 adapter) or meaningless: quiet
+    assert not any("LMCACHE_USE_EXPERIMENTAL" in m or "LMCACHE_FORCE_SKIP_SAVE" in m for m in msgs)
 
 
 @pytest.mark.parametrize("env,match", [
