@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 from .config import TierConfig
 from .errors import EntryPathError
+from .leases import Leases
 from .ledger import Ledger
 from .memory import MemoryObj
 from .storage import EntryInfo, StorageBackend, Usage
@@ -85,7 +86,7 @@ class Tier:
         self.stats = TierStats()
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
-        self._leases: dict[str, list[float]] = {}
+        self._leases = Leases(clock)
         self._health = _Health()
         #: why the device refuses writes (full, read-only), since when; None: it takes them
         self._write_refusal: tuple[str, float, int] | None = None
@@ -177,11 +178,7 @@ class Tier:
 
     def lease(self, key: str, seconds: float) -> None:
         with self._lock:
-            now = self.clock()
-            if len(self._leases) > 4096:
-                for k in [k for k, v in self._leases.items() if max(v) <= now]:
-                    del self._leases[k]
-            self._leases.setdefault(key, []).append(now + seconds)
+            self._leases.take(key, seconds)
 
     def lease_held(self, key: str, seconds: float) -> bool:
         """Lease ``key`` if this tier still holds it (checked under the lock, so that an
@@ -190,31 +187,20 @@ class Tier:
         with self._lock:
             if not self.backend.shared and key not in self.ledger:
                 return False
-            self._leases.setdefault(key, []).append(self.clock() + seconds)
+            self._leases.take(key, seconds)
         return True
 
     def release_lease(self, key: str) -> None:
+        """Drop one live lease of ``key`` (the one that ends first)."""
         with self._lock:
-            v = self._leases.get(key)
-            if v:
-                v.remove(min(v))
-                if not v:
-                    del self._leases[key]
+            self._leases.drop(key)
 
     def is_pinned(self, key: str) -> bool:
+        """Pinned, or leased by a lookup whose lease has not ended."""
         if key in self._pins:
             return True
-        v = self._leases.get(key)
-        if not v:
-            return False
-        now = self.clock()
-        live = [t for t in v if t > now]
-        if live:
-            if len(live) != len(v):
-                self._leases[key] = live
-            return True
-        del self._leases[key]
-        return False
+        with self._lock:
+            return self._leases.held(key)
 
     def _held(self, key: str) -> bool:
         """Not evictable: pinned, leased, or held by a reader."""

@@ -509,3 +509,56 @@ def test_the_ledger_alone_keeps_each_tiers_books(tmp_path, regs):
         assert make_key(20) in disk.ledger and make_key(5) not in disk.ledger
     finally:
         h.close()
+
+
+def test_leases_of_a_hot_key_stay_bounded_and_a_release_still_works(tmp_path, regs):
+    """Issue 29 item 7: 200k pinned lookups of one key, never released (a vLLM worker
+    whose answer came after lookup_timeout leaves its pins to expire), 1000 a second
+    against a 30 s lease. Before, every lease's end stayed stored (400k floats: +13 MB
+    here) and each release scanned them all."""
+    import tracemalloc
+
+    clock = Clock()
+    h, pool = _h(tmp_path, regs, clock=clock)
+    k = make_key(0)
+    _put(h, pool, 0)
+    h.flush()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(200_000):
+            assert h.lease_prefix([k], ["cpu"], 30.0) == 1
+            if i % 1000 == 999:
+                clock.t += 1.0
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"the leases of one key took {grown} bytes"
+    for t in h.tiers:
+        assert t._leases.records() <= t._leases.GRAIN + 1
+        assert 29_000 <= t._leases.count(k) <= 31_000  # the last 30 s of leases are live
+        assert t.is_pinned(k)
+    clock.t += 31  # every lease ended: a lookup and its release leave nothing behind
+    assert h.lease_prefix([k], ["cpu"], 30.0) == 1
+    assert all(t.is_pinned(k) for t in h.tiers)
+    h.release_leases([k])
+    assert not any(t.is_pinned(k) or len(t._leases) for t in h.tiers)
+    h.close()
+
+
+def test_a_release_drops_the_live_lease_that_ends_first(tmp_path, regs):
+    clock = Clock()
+    h, pool = _h(tmp_path, regs, clock=clock)
+    cpu = h.tiers[0]
+    k = make_key(0)
+    cpu.lease(k, 10.0)
+    clock.t += 5
+    cpu.lease(k, 10.0)
+    assert cpu._leases.count(k) == 2
+    cpu.release_lease(k)  # the one ending at +10 goes; the other holds until +15
+    clock.t += 6
+    assert cpu.is_pinned(k)
+    cpu.release_lease(k)
+    assert not cpu.is_pinned(k) and not len(cpu._leases)
+    cpu.release_lease(k)  # one release too many: nothing to drop, no error
+    h.close()

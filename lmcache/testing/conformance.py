@@ -335,6 +335,16 @@ class CodecTests:
             yield torch.randn(2, 2, 1, 1, 4, generator=g).to(dtype)  # a one-token chunk
             yield torch.randn(5, 7, generator=g).to(dtype)  # another layout
             yield torch.full((2, 2, 8, 2, 4), 1.5).to(dtype)  # constant groups
+        # extremes: float32 at +-FLT_MAX (a quantizer's float32 steps would overflow), just
+        # under 2**126, and float16 subnormals (where rounding error is absolute, not relative)
+        fmax = torch.finfo(torch.float32).max
+        big = torch.randn(2, 2, 8, 2, 4, generator=g)
+        big[0, 0, 0, 0, 0], big[0, 0, 1, 0, 0], big[0, 1, 0, 0, 0], big[0, 1, 0, 0, 1] = fmax, -fmax, fmax, -fmax
+        yield big
+        yield torch.randn(2, 2, 8, 2, 4, generator=g).clamp(-1, 1) * 2.0**125.9
+        for seed in range(8):
+            sub = torch.randn(2, 2, 24, 2, 8, generator=torch.Generator().manual_seed(seed)) * 2.0**-20
+            yield sub.to(torch.float16)
         yield torch.empty(0, 2, 0, 2, 8, dtype=torch.float16)
         yield torch.arange(300, dtype=torch.int32).reshape(3, 100)  # not floating point
         yield torch.tensor([1.0, float("inf"), float("nan"), -2.0])  # non-finite

@@ -12,10 +12,11 @@ that an entropy coder shrinks well. This codec:
 3. entropy-codes scales and deltas with zstd (``level``).
 
 Step 2 is lossless on the codes, so the error is the quantizer's alone: for every
-element, ``|x - x'| <= step / 2 + eps(dtype) * (|x| + step)`` plus float32 arithmetic (see
-:meth:`error_bound`). Tensors that are not chunk-shaped ``(layers, 2, tokens, heads,
-head_size)`` floats with finite values, and encodings that would not be smaller, are
-stored as they are. Encoded form: ``b"LMG" | u8 version | u8 mode | u16 group_size``, then
+element, ``|x - x'| <= step / 2 + eps(dtype) * (|x| + step) + sub(dtype) / 2`` plus float32
+arithmetic (``sub``: the dtype's smallest subnormal; see :meth:`error_bound` and
+:mod:`lmcache.plugins.codecs.quant`). Tensors that are not chunk-shaped ``(layers, 2, tokens,
+heads, head_size)`` floats with finite values below 2**126 (larger ones would overflow the
+float32 steps), and encodings that would not be smaller, are stored as they are. Encoded form: ``b"LMG" | u8 version | u8 mode | u16 group_size``, then
 the raw bytes (mode 0) or one zstd frame (mode 1).
 """
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .quant import _bound, _dequantize, _parts, _quantize, bound_by_parts
+from .quant import MAX_MAGNITUDE, _bound, _dequantize, _parts, _quantize, bound_by_parts
 
 _HDR = struct.Struct("<3sBBH")
 _MAGIC = b"LMG"
@@ -165,7 +166,10 @@ class CacheGenCodec:
 
     @staticmethod
     def _quantizable(t: torch.Tensor) -> bool:
-        return t.is_floating_point() and _is_chunk(t) and bool(torch.isfinite(t).all())
+        """Float chunks whose values are finite and below ``MAX_MAGNITUDE`` (2**126), so
+        the float32 offsets and steps stay finite and the entry decodes."""
+        return (t.is_floating_point() and _is_chunk(t) and bool(torch.isfinite(t).all())
+                and float(t.float().abs().max()) < MAX_MAGNITUDE)
 
     def error_bound(self, t: torch.Tensor) -> torch.Tensor:
         """The largest absolute error of each element of ``t`` after a round trip."""

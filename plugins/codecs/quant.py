@@ -18,12 +18,15 @@ rounded down and the step up, so they still cover the group) or exactly as float
 Error bound (what :meth:`error_bound` returns, computed from the stored steps, and what
 the tests check): for every element,
 
-    |x - x'| <= step / 2 + eps(dtype) * (|x| + step) + 2**-20 * (|lo| + |lo + qmax * step|)
+    |x - x'| <= step / 2 + eps(dtype) * (|x| + step) + sub(dtype) / 2
+               + 2**-20 * (|lo| + |lo + qmax * step|)
 
 i.e. half a quantization step of its group, plus one rounding of the result to the
-tensor's dtype (``eps`` = 2**-8 for bf16, 2**-11 for fp16, 2**-24 for fp32), plus float32
-arithmetic. With float16 scales, tensors with values of magnitude 30000 or more are
-stored as they are.
+tensor's dtype (``eps`` = 2**-8 for bf16, 2**-11 for fp16, 2**-24 for fp32, relative;
+``sub`` its smallest subnormal, 2**-24 for fp16, for results too small for ``eps`` to
+hold), plus float32 arithmetic. Tensors with values of magnitude 30000 or more (float16
+scales) or 2**126 or more (float32 scales, whose steps would overflow) are stored as
+they are.
 
 Tensors that are not floating point, hold NaN/inf, or would not get smaller are stored
 as they are (lossless), as is everything that reaches the byte API (no dtype known),
@@ -50,6 +53,12 @@ RAW, KV, ROWS = 0, 1, 2
 _SCALE_DTYPES = {"float32": (0, torch.float32, np.float32), "float16": (1, torch.float16, np.float16)}
 _SCALE_CODES = {code: (t, n) for code, t, n in _SCALE_DTYPES.values()}
 _EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+#: half the smallest subnormal of each dtype: the most one rounding to it loses near zero,
+#: where the relative ``eps`` does not hold
+_HALF_SUB = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134, torch.float64: 0.0}
+#: float32 offsets and steps of values below this magnitude stay finite (a group's range
+#: ``max - min`` and ``lo + qmax * step`` below float32's 2**128); larger values are stored as they are
+MAX_MAGNITUDE = 2.0**126
 
 
 def _groups(x: torch.Tensor, g: int) -> tuple[torch.Tensor, int]:
@@ -153,14 +162,15 @@ def bound_by_parts(
     part_bound: Callable[[torch.Tensor, float], torch.Tensor],
 ) -> torch.Tensor:
     """Per-element error bound of a lossy codec: zeros for a tensor it stores as it is,
-    else ``part_bound(part, eps)`` of each float32 part of :func:`_parts`, joined back;
-    ``eps`` is one rounding to the tensor's dtype."""
+    else ``part_bound(part, eps)`` of each float32 part of :func:`_parts`, joined back,
+    plus half the dtype's smallest subnormal; ``eps`` (relative) and that half step
+    (absolute, for results near zero) bound together one rounding to the tensor's dtype."""
     t = t.detach().cpu()
     if not quantizable(t):
         return torch.zeros(t.shape, dtype=torch.float32)
     eps = _EPS.get(t.dtype, 2.0**-8)
     parts = _parts(t.to(torch.float32).contiguous())
-    return _join([part_bound(p, eps) for p in parts], tuple(t.shape))
+    return _join([part_bound(p, eps) for p in parts], tuple(t.shape)) + _HALF_SUB.get(t.dtype, 0.0)
 
 
 def _mode(t: torch.Tensor) -> int:
@@ -183,8 +193,10 @@ class _GroupQuantCodec:
         self.qmax = (1 << self.bits) - 1
 
     def _fits_scales(self, x: torch.Tensor) -> bool:
-        """float16 offsets and steps need values well inside float16's range."""
-        return self._sdt == torch.float32 or float(x.abs().max()) < 30000.0
+        """Offsets and steps need values well inside their dtype's range: below 30000
+        for float16, below :data:`MAX_MAGNITUDE` for float32 (else a step is inf and the
+        entry could never decode)."""
+        return float(x.abs().max()) < (MAX_MAGNITUDE if self._sdt == torch.float32 else 30000.0)
 
     # -------------------------------------------------------------- packing
     def _pack(self, q: torch.Tensor) -> bytes:
