@@ -16,10 +16,12 @@ Methods follow the backend contract's names: batch forms take a sequence of keys
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from itertools import compress
 from operator import not_
@@ -27,128 +29,21 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .codecs import ChainError, chain_names, load_codec
 from .config import Config, TierConfig
-from .errors import ConfigError, CorruptPayloadError
-from .ledger import Ledger, Listener
+from .errors import CorruptPayloadError
+from .ledger import Listener
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
-from .policies import EvictionPolicy
-from .storage import BackendContext, StorageBackend, check_backend_options
 from .tier import Tier
+from .tier_setup import TierParts, build_tier, check_tier, codec_cache
+
+__all__ = ["HierarchyStats", "StorageHierarchy", "TierParts", "build_tier", "check_tier", "codec_cache"]
 
 log = logging.getLogger(__name__)
 
 #: the longest the lower-tier writer holds a write back while stores copy (see
 #: :meth:`StorageHierarchy.storing`): a bound, so that no chain of stores starves it
 WRITER_YIELD_MAX = 0.25
-
-
-@dataclass
-class TierParts:
-    """A tier's plugins, loaded and checked, before its backend is opened."""
-
-    backend_cls: type[StorageBackend]
-    codec: object
-    policy: EvictionPolicy
-    options: dict
-
-
-def check_tier(
-    i: int,
-    tcfg: TierConfig,
-    *,
-    source: str | None = None,
-    registries: Registries | None = None,
-    codec_for: Callable[..., object] | None = None,
-) -> TierParts:
-    """Load tier ``i``'s backend class, codec and policy and check its backend keys,
-    opening nothing. Errors are :class:`ConfigError` naming ``tiers[i].<key>``."""
-    regs = registries or get_registries()
-    prefix = f"tiers[{i}]"
-    options = dict(tcfg.options)
-    codec_options = options.pop("codec_options", None)
-    try:
-        backend_cls = regs.backends.load(tcfg.backend)
-    except Exception as exc:
-        raise ConfigError(f"{prefix}.backend", str(exc), source) from exc
-    try:
-        for name in chain_names(tcfg.codec):
-            regs.codecs.load(name)
-    except Exception as exc:
-        raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
-    try:
-        codec = (codec_for or codec_cache(regs))(tcfg.codec, codec_options)
-    except ChainError as exc:
-        raise ConfigError(f"{prefix}.codec", str(exc), source) from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
-    except Exception as exc:
-        raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
-    try:
-        policy = regs.policies.load(tcfg.policy)()
-    except Exception as exc:
-        raise ConfigError(f"{prefix}.policy", str(exc), source) from exc
-    if getattr(backend_cls, "check_options", None) is not None:
-        try:
-            check_backend_options(backend_cls, options, tcfg.capacity)
-        except ConfigError as exc:
-            raise ConfigError(f"{prefix}.{exc.key}", exc.problem, source) from None
-    return TierParts(backend_cls, codec, policy, options)
-
-
-def build_tier(
-    i: int,
-    tcfg: TierConfig,
-    *,
-    source: str | None = None,
-    registries: Registries | None = None,
-    codec_for: Callable[..., object] | None = None,
-    allocate: Callable[[Sequence[int], torch.dtype], MemoryObj] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    pool: MemoryPool | None = None,
-    read_only: bool = False,
-    trim: bool = True,
-    parts: TierParts | None = None,
-) -> Tier:
-    """Open tier ``i`` of a config: its backend, codec and policy. Used by the hierarchy,
-    and on its own by tools that inspect a config's persisted tiers (``lmcache ls``).
-    Without ``allocate``, reads go to heap memory; without ``codec_for``, payloads of any
-    registered codec are readable."""
-    regs = registries or get_registries()
-    codec_for = codec_for or codec_cache(regs)
-    parts = parts or check_tier(i, tcfg, source=source, registries=regs, codec_for=codec_for)
-    ctx = BackendContext(
-        tier=tcfg.name,
-        capacity=tcfg.capacity,
-        options=parts.options,
-        codec=parts.codec,  # type: ignore[arg-type]
-        codec_lookup=codec_for,  # type: ignore[arg-type]
-        allocate=allocate or MemoryPool.allocate_unpooled,
-        clock=clock,
-        pool=pool,
-        read_only=read_only,
-    )
-    try:
-        backend = parts.backend_cls(ctx)
-    except ConfigError as exc:
-        raise ConfigError(f"tiers[{i}].{exc.key}", exc.problem, source) from None
-    return Tier(tcfg, backend, Ledger(tcfg.name, tcfg.capacity, parts.policy), clock, trim=trim)
-
-
-def codec_cache(regs: Registries) -> Callable[..., object]:
-    """``codec(name, options=None)``: the codec (or chain) named ``name``, built once
-    per name without options (a tier's reads look a payload's codec up per entry)."""
-    cache: dict[str, object] = {}
-
-    def codec(name: str, options: dict | None = None) -> object:
-        if options:
-            return load_codec(regs.codecs.load, name, options)
-        if name not in cache:
-            cache[name] = load_codec(regs.codecs.load, name)
-        return cache[name]
-
-    return codec
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -163,11 +58,19 @@ class _Write:
     tier: int
     key: str
     obj: MemoryObj
+    parked: bool = False  # has waited for its tier to recover
+
+
+#: a queue item that only wakes the writer (a tier recovered)
+_WAKE = object()
 
 
 @dataclass
 class HierarchyStats:
-    dropped_writes: int = 0  # lower-tier writes dropped because the queue was full
+    #: lower-tier writes dropped: the queue was full, too many waited for a tier in
+    #: backoff, the memory pool needed what they held, or the engine closed during an outage
+    dropped_writes: int = 0
+    deferred_writes: int = 0  # writes that waited for their tier to come back from an outage
     skipped_no_memory: int = 0  # store chunks skipped because the pool was exhausted
     promotions: int = 0
     repairs: int = 0  # write-through: evicted chunks written down because no lower tier had them
@@ -202,6 +105,8 @@ class StorageHierarchy:
             for t in self.tiers:
                 t.backend.close()
             raise
+        for i, t in enumerate(self.tiers):
+            t.on_recover = functools.partial(self._recovered, i)
         for i, t in enumerate(self.tiers[:-1]):
             t.on_evict = self._demoter(i + 1)
             if not self.write_back:
@@ -209,7 +114,11 @@ class StorageHierarchy:
                 # those a tier skipped while its store was down (or whose write queue was
                 # full); such a chunk is written down when it leaves this tier, not lost
                 t.demote_if = self._missing_below(i + 1)
-        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=config.write_queue_size)
+        self._queue: queue.Queue[_Write | object | None] = queue.Queue(maxsize=config.write_queue_size)
+        #: writes a tier in backoff could not take, oldest first (still in _inflight: served
+        #: from memory), retried when it recovers; at most write_queue_size
+        self._parked: deque[_Write] = deque()
+        self._drops_said: set[int] = set()  # tiers whose dropped writes were logged this outage
         # key -> (the objects of its queued writes, oldest first; the tier they go to). Two
         # writes of one key may carry different objects (two threads stored the same chunk):
         # each stays listed until its own write is done, so a reader is never handed an
@@ -236,7 +145,7 @@ class StorageHierarchy:
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """A pool object, evicting from the CPU tiers if the pool is full; ``None`` if
         nothing more can be evicted."""
-        obj = self.pool.allocate(shape, dtype)
+        obj = self.pool.allocate(shape, dtype) or self._unpark_for(shape, dtype)
         if obj is not None:
             return obj
         if self._stores:  # objects that queued writes hold come back to the pool when written
@@ -249,7 +158,7 @@ class StorageHierarchy:
                 if freed == 0:
                     break
                 budget -= freed
-                obj = self.pool.allocate(shape, dtype)
+                obj = self.pool.allocate(shape, dtype) or self._unpark_for(shape, dtype)
                 if obj is not None:
                     return obj
         self.stats.skipped_no_memory += 1
@@ -402,13 +311,12 @@ class StorageHierarchy:
         return demote
 
     def _missing_below(self, first: int) -> Callable[[str], bool]:
-        """Whether no tier from ``first`` down holds (or is about to hold) ``key``, and
-        one of them is up to take it: an evicted entry worth writing down."""
+        """Whether no tier from ``first`` down holds (or is about to hold) ``key``: an
+        evicted entry worth writing down (into a tier in backoff, it waits for it)."""
         lower = self.tiers[first:]
 
         def missing(key: str) -> bool:
-            # not if a write of it is queued, a lower tier has it, or none is up to take it
-            if key in self._inflight or any(key in t.ledger for t in lower) or not any(t.available for t in lower):
+            if key in self._inflight or any(key in t.ledger for t in lower):  # queued, or held below
                 return False
             self.stats.repairs += 1
             return True
@@ -496,20 +404,93 @@ class StorageHierarchy:
 
     def _run_writes(self) -> None:
         while True:
-            w = self._queue.get()
+            try:  # while writes are parked, wake when the first of their tiers is retried
+                w = self._queue.get(timeout=self._retry_wait())
+                got = True
+            except queue.Empty:
+                w, got = _WAKE, False
             try:
                 if w is None:
                     return
-                if self._stores and not self._stores_need_memory:
-                    self._yield_to_stores()
-                try:
-                    self.tiers[w.tier].put_one(w.key, w.obj)
-                finally:
-                    self._release(w)
+                if isinstance(w, _Write):
+                    if self._stores and not self._stores_need_memory:
+                        self._yield_to_stores()
+                    self._write(w)  # done or parked: flush() waits for the queue, not for a tier's outage
+                self._retry()
             except Exception:  # never let the writer die
                 log.exception("lmcache tier writer: unexpected error")
             finally:
-                self._queue.task_done()
+                if got:
+                    self._queue.task_done()
+
+    def _write(self, w: _Write) -> None:
+        """Write ``w`` into its tier; if the tier is in backoff (or this write put it
+        there), park it until the tier recovers instead of losing the chunk."""
+        tier = self.tiers[w.tier]
+        try:
+            done = tier.available and tier.put_one(w.key, w.obj)
+        except BaseException:
+            self._release(w)
+            raise
+        if done or tier.available:  # written, or skipped for good (no room, the device refused it)
+            self._release(w)
+            return
+        with self._writer_lock:
+            self.stats.deferred_writes += not w.parked
+            w.parked = True
+            self._parked.append(w)
+            over = self._parked.popleft() if len(self._parked) > self.config.write_queue_size else None
+        if over is not None:
+            self._drop(over, f"more than write_queue_size ({self.config.write_queue_size}) writes wait for it")
+
+    def _drop(self, w: _Write, why: str) -> None:
+        """A parked write given up: counted, and said once per outage of its tier."""
+        self.stats.dropped_writes += 1
+        if w.tier not in self._drops_said:
+            self._drops_said.add(w.tier)
+            log.warning("tier %s: in backoff; dropping chunks queued for it (%s); counted in dropped_writes",
+                        self.tiers[w.tier].name, why)
+        self._release(w)
+
+    def _retry_wait(self) -> float | None:
+        with self._writer_lock:
+            tiers = {w.tier for w in self._parked}
+        if not tiers and not any(t.resync_due for t in self.tiers):
+            return None
+        return min(1.0, max(0.01, min((self.tiers[i].retry_in() for i in tiers), default=0.0)))
+
+    def _retry(self) -> None:
+        """Resync each shared tier back from an outage, then write what was parked for it."""
+        for t in self.tiers:
+            if t.resync_due:
+                t.resync()
+        with self._writer_lock:
+            up = {w.tier for w in self._parked if self.tiers[w.tier].available}
+            due = [w for w in self._parked if w.tier in up]
+            self._parked = deque(w for w in self._parked if w.tier not in up)
+        for w in due:
+            self._write(w)  # a tier that fails again parks the rest again, without calling it
+
+    def _unpark_for(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """Drop parked writes whose chunk nothing else holds (evicted from the CPU tier
+        already), oldest first, until the pool has room: the pool bounds memory."""
+        while self._parked:
+            with self._writer_lock:
+                w = next((w for w in self._parked if w.obj.pooled and w.obj.refcount == 1), None)
+                if w is None:
+                    return None
+                self._parked.remove(w)
+            self._drop(w, "the memory pool needs the memory they hold")
+            obj = self.pool.allocate(shape, dtype)
+            if obj is not None:
+                return obj
+        return None
+
+    def _recovered(self, tier: int) -> None:
+        """Tier ``tier`` is back from an outage: wake the writer (resync, parked writes)."""
+        self._drops_said.discard(tier)
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(_WAKE)
 
     def touch(self, keys: Sequence[str]) -> None:
         for tier in self.tiers:
@@ -558,7 +539,8 @@ class StorageHierarchy:
         self._queue.join()
 
     def pending_writes(self) -> int:
-        return self._queue.qsize()
+        """Lower-tier writes not done yet: queued, or waiting for their tier to recover."""
+        return self._queue.qsize() + len(self._parked)
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(op, tier, key)`` whenever a tier admits (``"admit"``) or drops
@@ -592,6 +574,9 @@ class StorageHierarchy:
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
+        self._retry()  # a last try of what waits for a tier; the rest is dropped, counted
+        while self._parked:
+            self._drop(self._parked.popleft(), "the engine closed")
         for t in self.tiers:
             try:
                 t.backend.close()

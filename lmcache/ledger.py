@@ -56,6 +56,11 @@ class Ledger:
         self._tell("evict", key)
         return size
 
+    @property
+    def admits(self) -> int:
+        """How many admits there have been: the number the next one gets is larger."""
+        return self._admits
+
     def access(self, keys: Sequence[str]) -> None:
         """A use of each held key (a hit, or a store that found it cached)."""
         for k in keys:

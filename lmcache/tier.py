@@ -42,6 +42,7 @@ class TierStats:
     errors: int = 0
     corrupt: int = 0  # entries dropped by a check above the backend (the engine's shape/dtype check)
     refused_writes: int = 0  # puts and removes the device refused (full, or read-only)
+    lost: int = 0  # entries a shared store no longer held when the tier came back from an outage
     last_error: str = ""
 
     def as_dict(self) -> dict:
@@ -88,6 +89,10 @@ class Tier:
         self._pins: dict[str, int] = {}
         self._leases = Leases(clock)
         self._health = _Health()
+        #: a shared store back from an outage: its books are checked against it (:meth:`resync`)
+        self.resync_due = False
+        #: called (without the lock) when the tier recovers from an outage
+        self.on_recover: Callable[[], None] | None = None
         #: why the device refuses writes (full, read-only), since when; None: it takes them
         self._write_refusal: tuple[str, float, int] | None = None
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
@@ -131,6 +136,10 @@ class Tier:
         else:
             log.debug("tier %s: %s failed again (%s); next try in %.2fs", self.name, what, exc, delay)
 
+    def retry_in(self) -> float:
+        """Seconds until a tier in backoff is tried again (0 when it is available)."""
+        return max(0.0, self._health.down_until - self.clock())
+
     def _ok(self) -> None:
         h = self._health
         if h.failures:
@@ -138,6 +147,10 @@ class Tier:
             log.warning(
                 "tier %s: recovered after %d failed calls over %.1fs", self.name, h.failures, self.clock() - h.since
             )
+            # a shared store may have lost entries meanwhile (a restart, maxmemory)
+            self.resync_due = self.resync_due or self.backend.shared
+            if self.on_recover is not None:
+                self.on_recover()
 
     def _refused(self, what: str, exc: BaseException) -> None:
         """The device refused a write (full, or remounted read-only): that write is
@@ -419,6 +432,41 @@ class Tier:
             return
         self._ok()
         self._adopt(listed)
+
+    def resync(self, batch: int = 512) -> int:
+        """After an outage of a shared store: ask it (``contains``, in batches) for each
+        key the ledger counts, and forget those it no longer holds (a server that
+        restarted empty, or evicted while it was unreachable), through
+        :meth:`Ledger.forget`, so bytes used, the policy and the admit/evict listeners
+        agree with the store again; counted in ``lost``, said once. Keys admitted while it
+        runs are kept. Only this instance's entries are asked about (a listing of a shared
+        store would walk every instance's). Returns the number forgotten; an error puts
+        the tier back in backoff, and the next recovery resyncs again."""
+        self.resync_due = False
+        with self._lock:
+            mark = self.ledger.admits
+            keys = [k for k, n in self.ledger.born.items() if n <= mark]
+        gone: list[str] = []
+        try:
+            for i in range(0, len(keys), batch):
+                part = keys[i : i + batch]
+                gone += [k for k, here in zip(part, self.backend.contains(part)) if not here]
+        except Exception as exc:
+            self._failed("resync after an outage", exc)
+            return 0
+        lost = nbytes = 0
+        with self._lock:
+            for key in gone:
+                if self.ledger.born.get(key, mark + 1) <= mark:  # not stored again meanwhile
+                    nbytes += self.ledger.forget(key) or 0
+                    lost += 1
+            self.stats.lost += lost
+        if lost:
+            log.warning(
+                "tier %s: after its outage the store no longer holds %d of the %d entries counted (%d bytes); "
+                "forgotten", self.name, lost, len(keys), nbytes,
+            )
+        return lost
 
     def _adopt(self, listed: Sequence[tuple[str, int]]) -> None:
         with self._lock:

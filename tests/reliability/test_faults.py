@@ -195,19 +195,25 @@ def test_networked_tier_killed_and_restarted_during_a_workload(backend):
 
 # ======================================================================= the controller
 def test_write_through_writes_down_what_a_tier_missed_during_its_outage():
-    """Write-through over cpu + lm: chunks stored while the lm server is down stay only
-    in the CPU tier; once it is back, those chunks are written to it when the CPU tier
-    evicts them (not lost), and are then served from it, exact."""
+    """Write-through over cpu + lm: writes for the lm tier wait while its server is down,
+    at most write_queue_size of them; chunks whose writes were dropped (more waited) stay
+    only in the CPU tier; once it is back, those chunks are written to it when the CPU
+    tier evicts them (not lost), and are then served from it, exact."""
     with loopback_store("lm") as st:
         remote = {"backend": "lm", "capacity": "64MiB", **st.options, "timeout": 0.5}
         cfg = {"chunk_size": CHUNK, "staging_size": "8MiB", "write_policy": "write-through",
-               "tiers": [{"backend": "cpu", "capacity": "64KiB"}, remote]}  # 16 chunks on the CPU tier
+               "write_queue_size": 32, "tiers": [{"backend": "cpu", "capacity": "64KiB"}, remote]}  # 16 chunks
         with lmcache.CacheEngine.from_config(cfg) as e:
             lm_tier = e.hierarchy.tier("lm")
             st.kill()
             missed = prompt(3 * 10**6)
             e.store(missed, kv_for(missed))
-            e.hierarchy.flush()
+            assert e.lookup(missed, pin=True) == PROMPT_TOKENS  # kept in the CPU tier meanwhile
+            for i in range(10):  # 40 more writes wait for lm: the oldest, missed's, are dropped
+                more = prompt(6 * 10**6 + i)
+                e.store(more, kv_for(more))
+                e.hierarchy.flush()
+            assert e.stats()["hierarchy"]["dropped_writes"] >= 4
             missed_keys = e.chunk_keys(missed)[1]
             assert e.hierarchy.tier("cpu").contains(missed_keys) == [True] * 4
             st.restart()
@@ -223,6 +229,7 @@ def test_write_through_writes_down_what_a_tier_missed_during_its_outage():
                 assert time.monotonic() < deadline, "the lm tier did not take writes again within 30 s"
                 time.sleep(0.2)
             assert lm_tier.contains(missed_keys) == [False] * 4, "the outage did not make the lm tier miss them"
+            e.release(missed)
             repairs_before = e.stats()["hierarchy"]["repairs"]
             for i in range(6):  # 24 new chunks through a 16-chunk CPU tier: the missed ones are evicted
                 churn = prompt(5 * 10**6 + i)
