@@ -130,6 +130,14 @@ def serve(
     max_connections: Annotated[
         int, typer.Option("--max-connections", min=1, help="Connections served at once; one more is answered 503.")
     ] = 64,
+    max_keys_per_instance: Annotated[
+        int, typer.Option("--max-keys-per-instance", min=1,
+                          help="Keys the index holds per instance; events beyond are answered 429.")
+    ] = 100_000,
+    max_instances_per_tenant: Annotated[
+        int, typer.Option("--max-instances-per-tenant", min=1,
+                          help="Instances a tenant token may register in its namespace; one more is answered 429.")
+    ] = 16,
     tenants_file: Annotated[
         Path | None, typer.Option("--tenants-file", metavar="FILE", show_default=False,
                                   help="Tenant tokens, YAML or JSON {namespace: token | [tokens]}: each token sees and "
@@ -155,7 +163,9 @@ def serve(
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
     server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,
                               expire_after=expire_after, dispatch_timeout=dispatch_timeout,
-                              request_timeout=request_timeout, max_connections=max_connections)
+                              request_timeout=request_timeout, max_connections=max_connections,
+                              max_keys_per_instance=max_keys_per_instance,
+                              max_instances_per_tenant=max_instances_per_tenant)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

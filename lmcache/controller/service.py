@@ -41,7 +41,9 @@ from urllib.parse import urlsplit
 from ..http import BoundedHTTPServer, HTTPError, JSONHandler
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
-from .index import MAX_KEY_LEN, Index, Instance, own_keys
+from .index import (
+    DEFAULT_MAX_INSTANCES_PER_TENANT, DEFAULT_MAX_KEYS_PER_INSTANCE, MAX_KEY_LEN, Index, Instance, own_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,14 @@ class ControllerServer:
         dispatch_timeout: float = 30.0,
         request_timeout: float = 10.0,
         max_connections: int = 64,
+        max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE,
+        max_instances_per_tenant: int = DEFAULT_MAX_INSTANCES_PER_TENANT,
     ):
-        self.index = Index(instance_timeout, expire_after if expire_after is not None else max(300.0, 6 * instance_timeout))
+        """``max_keys_per_instance`` and ``max_instances_per_tenant`` cap the index
+        (see :mod:`lmcache.controller.index`): over them a call is answered 429."""
+        self.index = Index(instance_timeout, expire_after if expire_after is not None else max(300.0, 6 * instance_timeout),
+                           max_keys_per_instance=max_keys_per_instance,
+                           max_instances_per_tenant=max_instances_per_tenant)
         self.dispatch_timeout = dispatch_timeout
         self.creds = Credentials(token, tenants)
         handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout})
@@ -154,8 +162,12 @@ class ControllerServer:
             from .. import __version__
 
             inst = self.index.list(tenant)
-            return {"status": "ok", "version": __version__, "instances": len(inst),
-                    "healthy_instances": sum(1 for i in inst if i["healthy"])}
+            out = {"status": "ok", "version": __version__, "instances": len(inst),
+                   "healthy_instances": sum(1 for i in inst if i["healthy"])}
+            if tenant is ADMIN:  # counts over every namespace
+                out.update(refused_events=self.index.refused_events,
+                           refused_registrations=self.index.refused_registrations)
+            return out
         if path == "/v1/instances":
             return self.index.list(tenant)
         return openapi()

@@ -15,7 +15,10 @@ dropped and counted, and the index is then healed the only way that cannot drift
 worker re-registers (the controller forgets what it knew of this instance) and sends a
 full snapshot of its keys. Events queued after the snapshot was taken are sent after
 it; admit/evict are idempotent set operations, so replaying them in order converges to
-the tiers' real state.
+the tiers' real state. A batch the controller refuses for its key cap (429: this
+instance would hold more keys than ``--max-keys-per-instance``) is dropped and counted
+without a resync (a snapshot would be refused the same way); the index then lacks those
+keys, and lookups under-report this instance until it re-registers.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class ControllerWorker:
         self.dropped_events = 0
         self.registrations = 0
         self.failed_calls = 0
+        self._cap_said = -1  # the registration count when the key cap was last reported
         engine.hierarchy.add_listener(self._on_event)
         self._thread = threading.Thread(target=self._run, name="lmcache-controller-worker", daemon=True)
         self._thread.start()
@@ -193,7 +197,13 @@ class ControllerWorker:
         if not isinstance(session, str):
             raise AdminError(f"controller {self.cfg.url} answered register without a session: {r!r}")
         for i in range(0, len(snapshot), self.cfg.batch_size):
-            self.client.events(self.instance_id, session, snapshot[i : i + self.cfg.batch_size])
+            part = snapshot[i : i + self.cfg.batch_size]
+            try:
+                self.client.events(self.instance_id, session, part)
+            except AdminError as exc:
+                if not self._over_cap(exc, len(snapshot) - i):
+                    raise
+                break
         self.sent_events += len(snapshot)
         self.registrations += 1
         self._session = session
@@ -211,10 +221,27 @@ class ControllerWorker:
                 return
             try:
                 self.client.events(self.instance_id, self._session, batch)
-            except (AdminError, OSError, ValueError):
+            except AdminError as exc:
+                if self._over_cap(exc, len(batch)):
+                    continue
+                self.dropped_events += len(batch)
+                raise
+            except (OSError, ValueError):
                 self.dropped_events += len(batch)
                 raise
             self.sent_events += len(batch)
+
+    def _over_cap(self, exc: AdminError, n: int) -> bool:
+        """Whether ``exc`` is the controller's key cap (429); then the ``n`` events are
+        dropped and counted, said once per registration, and no resync follows."""
+        if getattr(exc, "status", None) != 429:
+            return False
+        self.dropped_events += n
+        if self._cap_said != self.registrations:
+            self._cap_said = self.registrations
+            log.warning("controller %s refused events of %s: %s; lookups will miss some of this instance's keys",
+                        self.cfg.url, self.instance_id, exc)
+        return True
 
     def _heartbeat(self) -> None:
         assert self._session is not None
