@@ -363,3 +363,40 @@ def test_a_fake_peer_cannot_feed_forged_kv_to_a_fetch(cluster):
     finally:
         fake.close()
     print(f"fetch: a fake peer claiming {len(keys)} chunks got a hello and no GET; a2 served 0 forged tokens")
+
+
+# ---------------------------------------------------------------- a shared tier
+def test_a_peer_endpoint_serves_its_own_namespace_only_over_a_shared_tier(tmp_path):
+    """team-a and team-b engines over one shared fs directory, each with a peer
+    endpoint: a client that knows the P2P token asks team-b's endpoint for team-a's
+    chunks (GET, EXISTS, LIST) and gets none of them; team-b's own are served."""
+    from lmcache.backends.lm import LMBackend
+
+    tier = {"backend": "fs", "url": f"file://{tmp_path / 'shared'}", "capacity": "64MiB"}
+    a, b = (lmcache.CacheEngine.from_config({
+        "chunk_size": CHUNK, "namespace": ns, "model": MODEL, "kv_spec": KV_SPEC, "tiers": [tier],
+        "p2p": {"enabled": True, "token": P2P_TOKEN, "fetch": False}}) for ns in ("team-a", "team-b"))
+    try:
+        ta, tb = list(range(300, 332)), list(range(400, 432))
+        a.store(ta, kv_for(ta))
+        b.store(tb, kv_for(tb))
+        a.flush()
+        b.flush()
+        for t in b.hierarchy.tiers:
+            t.refresh()
+        ka, kb = a.chunk_keys(ta)[1], b.chunk_keys(tb)[1]
+        client = LMBackend(BackendContext.standalone({"url": b.peer_url, "token": P2P_TOKEN, "peer_id": b.instance_id}))
+        try:
+            got = client.get(ka + kb)
+            assert [o is not None for o in got] == [False] * len(ka) + [True] * len(kb)
+            for o in got:
+                if o is not None:
+                    o.unref()
+            assert client.contains(ka) == [False] * len(ka)
+            assert sorted(k for k, _ in client.list()) == sorted(kb)
+        finally:
+            client.close()
+    finally:
+        a.close()
+        b.close()
+    print(f"shared tier: team-b's endpoint served 0 of team-a's {len(ka)} chunks and all {len(kb)} of its own")
