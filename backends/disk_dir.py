@@ -176,14 +176,20 @@ class DirState:
         return f"{TMP_PREFIX}{self.id}-{what or uuid.uuid4().hex}"
 
     def open(self) -> None:
-        """Create the ledger (the lock file) and this opener's liveness file; call with
-        the directory known to be ours (claimed or adoptable)."""
-        self._ledger_fd = os.open(self.root / LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        """Create the ledger (the lock file); call with the directory known to be ours
+        (claimed or adoptable). Descriptors stay open read-only (``flock`` needs no
+        more), so that the filesystem can still be remounted read-only under a live
+        tier; the ledger is opened for writing only while it is written."""
+        path = self.root / LEDGER
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+        self._ledger_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
 
     def register(self) -> None:
         """Hold this opener's liveness lock (call under :meth:`locked`, so that no
         scan sees the file before it is locked)."""
-        fd = os.open(self.root / f"{LIVE_PREFIX}{self.id}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        path = self.root / f"{LIVE_PREFIX}{self.id}"
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         fcntl.flock(fd, fcntl.LOCK_EX)
         self._live_fd = fd
 
@@ -207,8 +213,11 @@ class DirState:
 
     def set_total(self, n: int) -> None:
         """Write the ledger (under :meth:`locked`)."""
-        assert self._ledger_fd is not None
-        os.pwrite(self._ledger_fd, max(0, n).to_bytes(8, "little"), 0)
+        fd = os.open(self.root / LEDGER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            os.pwrite(fd, max(0, n).to_bytes(8, "little"), 0)
+        finally:
+            os.close(fd)
 
     def dead(self, live: list[tuple[Path, str]]) -> set[str]:
         """The ids of openers that are gone (their liveness lock can be taken); their
@@ -218,7 +227,7 @@ class DirState:
             if owner == self.id:
                 continue
             try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError:
                 gone.add(owner)
                 continue
