@@ -105,3 +105,15 @@ def test_malformed_chunked_bodies_are_refused_and_change_nothing(engine, head, b
                         + b"\r\n" + head + b"\r\n", body)
     assert got == status and fragment in err["error"], err
     assert entries(engine) == 8
+
+
+def test_controller_clear_cli_without_a_selection_sends_nothing():
+    """``lmcache controller clear INSTANCE`` alone is refused before any request (the port is closed)."""
+    import subprocess
+    import sys
+
+    from lmcache.testing.stores import free_port
+
+    p = subprocess.run([sys.executable, "-m", "lmcache.cli.main", "controller", "clear", "eng-a", "--yes",
+                        "--url", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "say what to clear: --tier, --tokens, --key or --all" in p.stderr, p.stderr
