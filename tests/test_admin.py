@@ -143,7 +143,7 @@ def test_pins_keep_entries_and_clear_drops_them(engine):
     assert adm.unpin(key, "disk") == {"key": key, "unpinned": ["disk"]}
     assert adm.unpin(key, "disk")["unpinned"] == []
     assert adm.evict("disk", keys=[key])["evicted"][0]["key"] == key
-    res = adm.clear()
+    res = adm.clear(all=True)
     assert [v["key"] for v in res["evicted"]] == [key] and res["skipped"] == []
     assert engine.stats()["tiers"]["cpu"]["entries"] == 0 and adm.pins() == []
 

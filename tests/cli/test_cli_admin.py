@@ -429,7 +429,7 @@ def test_shell_completion_completes_commands():
     assert proc.returncode == 0 and proc.stdout.split() == ["tiers"]
     env.update(COMP_WORDS="lmcache config ", COMP_CWORD="2")
     proc = subprocess.run([_lmcache_exe()], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.stdout.split() == ["show", "validate"]
+    assert proc.stdout.split() == ["show", "validate", "convert"]
     assert "--install-completion" in ok(["--help"]).stdout
 
 
