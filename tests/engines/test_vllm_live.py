@@ -319,6 +319,7 @@ def prometheus_dir(tmp_path: Path) -> dict[str, str]:
     return {"PROMETHEUS_MULTIPROC_DIR": str(d)}
 
 
+@pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
 def test_lmcacheconnectorv1_configured_by_lmcache_env_vars(vllm_bin, model, reference, tmp_path):
     """`vllm serve ... --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1",...}'`
     with LMCache's environment variables only (vLLM's CPU-offload example): vLLM's own
@@ -349,6 +350,7 @@ def _upstream_yaml(path: Path, **keys) -> Path:
     return path
 
 
+@pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
 def test_lmcacheconnectorv1_upstream_yaml_with_local_disk_across_a_restart(vllm_bin, model, reference, tmp_path):
     """An LMCache-format YAML through LMCACHE_CONFIG_FILE (local_cpu, max_local_cpu_size,
     local_disk as a file:// URL, max_local_disk_size): a restarted server's first request
@@ -369,6 +371,7 @@ def test_lmcacheconnectorv1_upstream_yaml_with_local_disk_across_a_restart(vllm_
         assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)
 
 
+@pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
 def test_lmcacheconnectorv1_upstream_yaml_with_a_redis_remote_url_shared_by_two_servers(vllm_bin, model, reference, tmp_path):
     """remote_url: redis://HOST:PORT with remote_serde: naive in an LMCache-format YAML:
     server B's first request hits the chunks server A stored, while A still runs."""
