@@ -27,7 +27,8 @@ def server_cmd(
     token: Annotated[
         str | None,
         typer.Option("--token", envvar="LMCACHE_SERVER_TOKEN", show_envvar=False, show_default=False,
-                     help="Clients must send this token first (default: $LMCACHE_SERVER_TOKEN; none: no check)."),
+                     help="Clients must prove they know this token before anything else (a mutual HMAC handshake; "
+                          "default: $LMCACHE_SERVER_TOKEN; none: no check)."),
     ] = None,
     max_value_size: Annotated[
         str, typer.Option("--max-value-size", help="Largest value (and frame) accepted; larger ones close the connection.")

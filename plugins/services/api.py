@@ -371,6 +371,7 @@ class _Collector:
             ("skipped_puts", "skipped_puts", "Writes that did not fit into this tier"),
             ("errors", "errors", "Backend errors of this tier"),
             ("corrupt", "corrupt", "Entries of this tier dropped because they failed their checks"),
+            ("lost", "lost", "Entries a shared store no longer held when this tier came back from an outage"),
         ]
         for field, name, doc in counters:
             m = CounterMetricFamily(f"lmcache_tier_{name}", doc, labels=["tier", "backend"])
@@ -399,7 +400,9 @@ class _Collector:
         h = stats.get("hierarchy")
         if h:
             for field, doc in (
-                ("dropped_writes", "Lower-tier writes dropped because the write queue was full"),
+                ("dropped_writes", "Lower-tier writes dropped: over the write queue's bound, their memory "
+                                   "needed by the pool, or still waiting for their tier at close"),
+                ("deferred_writes", "Lower-tier writes that waited for their tier to come back from an outage"),
                 ("skipped_no_memory", "Chunks not stored because the memory pool was exhausted"),
                 ("promotions", "Hits in a lower tier copied into an upper one"),
             ):

@@ -189,7 +189,7 @@ def test_metrics_are_prometheus_text_from_a_per_engine_registry(tmp_path, engine
     assert 'lmcache_tier_entries{backend="disk",tier="disk"} 4.0' in text
     for name in ("lmcache_tier_bytes_in_total", "lmcache_tier_bytes_out_total", "lmcache_tier_evictions_total",
                  "lmcache_tier_misses_total", "lmcache_tier_capacity_bytes", "lmcache_pool_used_bytes",
-                 "lmcache_dropped_writes_total"):
+                 "lmcache_dropped_writes_total", "lmcache_deferred_writes_total", "lmcache_tier_lost_total"):
         assert name in text
     from prometheus_client import REGISTRY, generate_latest
 
