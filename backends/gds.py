@@ -119,7 +119,10 @@ class GDSBackend(DiskBackend):
         if self.read_only:
             self._kvikio = kvikio  # nothing may be written; the first read tells
             return ""
-        probe = self.root / f"{TMP_PREFIX}kvikio-{uuid.uuid4().hex}"
+        # a temporary of this process's own (backends/disk_dir.py): another opener of the
+        # directory removes it only once this process has exited
+        name = self._dir.tmp_name("kvikio") if self._dir is not None else f"{TMP_PREFIX}kvikio-{uuid.uuid4().hex}"
+        probe = self.root / name
         data = bytes(range(256)) * 16
         back = bytearray(len(data))
         try:
