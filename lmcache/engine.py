@@ -27,7 +27,7 @@ from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseR
     _length, spec_in_tiers, store_chunks,
 )
 from .hierarchy import StorageHierarchy
-from .keys import Chunk, TokenProcessor, key_prefix
+from .keys import Chunk, KeyExtra, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
 from .services import start_services
@@ -64,7 +64,9 @@ class CacheEngine:
         #: hooks of the data path that services add to (see :mod:`lmcache.services`):
         #: ``filler(chunks, keys, have) -> fetched`` asked when a lookup misses after
         #: ``have`` chunks; ``observer(tokens, chunks, keys)`` told before chunks are stored
-        #: or promoted
+        #: or promoted, never of chunks keyed with a :class:`~lmcache.keys.KeyExtra` (their
+        #: tokens alone do not name their KV: no content index or KV event may offer them
+        #: as those tokens' KV)
         self.miss_fillers: list[Callable[[list[Chunk], list[str], int], int]] = []
         self.store_observers: list[Callable[[Any, list[Chunk], list[str]], None]] = []
         #: the started services by registered name (:mod:`lmcache.services`), closed in reverse
@@ -136,8 +138,9 @@ class CacheEngine:
             cached = self._prefix = (sig, key_prefix(self.config.namespace, self.config.model, sig))
         return cached[1]
 
-    def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
-        return self.tokens.chunk_keys(tokens, self._key_prefix())
+    def chunk_keys(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
+        """The chunks of ``tokens`` and their key strings (see :class:`~lmcache.keys.KeyExtra`)."""
+        return self.tokens.chunk_keys(tokens, self._key_prefix(), extra)
 
     def _adopt_spec(self, kv: _KV) -> KVSpec:
         """This engine's kv spec, taken from the first KV stored; later KV must match it."""
@@ -149,8 +152,13 @@ class CacheEngine:
         return spec
 
     # --------------------------------------------------------------- API
-    def lookup(self, tokens: Any, *, pin: bool = False) -> int:
+    def lookup(self, tokens: Any, *, pin: bool = False, extra: KeyExtra | None = None) -> int:
         """Number of leading tokens whose KV is cached.
+
+        ``extra`` (here and in :meth:`locate`, :meth:`store`, :meth:`retrieve`,
+        :meth:`release`, :meth:`retrieve_layerwise`) is what besides the tokens decides the
+        KV (a vLLM request's cache salt, LoRA adapter, images): chunks stored with one
+        extra are found only with an equal one; ``None`` or an empty one is the plain keys.
 
         With ``pin=True`` the hits are leased (not evictable) until the caller's
         :meth:`release` of the same tokens (once its :meth:`retrieve` returned, or when none
@@ -158,7 +166,7 @@ class CacheEngine:
         chunk: each ``release`` drops one, and a :meth:`retrieve` drops none, so one
         caller's retrieve can never end the lease another caller's lookup took.
         """
-        return self.locate(tokens, pin=pin)[0]
+        return self.locate(tokens, pin=pin, extra=extra)[0]
 
     _spec_probe_at = -1e9  # when the tiers were last searched for a kv spec
 
@@ -178,13 +186,13 @@ class CacheEngine:
                     log.info("kv_spec %s taken from the entries already in the tiers", spec.signature)
         return self.kv_spec if spec is not None else None
 
-    def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
+    def locate(self, tokens: Any, *, pin: bool = False, extra: KeyExtra | None = None) -> tuple[int, list[str]]:
         """Like :meth:`lookup`, also naming the tier of each cached chunk."""
         self._check_open()
         if self.kv_spec is None and self._spec_from_tiers() is None:
             return 0, []
         if self.miss_fillers:  # a service fetches what the tiers miss (the p2p endpoint)
-            chunks, keys = self.chunk_keys(tokens)
+            chunks, keys = self.chunk_keys(tokens, extra)
             tiers = self.hierarchy.contains_prefix(keys)
             for fill in self.miss_fillers:
                 if len(tiers) == len(keys):
@@ -196,7 +204,7 @@ class CacheEngine:
             # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
             # its first miss, so a miss costs the chunks up to it, not the whole prompt
             keys, tiers = [], []
-            for batch in self.tokens.key_batches(tokens, self._key_prefix()):
+            for batch in self.tokens.key_batches(tokens, self._key_prefix(), extra=extra):
                 keys += batch
                 got = self.hierarchy.contains_prefix(batch)
                 tiers += got
@@ -210,7 +218,8 @@ class CacheEngine:
                 n = min(held * self.tokens.chunk_size, _length(tokens))
         return n, tiers
 
-    def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StoreResult:
+    def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+              extra: KeyExtra | None = None) -> StoreResult:
         """Store the KV of ``tokens``.
 
         ``kv`` is a tensor ``(layers, 2, len(tokens), heads, head_size)``, or one
@@ -220,10 +229,10 @@ class CacheEngine:
         self._check_open()
         src = _KV.wrap(kv)
         spec = self._adopt_spec(src)
-        chunks, keys = self.chunk_keys(tokens)
+        chunks, keys = self.chunk_keys(tokens, extra)
         if src.num_tokens != _length(tokens):
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
-        for observe in self.store_observers:  # (the KV-event publisher: token ids for BlockStored)
+        for observe in self.store_observers if not extra else ():  # (the KV-event publisher: token ids for BlockStored)
             observe(tokens, chunks, keys)
         present = self.hierarchy.contains(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
@@ -242,7 +251,7 @@ class CacheEngine:
                 self._puts = ThreadPoolExecutor(2, thread_name_prefix="lmcache-store")
             return self._puts
 
-    def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None) -> RetrieveResult:
+    def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None, extra: KeyExtra | None = None) -> RetrieveResult:
         """KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
@@ -258,7 +267,7 @@ class CacheEngine:
         spec = self.kv_spec
         if out is not None:
             _check_out_dtype(out, spec)  # before anything is read: never a silent conversion
-        chunks, keys = self._to_read(tokens)
+        chunks, keys = self._to_read(tokens, extra)
         got: list[tuple[Chunk, MemoryObj, Tier]] = []
         # chunks that a file-like tier reads on its I/O threads are copied into `out` there,
         # as each arrives, overlapping the reads of the next ones (`out` past the cached
@@ -294,15 +303,16 @@ class CacheEngine:
                 obj.unref()
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
 
-    def release(self, tokens: Any) -> None:
+    def release(self, tokens: Any, *, extra: KeyExtra | None = None) -> None:
         """Drop the leases that the caller's ``lookup(tokens, pin=True)`` took: once the
         :meth:`retrieve` that followed returned (it holds what it read), or when none will
         (otherwise they expire after ``lookup_pin_timeout``). One lease per chunk each call."""
         self._check_open()
         if self.kv_spec is not None:
-            self.hierarchy.release_leases(self.chunk_keys(tokens)[1])
+            self.hierarchy.release_leases(self.chunk_keys(tokens, extra)[1])
 
-    def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0) -> LayerwiseRetrieval:
+    def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0,
+                           extra: KeyExtra | None = None) -> LayerwiseRetrieval:
         """Start a retrieve that fills ``out`` one layer at a time.
 
         The cached chunks are fetched from their tiers before this returns (so
@@ -317,7 +327,7 @@ class CacheEngine:
             return LayerwiseRetrieval([], 0, out, 0, None, timeout)
         spec = self.kv_spec
         _check_out_dtype(out, spec)
-        chunks, keys = self._to_read(tokens)
+        chunks, keys = self._to_read(tokens, extra)
         with self.hierarchy.pinned(keys):
             got = self._fetch(chunks, keys, spec)
         n = got[-1][0].end if got else 0
@@ -362,12 +372,12 @@ class CacheEngine:
                     r[0].unref()
         return got
 
-    def _to_read(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
+    def _to_read(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
         """The chunks and keys a retrieve reads: observers hear them (promotions are
         stored chunks too), and chunks missing after the local prefix are asked of the
         miss fillers first (usually a no-op: the lookup before already fetched them)."""
-        chunks, keys = self.chunk_keys(tokens)
-        for observe in self.store_observers:
+        chunks, keys = self.chunk_keys(tokens, extra)
+        for observe in self.store_observers if not extra else ():
             observe(tokens, chunks, keys)
         for fill in self.miss_fillers if keys else ():
             have = len(self.hierarchy.contains_prefix(keys))

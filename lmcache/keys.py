@@ -6,6 +6,12 @@ chunk i)`` with ``h_{-1}`` = 16 zero bytes (or a caller-given seed), using xxh3-
 blake2b-128. It never depends on Python's ``hash()``, so it is identical across
 processes, machines and ``PYTHONHASHSEED`` values.
 
+A request whose KV depends on more than its token ids (a vLLM ``cache_salt``, a LoRA
+adapter, images behind placeholder tokens) hashes with a :class:`KeyExtra`: its ``scope``
+replaces ``h_{-1}`` and each multimodal item alters ``h_{i-1}`` of every chunk it
+overlaps, so such a request shares no chunk key with one of another scope or other
+items, while a request with no extra keeps exactly the keys above.
+
 Canonical string form (used by every backend, the CLI and the controller)::
 
     lmc1:<namespace>:<model, percent-encoded>:<signature>:<32 hex digits>
@@ -16,6 +22,7 @@ from __future__ import annotations
 import array
 import hashlib
 import re
+import struct
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -111,6 +118,98 @@ def key_prefix(namespace: str, model: str, signature: str) -> str:
     return ":".join((KEY_PREFIX, namespace, quote(model, safe="-_.~"), signature, ""))
 
 
+#: bounds of a :class:`KeyExtra` (so of its wire form, at most ``MAX_EXTRA_BYTES``)
+MAX_SCOPE_BYTES = 64
+MAX_ITEM_ID_BYTES = 64
+MAX_ITEMS = 1024
+_EXTRA_HEAD = struct.Struct("<BBH")  # format version, scope length, item count
+_ITEM_HEAD = struct.Struct("<IIB")  # start, length, id length
+MAX_EXTRA_BYTES = _EXTRA_HEAD.size + MAX_SCOPE_BYTES + MAX_ITEMS * (_ITEM_HEAD.size + MAX_ITEM_ID_BYTES)
+_SCOPE_TAG = b"lmcache-scope\0"
+_ITEMS_TAG = b"lmcache-items\0"
+
+
+@dataclass(frozen=True)
+class KeyExtra:
+    """What, besides its token ids, decides a request's KV, folded into its chunk keys.
+
+    ``scope`` (at most :data:`MAX_SCOPE_BYTES`; e.g. a digest of a vLLM request's
+    ``cache_salt`` and LoRA adapter) holds for the whole request: the chain starts from
+    ``H(tag || scope)`` instead of 16 zero bytes, so no chunk of it shares a key with a
+    request of another scope. ``items`` are ``(start, length, id)`` token ranges whose
+    KV depends on ``id`` (an image's hash behind its placeholder tokens; at most
+    :data:`MAX_ITEMS`, ids of at most :data:`MAX_ITEM_ID_BYTES`): the hash of each chunk
+    an item overlaps chains from ``H(tag || h_{i-1} || the items there)``, so the chunks
+    before the first item keep the keys the tokens alone give and every chunk from it on
+    differs between requests with other items. An empty extra changes nothing. Bad
+    values raise ``ValueError`` naming the field.
+    """
+
+    scope: bytes = b""
+    items: tuple[tuple[int, int, bytes], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scope, bytes) or len(self.scope) > MAX_SCOPE_BYTES:
+            raise ValueError(f"key extra: scope must be at most {MAX_SCOPE_BYTES} bytes")
+        if len(self.items) > MAX_ITEMS:
+            raise ValueError(f"key extra: {len(self.items)} items, at most {MAX_ITEMS}")
+        for i, item in enumerate(self.items):
+            start, length, ident = item
+            if not (0 <= start < 1 << 32 and 0 < length < 1 << 32):
+                raise ValueError(f"key extra: item {i} covers [{start}, {start}+{length}): not a token range")
+            if not isinstance(ident, bytes) or not 0 < len(ident) <= MAX_ITEM_ID_BYTES:
+                raise ValueError(f"key extra: item {i}'s id must be 1 to {MAX_ITEM_ID_BYTES} bytes")
+
+    def __bool__(self) -> bool:
+        return bool(self.scope or self.items)
+
+    def to_bytes(self) -> bytes:
+        """The wire form (little endian): ``<BBH`` (version 1, scope length, item count),
+        the scope, then per item ``<IIB`` (start, length, id length) and the id."""
+        parts = [_EXTRA_HEAD.pack(1, len(self.scope), len(self.items)), self.scope]
+        for start, length, ident in self.items:
+            parts += (_ITEM_HEAD.pack(start, length, len(ident)), ident)
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KeyExtra:
+        """Inverse of :meth:`to_bytes`; ``ValueError`` for anything else (trailing bytes too)."""
+        if len(data) > MAX_EXTRA_BYTES:
+            raise ValueError(f"key extra: {len(data)} bytes, at most {MAX_EXTRA_BYTES}")
+        try:
+            version, scope_len, count = _EXTRA_HEAD.unpack_from(data, 0)
+            if version != 1:
+                raise ValueError(f"key extra: unknown format version {version}")
+            at = _EXTRA_HEAD.size + scope_len
+            scope, items = bytes(data[_EXTRA_HEAD.size : at]), []
+            for _ in range(min(count, MAX_ITEMS + 1)):
+                start, length, id_len = _ITEM_HEAD.unpack_from(data, at)
+                at += _ITEM_HEAD.size
+                items.append((start, length, bytes(data[at : at + id_len])))
+                at += id_len
+        except struct.error:
+            raise ValueError("key extra: truncated") from None
+        if at != len(data):
+            raise ValueError("key extra: truncated or trailing bytes")
+        return cls(scope, tuple(items))
+
+    def seed(self, digest: Any) -> bytes:
+        """``h_{-1}`` of this extra's chains under ``digest``."""
+        return digest(_SCOPE_TAG + self.scope) if self.scope else b"\0" * 16
+
+    def marks(self, chunk_size: int, stop: int) -> dict[int, bytes]:
+        """Chunk index -> the bytes of the items overlapping it (chunks end at ``stop``)."""
+        out: dict[int, list[bytes]] = {}
+        for start, length, ident in self.items:
+            end = min(start + length, stop)
+            if start >= end:
+                continue
+            for i in range(start // chunk_size, -(-end // chunk_size)):
+                rel = start - i * chunk_size  # vLLM's offset within the block (may be negative)
+                out.setdefault(i, []).append(struct.pack("<qIB", rel, length, len(ident)) + ident)
+        return {i: b"".join(v) for i, v in out.items()}
+
+
 def _blake2b_128(data: Any) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
@@ -140,16 +239,20 @@ class TokenProcessor:
             raise ValueError(f"unknown hash algorithm {hash_algorithm!r}")
         self.hash_algorithm = hash_algorithm
 
-    def _chain(self, arr: np.ndarray, seed: bytes) -> tuple[list[str], bytes]:
-        """Hex hashes of the chunks of ``arr`` (contiguous int64, starting at a chunk
-        boundary) chained from ``seed``, and the last raw digest."""
+    def _chain(self, arr: np.ndarray, seed: bytes, marks: dict[int, bytes] | None = None,
+               first: int = 0) -> tuple[list[str], bytes]:
+        """Hex hashes of the chunks of ``arr`` (contiguous int64, starting at chunk
+        ``first``) chained from ``seed``, and the last raw digest; ``marks`` (chunk index
+        -> bytes, from :meth:`KeyExtra.marks`) alter the chain before their chunks."""
         data = memoryview(arr).cast("B")
         step = self.chunk_size * 8
         digest = self._digest
         prev = seed
         out: list[str] = []
         append = out.append
-        for off in range(0, len(data), step):
+        for i, off in enumerate(range(0, len(data), step), first):
+            if marks and i in marks:
+                prev = digest(_ITEMS_TAG + prev + marks[i])
             prev = digest(prev + data[off : off + step])
             append(prev.hex())
         return out, prev
@@ -166,23 +269,29 @@ class TokenProcessor:
             out[-1] = _new_chunk(Chunk, (s, stop, h))
         return out
 
-    def chunks(self, tokens: Any, seed: bytes = b"\0" * 16) -> list[Chunk]:
+    def _start(self, extra: KeyExtra | None, stop: int) -> tuple[bytes, dict[int, bytes] | None]:
+        """The chain's seed and marks for ``extra`` over chunks ending at ``stop``."""
+        if not extra:
+            return b"\0" * 16, None
+        return extra.seed(self._digest), extra.marks(self.chunk_size, stop)
+
+    def chunks(self, tokens: Any, extra: KeyExtra | None = None) -> list[Chunk]:
         """Chunks of ``tokens`` in order; the last one is partial only if
         ``save_unfull_chunk`` is set."""
         arr = as_token_array(tokens)
         stop = self._stop(len(arr))
-        return self._chunks(0, stop, self._chain(arr[:stop], seed)[0])
+        return self._chunks(0, stop, self._chain(arr[:stop], *self._start(extra, stop))[0])
 
-    def chunk_keys(self, tokens: Any, prefix: str, seed: bytes = b"\0" * 16) -> tuple[list[Chunk], list[str]]:
+    def chunk_keys(self, tokens: Any, prefix: str, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
         """:meth:`chunks` and each chunk's key string, ``prefix`` (from :func:`key_prefix`)
         followed by the chunk hash, in one pass."""
         arr = as_token_array(tokens)
         stop = self._stop(len(arr))
-        hashes = self._chain(arr[:stop], seed)[0]
+        hashes = self._chain(arr[:stop], *self._start(extra, stop))[0]
         return self._chunks(0, stop, hashes), [prefix + h for h in hashes]
 
     def key_batches(
-        self, tokens: Any, prefix: str, first: int = 8, growth: int = 4, seed: bytes = b"\0" * 16
+        self, tokens: Any, prefix: str, first: int = 8, growth: int = 4, extra: KeyExtra | None = None
     ) -> Iterator[list[str]]:
         """The keys of :meth:`chunk_keys` in consecutive batches of ``first``,
         ``first * growth``, ... chunks. The tokens are hashed (and, given as a list,
@@ -193,11 +302,12 @@ class TokenProcessor:
         arr = None if lazy else as_token_array(tokens)
         stop = self._stop(len(tokens) if arr is None else len(arr))
         cs = self.chunk_size
-        start, size, prev = 0, max(1, first), seed
+        prev, marks = self._start(extra, stop)
+        start, size = 0, max(1, first)
         while start < stop:
             end = min(stop, start + size * cs)
             part = as_token_array(tokens[start:end]) if arr is None else arr[start:end]
-            hashes, prev = self._chain(part, prev)
+            hashes, prev = self._chain(part, prev, marks, start // cs)
             yield [prefix + h for h in hashes]
             start, size = end, size * growth
 

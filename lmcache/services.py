@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .config import Config, KVSpec
     from .engine import CacheEngine
     from .hierarchy import StorageHierarchy
-    from .keys import Chunk
+    from .keys import Chunk, KeyExtra
 
 
 @runtime_checkable
@@ -67,16 +67,16 @@ class EngineView:
         """A service started before this one, by its registered name, or ``None``."""
         return self._engine.services.get(name)
 
-    def chunk_keys(self, tokens: Any) -> tuple[list[Chunk], list[str]]:
-        return self._engine.chunk_keys(tokens)
+    def chunk_keys(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
+        return self._engine.chunk_keys(tokens, extra)
 
-    def locate(self, tokens: Any, *, pin: bool = False) -> tuple[int, list[str]]:
+    def locate(self, tokens: Any, *, pin: bool = False, extra: KeyExtra | None = None) -> tuple[int, list[str]]:
         """:meth:`lmcache.CacheEngine.locate`: the cached prefix and each chunk's tier."""
-        return self._engine.locate(tokens, pin=pin)
+        return self._engine.locate(tokens, pin=pin, extra=extra)
 
-    def release(self, tokens: Any) -> None:
+    def release(self, tokens: Any, *, extra: KeyExtra | None = None) -> None:
         """:meth:`lmcache.CacheEngine.release`: drop the leases a pinned locate took."""
-        self._engine.release(tokens)
+        self._engine.release(tokens, extra=extra)
 
     def add_miss_filler(self, filler: Callable[[list[Chunk], list[str], int], int]) -> None:
         """``filler(chunks, keys, have) -> fetched`` is asked when a lookup or retrieve
@@ -84,7 +84,8 @@ class EngineView:
         self._engine.miss_fillers.append(filler)
 
     def add_store_observer(self, observer: Callable[[Any, list[Chunk], list[str]], None]) -> None:
-        """``observer(tokens, chunks, keys)`` is told before chunks are stored or promoted."""
+        """``observer(tokens, chunks, keys)`` is told before chunks are stored or promoted
+        (never of chunks keyed with a :class:`~lmcache.keys.KeyExtra`)."""
         self._engine.store_observers.append(observer)
 
 

@@ -34,6 +34,12 @@ names). Lookup flag 2 asks for shifted reuse past the exact prefix (``approximat
 docs/truncation.md): the hit then counts the tokens the content index covers without a
 gap after it, and the tier bytes stay those of the exact chunks (so the exact part is
 ``min(hit, chunks * chunk_size)``; only it is pinned). The socket is created mode 0600 in a directory only its user can enter.
+A request's :class:`~lmcache.keys.KeyExtra` (a vLLM request's cache salt, LoRA adapter,
+images) travels in a version-2 ``LOOKUP`` or ``RELEASE`` frame: after the token ids, its
+length (``<I``, at most :data:`~lmcache.keys.MAX_EXTRA_BYTES`) and its wire form. A
+worker of an older version refuses such a frame (a miss), never answers it with the keys
+of the tokens alone; a lookup with an extra is never extended by shifted reuse (its
+content index knows only chunks stored with no extra).
 
 Bounds (a peer is not trusted to behave): a peer of another uid (``SO_PEERCRED``) is
 refused unread; a frame over ``lookup_max_tokens`` (vLLM: ``max_model_len``) is refused from
@@ -60,14 +66,19 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from lmcache.keys import MAX_EXTRA_BYTES, KeyExtra
+
 log = logging.getLogger(__name__)
 
 __all__ = ["LookupChannel", "LookupServer", "LookupClient", "LookupReply", "socket_path", "MAX_TOKENS"]
 
 MAGIC = b"LMKL"
 VERSION = 1
+#: the version of a request frame that carries a key extra after its tokens
+VERSION_EXTRA = 2
 HEADER = struct.Struct("<4sBBHIQ")
 HIT = struct.Struct("<Q")
+EXTRA_LEN = struct.Struct("<I")
 OP_LOOKUP, OP_RELEASE, OP_HELLO = 1, 2, 3
 FLAG_PIN, FLAG_SHIFTED = 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
@@ -153,8 +164,9 @@ class _Conn:
 class LookupServer:
     """Answers lookups for one worker's cache engine on a Unix socket, on daemon threads.
 
-    ``lookup(tokens, pin, shifted) -> (hit_tokens, tier_indexes)`` and ``release(tokens)``
-    are the engine calls (``tokens``: a ``uint32`` numpy array), ``info()`` the HELLO reply;
+    ``lookup(tokens, pin, shifted, extra) -> (hit_tokens, tier_indexes)`` and
+    ``release(tokens, extra)`` are the engine calls (``tokens``: a ``uint32`` numpy array,
+    ``extra``: a :class:`~lmcache.keys.KeyExtra` or ``None``), ``info()`` the HELLO reply;
     ``max_tokens`` and the class attributes are the bounds of the module docstring."""
 
     max_connections = 16
@@ -162,8 +174,8 @@ class LookupServer:
     idle_timeout = IDLE_TIMEOUT
     frame_timeout = 5.0
 
-    def __init__(self, path: str, lookup: Callable[[Any, bool, bool], tuple[int, Sequence[int]]],
-                 release: Callable[[Any], None], info: Callable[[], dict[str, Any]], *,
+    def __init__(self, path: str, lookup: Callable[[Any, bool, bool, KeyExtra | None], tuple[int, Sequence[int]]],
+                 release: Callable[[Any, KeyExtra | None], None], info: Callable[[], dict[str, Any]], *,
                  max_tokens: int = 1 << 20):
         self.path = path
         self.max_tokens = max_tokens
@@ -266,19 +278,20 @@ class LookupServer:
                 if not self._busy(c, True):
                     return
                 deadline = time.monotonic() + self.frame_timeout
-                tokens = self._body(conn, head, deadline)
-                if tokens is None:
+                body = self._body(conn, head, deadline)
+                if body is None:
                     return
+                tokens, extra = body
                 magic, version, op, flags, count, seq = HEADER.unpack(head)
                 conn.settimeout(self.frame_timeout)  # a reply the peer does not take is dropped
                 if op == OP_RELEASE:
                     self.stats["releases"] += 1
-                    self._safe(lambda: self._release(tokens))
+                    self._safe(lambda: self._release(tokens, extra))
                 elif op == OP_HELLO:
                     body = json.dumps(self._info()).encode()
                     conn.sendall(HEADER.pack(MAGIC, VERSION, op, STATUS_OK, 0, seq) + HIT.pack(len(body)) + body)
                 else:
-                    hit, tiers, status = self._answer(tokens, flags)
+                    hit, tiers, status = self._answer(tokens, flags, extra)
                     conn.sendall(HEADER.pack(MAGIC, VERSION, op, status, len(tiers), seq) + HIT.pack(hit) + bytes(tiers))
                 if not self._busy(c, False):
                     return
@@ -292,12 +305,14 @@ class LookupServer:
                 self._conns.discard(c)
             conn.close()
 
-    def _body(self, conn: socket.socket, head: bytearray, deadline: float) -> np.ndarray | None:
-        """The token ids of the frame whose header is ``head``, received into one buffer
-        (``None``, with one log line, for a bad header or one over ``max_tokens``: its
-        body is never read)."""
+    def _body(self, conn: socket.socket, head: bytearray, deadline: float) -> tuple[np.ndarray, KeyExtra | None] | None:
+        """The token ids and key extra of the frame whose header is ``head``, each received
+        into one buffer (``None``, with one log line, for a bad header, one over
+        ``max_tokens`` or an extra over ``MAX_EXTRA_BYTES``, refused before their bytes are
+        read, or an extra that does not parse)."""
         magic, version, op, _flags, count, _seq = HEADER.unpack(head)
-        if magic != MAGIC or version != VERSION or op not in (OP_LOOKUP, OP_RELEASE, OP_HELLO):
+        if magic != MAGIC or op not in (OP_LOOKUP, OP_RELEASE, OP_HELLO) or not (
+                version == VERSION or (version == VERSION_EXTRA and op != OP_HELLO)):
             log.warning("lmcache: bad lookup frame (magic %r, version %d, op %d); closing", magic, version, op)
             return None
         if count > self.max_tokens:
@@ -306,12 +321,27 @@ class LookupServer:
         body = bytearray(4 * count)
         if count:
             _recv_into(conn, memoryview(body), deadline)
-        return np.frombuffer(body, dtype="<u4")
+        extra = None
+        if version == VERSION_EXTRA:
+            size = bytearray(EXTRA_LEN.size)
+            _recv_into(conn, memoryview(size), deadline)
+            (n,) = EXTRA_LEN.unpack(size)
+            if n > MAX_EXTRA_BYTES:
+                log.warning("lmcache: lookup key extra of %d bytes refused (at most %d); closing", n, MAX_EXTRA_BYTES)
+                return None
+            raw = bytearray(n)
+            _recv_into(conn, memoryview(raw), deadline)
+            try:
+                extra = KeyExtra.from_bytes(bytes(raw))
+            except ValueError as exc:
+                log.warning("lmcache: bad lookup frame: %s; closing", exc)
+                return None
+        return np.frombuffer(body, dtype="<u4"), extra
 
-    def _answer(self, tokens: np.ndarray, flags: int) -> tuple[int, Sequence[int], int]:
+    def _answer(self, tokens: np.ndarray, flags: int, extra: KeyExtra | None) -> tuple[int, Sequence[int], int]:
         self.stats["lookups"] += 1
         try:
-            hit, tiers = self._lookup(tokens, bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED))
+            hit, tiers = self._lookup(tokens, bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED), extra)
             status = STATUS_OK
         except Exception:
             log.exception("lmcache: lookup for the vLLM scheduler failed; answering a miss")
@@ -468,17 +498,22 @@ class LookupClient:
         self._pending: dict[int, dict[int, Any]] = {}  # seq -> {rank index: reply}
         self._lock = threading.Lock()  # one sender at a time
 
-    def _frame(self, op: int, flags: int, tokens: Sequence[int], seq: int) -> bytes:
+    def _frame(self, op: int, flags: int, tokens: Sequence[int], seq: int, extra: KeyExtra | None = None) -> bytes:
         body = array("I", tokens).tobytes() if tokens else b""
-        return HEADER.pack(MAGIC, VERSION, op, flags, len(tokens), seq) + body
+        if not extra:
+            return HEADER.pack(MAGIC, VERSION, op, flags, len(tokens), seq) + body
+        raw = extra.to_bytes()  # a KeyExtra is bounded: never over MAX_EXTRA_BYTES
+        return HEADER.pack(MAGIC, VERSION_EXTRA, op, flags, len(tokens), seq) + body + EXTRA_LEN.pack(len(raw)) + raw
 
-    def submit(self, tokens: Sequence[int], *, pin: bool = True, op: int = OP_LOOKUP, shifted: bool = False) -> int:
+    def submit(self, tokens: Sequence[int], *, pin: bool = True, op: int = OP_LOOKUP, shifted: bool = False,
+               extra: KeyExtra | None = None) -> int:
+        """Send a lookup of ``tokens`` (keyed with ``extra``) to every rank; its sequence number."""
         if len(tokens) > MAX_TOKENS:
             raise ValueError(f"a lookup of {len(tokens)} tokens exceeds {MAX_TOKENS}")
         with self._lock:
             self._seq += 1
             seq = self._seq
-            frame = self._frame(op, (FLAG_PIN if pin else 0) | (FLAG_SHIFTED if shifted else 0), tokens, seq)
+            frame = self._frame(op, (FLAG_PIN if pin else 0) | (FLAG_SHIFTED if shifted else 0), tokens, seq, extra)
             with self._cond:
                 self._pending[seq] = {}
             for i, r in enumerate(self.ranks):
@@ -486,22 +521,22 @@ class LookupClient:
                     self._deliver(r, seq, LookupReply(0, b"") if op == OP_LOOKUP else None)
         return seq
 
-    def release(self, tokens: Sequence[int]) -> None:
-        """Drop the pins of an earlier pinned lookup of ``tokens`` on every rank (no reply)."""
+    def release(self, tokens: Sequence[int], extra: KeyExtra | None = None) -> None:
+        """Drop the pins of an earlier pinned lookup of ``tokens`` (with ``extra``) on every rank (no reply)."""
         if not tokens:
             return
         with self._lock:
-            frame = self._frame(OP_RELEASE, 0, tokens, 0)
+            frame = self._frame(OP_RELEASE, 0, tokens, 0, extra)
             for r in self.ranks:
                 if r.sock is not None:
                     r.send(frame)
 
-    def release_each(self, per_rank: Sequence[Sequence[int]]) -> None:
+    def release_each(self, per_rank: Sequence[Sequence[int]], extra: KeyExtra | None = None) -> None:
         """Release on each rank the tokens it pinned (``per_rank[i]`` for rank ``i``)."""
         with self._lock:
             for r, tokens in zip(self.ranks, per_rank):
                 if tokens and r.sock is not None:
-                    r.send(self._frame(OP_RELEASE, 0, tokens, 0))
+                    r.send(self._frame(OP_RELEASE, 0, tokens, 0, extra))
 
     def _deliver(self, rank: _Rank, seq: int, reply: Any) -> None:
         with self._cond:
@@ -573,7 +608,7 @@ class LookupChannel:
         self._tier_index = {t.name: min(i, 255) for i, t in enumerate(view.hierarchy.tiers)}
         self.server: LookupServer | None = None
         try:
-            self.server = LookupServer(view.config.lookup_socket, self.lookup, view.release, self.hello,
+            self.server = LookupServer(view.config.lookup_socket, self.lookup, self.release, self.hello,
                                        max_tokens=view.config.lookup_max_tokens)
         except OSError as exc:
             log.warning("lmcache: no lookup channel on %s (%s); lookups from other processes will miss",
@@ -583,19 +618,24 @@ class LookupChannel:
     def enabled(config: Any) -> bool:
         return bool(config.lookup_socket)
 
-    def lookup(self, tokens: Any, pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
-        """The cached prefix of ``tokens`` (a list or a 1-D integer array) and, per hit
-        chunk, the index of its tier.
+    def lookup(self, tokens: Any, pin: bool, shifted: bool = False, extra: KeyExtra | None = None) -> tuple[int, list[int]]:
+        """The cached prefix of ``tokens`` (a list or a 1-D integer array) keyed with
+        ``extra`` and, per hit chunk, the index of its tier.
         ``shifted``: past the exact prefix, also the tokens that shifted reuse covers
-        without a gap (where this engine has ``approximate_reuse``; never the last token)."""
-        n, tiers = self._view.locate(tokens, pin=pin)
+        without a gap (where this engine has ``approximate_reuse``; never the last token,
+        never with an extra)."""
+        n, tiers = self._view.locate(tokens, pin=pin, extra=extra)
         out = [self._tier_index.get(t, 0) for t in tiers]
-        svc = self._view.service("approximate_reuse") if shifted else None
+        svc = self._view.service("approximate_reuse") if shifted and not extra else None
         if svc is not None and n < len(tokens) - 1:
             run = svc.cover(tokens, n, len(tokens) - 1)
             if run:
                 n = run[-1].start + run[-1].length
         return n, out
+
+    def release(self, tokens: Any, extra: KeyExtra | None = None) -> None:
+        """Drop the leases of a pinned :meth:`lookup` of ``tokens`` with ``extra``."""
+        self._view.release(tokens, extra=extra)
 
     def hello(self) -> dict[str, Any]:
         spec = self._view.kv_spec
