@@ -54,11 +54,13 @@ import torch
 from lmcache.config import Config, KVSpec, load_config
 from lmcache.dtypes import dtype_name
 from lmcache.engine import CacheEngine
+from lmcache.keys import KeyExtra
 from lmcache.kernels import KVLayout, get_layout, register_layout
 from lmcache import kernels as K
 
 from ..services.lookup import LookupClient, LookupReply, socket_path
 from .prometheus import Metrics
+from .vllm_extra import request_extra
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -145,6 +147,8 @@ class LoadSpec:
     is_async: bool = False
     exact: int = -1
     shifted: bool = False
+    #: what besides the tokens keys the request's KV (cache salt, LoRA, images)
+    extra: KeyExtra | None = None
 
     @property
     def exact_ids(self) -> list[int]:
@@ -160,6 +164,7 @@ class SaveSpec:
     token_ids: list[int]
     block_ids: list[int]
     skip: int = 0
+    extra: KeyExtra | None = None
 
 
 @dataclass
@@ -173,6 +178,9 @@ class _ReqState:
     prompt: list[int]
     block_ids: list[int] = field(default_factory=list)
     saved_end: int = 0
+    extra: KeyExtra | None = None
+    #: False when the request's key extra is unknown or cannot be built: nothing is stored
+    keyed: bool = True
 
 
 @dataclass
@@ -182,6 +190,7 @@ class _Lookup:
 
     tokens: list[int]
     started: float
+    extra: KeyExtra | None = None
     seq: int | None = None
     replies: list[LookupReply] | None = None
     pinned: bool = True
@@ -377,6 +386,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._async_pending: set[str] = set()  # async loads admitted, not reported finished yet
         self._hit_sources: dict[str, dict[str, int]] = {}
+        self._unkeyed_warned: set[str] = set()
         mc = vllm_config.model_config
         served = getattr(mc, "served_model_name", None)
         #: upstream LMCache's Prometheus metrics, in vLLM's /metrics (plugins/connectors/prometheus.py)
@@ -475,9 +485,10 @@ class LMCacheConnector(KVConnectorBase_V1):
             return int(getattr(pc, "rank", 0) or 0) % int(getattr(pc, "tensor_parallel_size", 1) or 1)
 
     # ================================================================ lookup channel
-    def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False) -> tuple[int, list[int]]:
+    def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
+                      extra: KeyExtra | None = None) -> tuple[int, list[int]]:
         assert self.engine is not None
-        return self.engine.services["lookup"].lookup(tokens, pin, shifted)
+        return self.engine.services["lookup"].lookup(tokens, pin, shifted, extra)
 
     def _local_workers(self) -> list[LMCacheConnector] | None:
         """This instance's worker connectors if all of them live in this process."""
@@ -493,21 +504,21 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._client = LookupClient([socket_path(self.instance, self.dp_rank, r) for r in range(self.tp_size)])
         return self._client
 
-    def _start_lookup(self, tokens: list[int]) -> _Lookup:
+    def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None) -> _Lookup:
         self.stats["lookups"] += 1
-        lk = _Lookup(tokens, time.monotonic())
+        lk = _Lookup(tokens, time.monotonic(), extra)
         local = self._local_workers()
         if local is not None:
             lk.replies = []
             for w in local:
                 try:
-                    n, tiers = w._serve_lookup(tokens, True, self.shifted)
+                    n, tiers = w._serve_lookup(tokens, True, self.shifted, extra)
                 except Exception:
                     log.exception("lmcache: lookup failed; treating it as a miss")
                     n, tiers = 0, []
                 lk.replies.append(LookupReply(n, bytes(tiers)))
         else:
-            lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted)
+            lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted, extra=extra)
         return lk
 
     def _release_lookup(self, lk: _Lookup) -> None:
@@ -529,22 +540,37 @@ class LMCacheConnector(KVConnectorBase_V1):
             if local is not None:
                 for w, toks in zip(local, per_rank):
                     if toks:
-                        w.engine.release(toks)
+                        w.engine.release(toks, extra=lk.extra)
             elif self._client is not None:
-                self._client.release_each(per_rank)
+                self._client.release_each(per_rank, lk.extra)
         except Exception:
             log.exception("lmcache: releasing a lookup's pins failed (they expire on their own)")
 
     # ================================================================ scheduler role
+    def _key_extra(self, request: Request) -> tuple[KeyExtra | None, bool]:
+        """``(extra, keyed)``: the request's key extra (:mod:`.vllm_extra`), and ``False``
+        when it cannot be keyed safely (then it is neither looked up nor stored; one
+        warning per reason)."""
+        try:
+            return request_extra(request), True
+        except ValueError as exc:
+            if str(exc) not in self._unkeyed_warned:
+                self._unkeyed_warned.add(str(exc))
+                log.warning("lmcache: %s: not cached (%s)", request.request_id, exc)
+            return None, False
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
+        extra, keyed = self._key_extra(request)
+        if not keyed:
+            return 0, False
         lk = self._lookups.get(req_id)
         now = time.monotonic()
         if lk is not None and lk.replies is not None and now - lk.started > self.config.lookup_pin_timeout / 2:
             self._release_lookup(lk)  # answered long ago: its pins may have expired
             lk = None
         if lk is None:
-            lk = self._lookups[req_id] = self._start_lookup(list(request.prompt_token_ids or []))
+            lk = self._lookups[req_id] = self._start_lookup(list(request.prompt_token_ids or []), extra)
             wait = self.lookup_wait
         else:
             wait = 0.0
@@ -612,7 +638,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         req_id = request.request_id
         st = self._reqs.get(req_id)
         if st is None:
-            st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []))
+            extra, keyed = self._key_extra(request)
+            st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []), extra=extra, keyed=keyed)
         if num_external_tokens <= 0:
             if req_id not in self._async_pending:  # the second call after an async load is a no-op
                 lk = self._lookups.pop(req_id, None)
@@ -632,7 +659,8 @@ class LMCacheConnector(KVConnectorBase_V1):
         # rank's pins past it expire after lookup_pin_timeout
         exact = min(r.exact(self.chunk_size) for r in lk.replies)
         shifted = end > exact
-        self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async, exact, shifted)
+        self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async, exact, shifted,
+                                       lk.extra)
         if shifted:
             self.stats["shifted_hit_tokens"] += end - max(exact, local)
         self._hit_sources[req_id] = self._sources(lk, local, end)
@@ -651,8 +679,8 @@ class LMCacheConnector(KVConnectorBase_V1):
                 meta.loads.append(self._loads.pop(req_id))
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
-            if st is None:
-                st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []))
+            if st is None:  # never seen in update_state_after_alloc: its cache salt is unknown
+                st = self._reqs[new.req_id] = _ReqState(list(new.prompt_token_ids or []), keyed=False)
             st.block_ids = list(new.block_ids[0])
             scheduled.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
@@ -676,8 +704,8 @@ class LMCacheConnector(KVConnectorBase_V1):
             end = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n = len(st.prompt)
             save_end = n if end >= n else end // self.chunk_size * self.chunk_size
-            if save_end > st.saved_end and self.saves:
-                meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end))
+            if save_end > st.saved_end and self.saves and st.keyed:
+                meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end, st.extra))
                 st.saved_end = save_end
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
@@ -828,9 +856,9 @@ class LMCacheConnector(KVConnectorBase_V1):
         buf, view = self._buffer(len(spec.token_ids), role)
         ids = spec.exact_ids
         try:
-            got = self.engine.retrieve(ids, out=view).num_tokens
+            got = self.engine.retrieve(ids, out=view, extra=spec.extra).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
-            self.engine.release(ids)
+            self.engine.release(ids, extra=spec.extra)
         if spec.shifted and got == len(ids) and got < spec.load_end:
             got = self._load_shifted(spec, got, view)
         if min(got, spec.load_end) > spec.skip:
@@ -847,7 +875,7 @@ class LMCacheConnector(KVConnectorBase_V1):
 
         assert self.engine is not None
         svc = self.engine.services.get("approximate_reuse")
-        if svc is None or self._inv_freq is None:
+        if svc is None or self._inv_freq is None or spec.extra:  # (its index has no keyed chunks)
             return start
         with self._async_lock:
             self._shifted_from[spec.req_id] = start
@@ -904,9 +932,9 @@ class LMCacheConnector(KVConnectorBase_V1):
                     assert self.engine is not None
                     buf, view = self._buffer(len(spec.token_ids))
                     try:
-                        handle = self.engine.retrieve_layerwise(spec.token_ids, view)
+                        handle = self.engine.retrieve_layerwise(spec.token_ids, view, extra=spec.extra)
                     finally:
-                        self.engine.release(spec.token_ids)
+                        self.engine.release(spec.token_ids, extra=spec.extra)
                     got = handle.num_tokens
                     slots = self._load_slots(spec, got)
                     self._layer_loads.append((spec, handle, buf, slots))
@@ -968,9 +996,9 @@ class LMCacheConnector(KVConnectorBase_V1):
         """Pin what is cached already and set up the gather of the rest (``None``: nothing to
         do); the gather's buffer is on the engine's device, kept for ``role`` (see :meth:`_buffer`)."""
         assert self.engine is not None
-        skip = self.engine.lookup(spec.token_ids, pin=True)
+        skip = self.engine.lookup(spec.token_ids, pin=True, extra=spec.extra)
         if skip >= len(spec.token_ids):
-            self.engine.release(spec.token_ids)
+            self.engine.release(spec.token_ids, extra=spec.extra)
             return None
         # from here on, what this lookup leased is token_ids[:skip]: every release below
         # drops exactly that (a chunk past it may be another caller's lease by then)
@@ -1000,20 +1028,20 @@ class LMCacheConnector(KVConnectorBase_V1):
             if b is not None and b < len(spec.token_ids):
                 # KV built on shifted reuse is not exact: never under the exact keys
                 if b:
-                    self.engine.store(spec.token_ids[:b], view[:, :, :b])
+                    self.engine.store(spec.token_ids[:b], view[:, :, :b], extra=spec.extra)
                 if svc is not None:
                     svc.store_shifted(spec.token_ids, view, b // self.chunk_size)
                 return
             # chunks before ``skip`` stay pinned (leased) until after the store, so the
             # store skips them and never reads their unfilled rows
             t0 = time.perf_counter()
-            res = self.engine.store(spec.token_ids, view)
+            res = self.engine.store(spec.token_ids, view, extra=spec.extra)
             self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
             self.metrics.usage(self.engine.hierarchy.tiers)
         except Exception:
             log.exception("lmcache: storing %s failed", spec.req_id)
         finally:
-            self.engine.release(spec.token_ids[:skip])
+            self.engine.release(spec.token_ids[:skip], extra=spec.extra)
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -1023,7 +1051,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         if self.layerwise:
             if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
                 for spec, _, _, skip in self._layer_saves:
-                    self.engine.release(spec.token_ids[:skip])
+                    self.engine.release(spec.token_ids[:skip], extra=spec.extra)
                 self._layer_saves = []
             return
         for spec in meta.saves:  # one after another: they share the "gather" buffer
@@ -1035,7 +1063,7 @@ class LMCacheConnector(KVConnectorBase_V1):
                 K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
             except Exception:
                 log.exception("lmcache: gathering %s failed", spec.req_id)
-                self.engine.release(spec.token_ids[:skip])
+                self.engine.release(spec.token_ids[:skip], extra=spec.extra)
                 continue
             self._finish_save(spec, dev_buf, skip)
 

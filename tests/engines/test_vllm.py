@@ -800,3 +800,121 @@ def test_upstream_metrics_count_what_was_loaded(model_config):
         assert value("time_to_retrieve_count") >= 1
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ request isolation (issue 29, item 13)
+def _isolation_engine(model_config, seed: int):
+    eng = Engine(make_config(model_config), kv_cache_config(False))
+    layers = alloc("std_nhd")
+    return eng, eng.worker(layers), layers, torch.Generator().manual_seed(seed)
+
+
+def _asked(eng, w, layers, gen, rid: str, prompt: list[int], **extras) -> int:
+    """Request ``rid`` with vLLM's per-request extras (``cache_salt``, ``lora_request``,
+    ``mm_features``) through one step, then forgotten by vLLM's prefix cache: the tokens it
+    got from lmcache. It stores its own prompt, under its own extras."""
+    r = Request(rid, prompt, SamplingParams(max_tokens=4), None, block_hasher=eng.hasher, **extras)
+    eng.sched.add_request(r)
+    out, invalid = eng.step(w, layers, "std_nhd", gen)
+    assert invalid == set()
+    eng.finish(rid)
+    eng.sched.reset_prefix_cache()
+    return new_req(out, rid).num_computed_tokens
+
+
+def _image(identifier: str, offset: int, length: int):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def _old_keys(engine, tokens: list[int]) -> list[str]:
+    """The chunk keys lmcache made before request extras existed, written out here:
+    xxh3-128 chained from 16 zero bytes over each chunk's little-endian int64 tokens."""
+    import numpy as np
+    import xxhash
+
+    from lmcache.keys import key_prefix
+
+    prefix = key_prefix(engine.config.namespace, engine.config.model, engine.kv_spec.signature)
+    prev, out = b"\0" * 16, []
+    for s in range(0, len(tokens), CHUNK):
+        prev = xxhash.xxh3_128_digest(prev + np.asarray(tokens[s : s + CHUNK], dtype="<i8").tobytes())
+        out.append(prefix + prev.hex())
+    return out
+
+
+def test_cache_salt_keeps_requests_apart_and_no_salt_keeps_the_old_keys(model_config):
+    """vLLM's cache_salt keeps one tenant's prefix cache from serving another's; lmcache
+    too. Before: every request below after the first hit 192 tokens, whatever its salt.
+    After: only the same salt hits; a request with no salt stores exactly the keys of
+    before (existing caches and the controller's index stay valid), a salted one none of them."""
+    eng, w, layers, gen = _isolation_engine(model_config, 11)
+    prompt, tail = list(range(1, 201)), [5] * 20
+    try:
+        assert _asked(eng, w, layers, gen, "a", prompt, cache_salt="tenant-1") == 0
+        assert not any(w.engine.hierarchy.contains(_old_keys(w.engine, prompt)))  # salted: no plain key
+        assert _asked(eng, w, layers, gen, "b", prompt + tail, cache_salt="tenant-2") == 0
+        assert _asked(eng, w, layers, gen, "c", prompt + tail) == 0  # no salt: no hit of a salted entry
+        assert all(w.engine.hierarchy.contains(_old_keys(w.engine, prompt + tail)))  # ... and the old keys
+        assert _asked(eng, w, layers, gen, "d", prompt + tail, cache_salt="tenant-1") == 192
+        assert _asked(eng, w, layers, gen, "e", prompt + tail, cache_salt="tenant-2") == 208
+        assert _asked(eng, w, layers, gen, "f", prompt + tail) == 208
+    finally:
+        eng.close()
+
+
+def test_lora_adapters_never_share_kv(model_config):
+    """Two LoRA adapters over one prompt have different KV. Before: the second adapter (and
+    the base model) loaded the first one's KV, 192 tokens; after: only the same adapter
+    (name, id and path) hits."""
+    from vllm.lora.request import LoRARequest
+
+    eng, w, layers, gen = _isolation_engine(model_config, 12)
+    prompt, tail = list(range(1, 201)), [6] * 20
+    try:
+        assert _asked(eng, w, layers, gen, "a", prompt, lora_request=LoRARequest("sql", 1, "/adapters/sql")) == 0
+        for rid, other in (("b", LoRARequest("chat", 2, "/adapters/chat")), ("c", LoRARequest("sql", 3, "/adapters/sql")),
+                           ("d", LoRARequest("sql", 1, "/adapters/sql-v2")), ("e", None)):
+            assert _asked(eng, w, layers, gen, rid, prompt + tail, lora_request=other) == 0, rid
+        assert _asked(eng, w, layers, gen, "f", prompt + tail, lora_request=LoRARequest("sql", 1, "/adapters/sql")) == 192
+    finally:
+        eng.close()
+
+
+def test_images_behind_the_same_placeholders_never_share_kv(model_config):
+    """Two images behind the same placeholder tokens [70, 100) give different KV from
+    there on. Before: the second image loaded the first one's KV, 192 tokens; after: only
+    chunk [0, 64), before the image, is shared (as vLLM shares the blocks before it); the
+    same image at the same place hits in full, the same image elsewhere does not."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    eng, w, layers, gen = _isolation_engine(model_config, 13)
+    # the tiny model has no encoder: give vLLM's scheduler an encoder budget, so that it
+    # schedules past the placeholders (the simulated forward ignores the encoder inputs)
+    eng.sched.max_num_encoder_input_tokens = 4096
+    eng.sched.encoder_cache_manager = EncoderCacheManager(cache_size=4096)
+    prompt, tail = list(range(1, 201)), [7] * 20
+    try:
+        assert _asked(eng, w, layers, gen, "a", prompt, mm_features=[_image("cat", 70, 30)]) == 0
+        assert _asked(eng, w, layers, gen, "b", prompt + tail, mm_features=[_image("dog", 70, 30)]) == 64
+        assert _asked(eng, w, layers, gen, "c", prompt + tail, mm_features=[_image("cat", 72, 30)]) == 64
+        assert _asked(eng, w, layers, gen, "d", prompt + tail, mm_features=[_image("cat", 70, 30)]) == 192
+    finally:
+        eng.close()
+
+
+def test_a_request_with_prompt_embeds_is_neither_looked_up_nor_stored(model_config):
+    """Prompt embeddings sit behind sentinel token ids: their KV is not named by the
+    tokens, so such a request is left to vLLM. Before: the second request loaded the
+    first one's KV (192 tokens); after: nothing is stored or loaded for either."""
+    eng, w, layers, gen = _isolation_engine(model_config, 14)
+    prompt = list(range(1, 201))
+    try:
+        embeds = torch.zeros(len(prompt), 64)
+        assert _asked(eng, w, layers, gen, "a", prompt, prompt_embeds=embeds) == 0
+        assert w.engine.lookup(prompt) == 0
+        assert _asked(eng, w, layers, gen, "b", prompt + [8] * 20, prompt_embeds=torch.ones(len(prompt) + 20, 64)) == 0
+    finally:
+        eng.close()

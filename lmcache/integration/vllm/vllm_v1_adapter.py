@@ -94,10 +94,10 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
         return config_file, overrides
 
     # ------------------------------------------------------------------ scheduler role
-    def _start_lookup(self, tokens: list[int]):  # type: ignore[override]
+    def _start_lookup(self, tokens: list[int], extra: Any = None):  # type: ignore[override]
         if self.skip_last_n_tokens:
             tokens = tokens[: max(0, len(tokens) - self.skip_last_n_tokens)]
-        return super()._start_lookup(tokens)
+        return super()._start_lookup(tokens, extra)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:  # type: ignore[override]
         """The wrapper adds ``False`` (a synchronous load) itself."""
