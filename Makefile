@@ -20,7 +20,8 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
 
-.PHONY: install engines servers demo demo-vllm test test-main test-engines test-vllm-api test-vllm-live test-sglang bench-compare clean
+.PHONY: install engines servers demo demo-vllm test test-main test-engines test-vllm-api test-vllm-live test-sglang bench-compare clean \
+	image image-if-podman test-image
 
 $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,12 +90,12 @@ servers:
 # (two copies of tests/plugins/services/test_shifted.py at once: 346 s spinning, 110 s
 # with idle threads that sleep; one alone takes 65 s). Every test process (and the
 # servers, benchmarks and vllm serve they start) sleeps instead.
-test test-main test-engines test-vllm-api test-vllm-live test-sglang: export OMP_WAIT_POLICY = PASSIVE
+test test-main test-engines test-vllm-api test-vllm-live test-sglang test-image: export OMP_WAIT_POLICY = PASSIVE
 
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 engines servers $(LMCACHE_REF_VENV)/.installed
+	$(MAKE) --no-print-directory -j4 engines servers $(LMCACHE_REF_VENV)/.installed image-if-podman
 	$(VENV)/bin/ruff check .
-	$(MAKE) --no-print-directory -j3 -Otarget test-main test-engines
+	$(MAKE) --no-print-directory -j3 -Otarget test-main test-image test-engines
 
 test-main: $(STAMP)
 	$(PY) -m pytest
@@ -110,6 +111,31 @@ test-vllm-live: $(VLLM_CPU_VENV)/.installed
 
 test-sglang: $(SGLANG_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py
+
+# The OCI image of vLLM (CPU) + lmcache (Dockerfile, docs/deploy.md), built offline with
+# podman: a local Debian base (mmdebstrap), wheels built on the host, `podman build
+# --network=none`. Base tar and wheels are cached outside the clone (/var/cache/lmcache-image
+# as root), keyed by their inputs; podman's store keeps the layers. Prints the image's size.
+image: $(STAMP)
+	bash requirements/install-image-tools.sh
+	bash deploy/image/build.sh $(PY)
+
+# `make test` builds the image where podman can run (as root on Debian it is installed);
+# elsewhere test-image's live tests say what is missing (and fail under CI=true)
+image-if-podman: $(STAMP)
+	bash requirements/install-image-tools.sh
+	@if command -v podman >/dev/null && command -v mmdebstrap >/dev/null && command -v runc >/dev/null; then \
+		bash deploy/image/build.sh $(PY); \
+	else echo "image: podman, runc or mmdebstrap is missing: not built (test-image names what to install)" >&2; fi
+
+$(VENV)/.image-test-installed: $(STAMP) requirements/image-test.txt
+	$(PIP) install --quiet -r requirements/image-test.txt
+	touch $@
+
+# the image as users start it (two live `vllm serve` tests, 4 container starts) and the
+# Kubernetes manifests (kustomize render, kubernetes-validate --strict, lmcache config validate)
+test-image: image-if-podman $(VENV)/.image-test-installed
+	LMCACHE_IMAGE_TESTS=1 $(PY) -m pytest -p no:cacheprovider tests/image
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) $(LMCACHE_REF_VENV) .pytest_cache .hypothesis

@@ -38,7 +38,7 @@ fi
 # 2. wheelhouse
 reqs="$root/deploy/image/requirements-cpu.txt"
 build_reqs=(setuptools==78.1.1 wheel==0.45.1)
-wh_key=$( (cat "$reqs"; printf '%s\n' "${build_reqs[@]}") | sha256sum | cut -c1-12)
+wh_key=$( (grep -v '^#' "$reqs"; printf '%s\n' "${build_reqs[@]}") | sha256sum | cut -c1-12)  # pins only
 wh="$cache/wheels-$wh_key"
 if [ ! -f "$wh/.complete" ]; then
     echo "image: building the wheelhouse $wh with the host's pip ..." >&2
