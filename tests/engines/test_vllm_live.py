@@ -389,3 +389,66 @@ def test_lmcacheconnectorv1_upstream_yaml_with_a_redis_remote_url_shared_by_two_
                 assert b.complete(q, MAX_TOKENS).text == reference[q]
                 assert hits(b) >= CHUNK
                 assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)
+
+
+def _tiny_lora(model: Path, path: Path, seed: int) -> Path:
+    """A rank-8 LoRA adapter on every layer's v_proj (so it changes the KV), written as
+    PEFT's files without PEFT: adapter_config.json and adapter_model.safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    v_out = cfg["num_key_value_heads"] * cfg.get("head_dim", hidden // cfg["num_attention_heads"])
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        base = f"base_model.model.model.layers.{i}.self_attn.v_proj"
+        tensors[f"{base}.lora_A.weight"] = torch.randn(8, hidden, generator=gen) * 0.02
+        tensors[f"{base}.lora_B.weight"] = torch.randn(v_out, 8, generator=gen) * 0.02
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["v_proj"], "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": str(model),
+    }))
+    return path
+
+
+def _completion(srv: VllmServer, prompt: str, **fields) -> str:
+    """A greedy completion with request fields vLLM takes beyond the prompt (``cache_salt``,
+    ``model``: a LoRA adapter's name)."""
+    body = json.dumps({"model": srv.name, "prompt": prompt, "max_tokens": 4, "temperature": 0.0, **fields})
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)["choices"][0]["text"]
+
+
+@pytest.mark.timeout(600)  # a hang guard: one vllm serve start and ten prefills of ~800 tokens on 2 loaded cores
+def test_salted_and_lora_requests_do_not_hit_each_others_entries(vllm_bin, model, tmp_path):
+    """vLLM's cache_salt and LoRA adapters keep requests apart under lmcache too (issue 29,
+    item 13), in one server (its scheduler asks its worker over the lookup channel). Before:
+    the second question about a document with another salt, with no salt, or with another
+    adapter, loaded the first one's chunks (external hits > 0); after: only the same salt or
+    adapter hits, and the answers with and without the hit are equal."""
+    ad1, ad2 = _tiny_lora(model, tmp_path / "ad1", 1), _tiny_lora(model, tmp_path / "ad2", 2)
+    kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "512MiB"}])
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", f"ad1={ad1}", f"ad2={ad2}"]
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=kv, extra_args=lora,
+                    log_path=tmp_path / "vllm.log") as srv:
+
+        def gained(prompt: str, **fields) -> tuple[float, str]:
+            before = hits(srv)
+            text = _completion(srv, prompt, **fields)
+            return hits(srv) - before, text
+
+        cases = ((DOCS[1], {"cache_salt": "tenant-1"}, ({"cache_salt": "tenant-2"}, {})),
+                 (DOCS[2], {"model": "ad1"}, ({"model": "ad2"}, {})))
+        for (first, second), own, others in cases:
+            gained(first, **own)
+            for other in others:  # another salt or adapter, and none: no hit
+                assert gained(second, **other)[0] == 0, (own, other)
+            same, text = gained(second, **own)
+            assert same >= CHUNK and same % CHUNK == 0, (own, same)
+            assert text == _completion(srv, second, **{**own, "cache_salt": "fresh"}), own  # computed, not loaded
