@@ -348,7 +348,7 @@ def test_corrupt_entry_is_a_miss_not_garbage(sgl, tmp_path):
         src = fill(pool, 2, seed=30)
         assert all(backend.batch_set_v1(keys, src))
         eng.flush()
-        files = [f for f in disk.rglob("*") if f.is_file()]
+        files = list(disk.rglob("*.lmc"))  # the entries (not the directory's .lmcache-* claim, ledger, locks)
         assert len(files) == 2
         for f in files:  # flip bytes in the middle of each payload
             b = bytearray(f.read_bytes())
