@@ -234,6 +234,11 @@ class Engine:
         self.sched.shutdown()
 
 
+def _impl(conn):
+    """lmcache's connector: the object itself, or the impl behind vLLM's LMCacheConnectorV1 wrapper."""
+    return getattr(conn, "_lmcache_engine", conn)
+
+
 def new_req(out, req_id):
     return next(r for r in out.scheduled_new_reqs if r.req_id == req_id)
 
@@ -265,10 +270,16 @@ def test_factory_loads_the_connector_in_both_roles(model_config):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
-def test_store_then_load_into_other_blocks(model_config, layout, layerwise):
+@pytest.mark.parametrize("upstream", [False, True], ids=["LMCacheConnector", "LMCacheConnectorV1"])
+def test_store_then_load_into_other_blocks(model_config, layout, layerwise, upstream):
+    """Store a prompt from one worker's blocks, load it into another's. With
+    ``LMCacheConnectorV1`` every call goes through vLLM's wrapper: its scheduler side passes
+    no blocks to update_state_after_alloc and takes a bare count from
+    get_num_new_matched_tokens; LMCache's ``use_layerwise`` key selects layer-wise."""
     mla = LAYOUTS[layout]
     dtype = torch.bfloat16 if mla else torch.float32
-    eng = Engine(make_config(model_config, **{"lmcache.vllm.layerwise": layerwise}), kv_cache_config(mla, dtype))
+    opts = {"use_layerwise": layerwise} if upstream else {"lmcache.vllm.layerwise": layerwise}
+    eng = Engine(make_config(model_config, upstream=upstream, **opts), kv_cache_config(mla, dtype))
     gen = torch.Generator().manual_seed(1)
     try:
         a_layers, b_layers = alloc(layout, dtype), alloc(layout, dtype)
@@ -278,7 +289,7 @@ def test_store_then_load_into_other_blocks(model_config, layout, layerwise):
         out, invalid = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
         a_blocks = new_req(out, "a").block_ids[0]
         assert invalid == set() and out.kv_connector_metadata.saves[0].token_ids == prompt
-        assert wa.engine.lookup(prompt) == 200  # 3 full chunks + the unfull tail
+        assert _impl(wa).engine.lookup(prompt) == 200  # 3 full chunks + the unfull tail
         eng.finish("a")
         eng.sched.reset_prefix_cache()  # vLLM forgets; lmcache remembers
         eng.submit("filler", [7] * 40)  # takes blocks so "b" lands elsewhere
@@ -292,7 +303,8 @@ def test_store_then_load_into_other_blocks(model_config, layout, layerwise):
         assert b.block_ids[0][:12] != a_blocks[:12]
         assert same(a_layers, layout, slots_of(a_blocks, 192), b_layers, layout, slots_of(b.block_ids[0], 192))
         # "b" then stored its own full prompt; the chunks it shares with "a" were skipped
-        assert wb.engine.lookup(prompt + list(range(500, 520))) == 220
+        assert _impl(wb).engine.lookup(prompt + list(range(500, 520))) == 220
+        assert _impl(wb)._connector_metadata is None  # dropped after the step: no stale load next step
     finally:
         eng.close()
 
@@ -663,10 +675,6 @@ def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, laye
 
 
 # ------------------------------------------------------------------ vLLM's LMCacheConnectorV1 (LMCache's users)
-def _impl(conn):
-    return getattr(conn, "_lmcache_engine", conn)
-
-
 def test_lmcacheconnectorv1_by_name_runs_lmcache_in_both_roles(model_config):
     """``kv_connector: LMCacheConnectorV1`` with no module path, as every LMCache deployment
     writes it: vLLM's wrapper imports lmcache.integration.vllm.vllm_v1_adapter in both roles,
@@ -689,37 +697,6 @@ def test_lmcacheconnectorv1_by_name_runs_lmcache_in_both_roles(model_config):
     finally:
         for c in conns:
             _impl(c).shutdown()
-
-
-@pytest.mark.parametrize("layout", ["std_nhd", "mla"])
-@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
-def test_lmcacheconnectorv1_stores_then_loads_through_vllms_wrapper(model_config, layout, layerwise):
-    """The same store and load as test_store_then_load_into_other_blocks, every call going
-    through vLLM's wrapper: its scheduler side passes no blocks to update_state_after_alloc
-    and takes a bare count from get_num_new_matched_tokens."""
-    mla = LAYOUTS[layout]
-    eng = Engine(make_config(model_config, upstream=True, use_layerwise=layerwise), kv_cache_config(mla))
-    gen = torch.Generator().manual_seed(11)
-    try:
-        a_layers, b_layers = alloc(layout), alloc(layout)
-        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
-        prompt = list(range(1, 201))
-        eng.submit("a", prompt)
-        out, invalid = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
-        a_blocks = new_req(out, "a").block_ids[0]
-        assert invalid == set() and _impl(wa).engine.lookup(prompt) == 200
-        eng.finish("a")
-        eng.sched.reset_prefix_cache()
-        eng.submit("filler", [7] * 40)
-        eng.step(wb, b_layers, layout, gen)
-        eng.submit("b", prompt + list(range(500, 520)))
-        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
-        b = new_req(out, "b")
-        assert b.num_computed_tokens == 192 and invalid == set()
-        assert same(a_layers, layout, slots_of(a_blocks, 192), b_layers, layout, slots_of(b.block_ids[0], 192))
-        assert _impl(wb)._connector_metadata is None  # dropped after wait_for_save: no stale load next step
-    finally:
-        eng.close()
 
 
 def _store_one(model_config, monkeypatch=None, *, role="kv_both", **extra):
