@@ -231,6 +231,7 @@ class Engine:
     def close(self):
         for w in self.workers:
             w.shutdown()
+            _impl(w).shutdown()  # vLLM's LMCacheConnectorV1 wrapper does not forward shutdown()
         self.sched.shutdown()
 
 
@@ -697,6 +698,16 @@ def test_lmcacheconnectorv1_by_name_runs_lmcache_in_both_roles(model_config):
     finally:
         for c in conns:
             _impl(c).shutdown()
+    # the impls are closed at exit (the wrapper does not forward shutdown), but not kept alive
+    # for it: each one dropped frees its engine's memory pool (before: 1.3 GB per impl, held
+    # until the process ended; 22.9 GB at the end of this file)
+    import gc
+    import weakref
+
+    refs = [weakref.ref(_impl(c)) for c in conns]
+    del conns, c, sched, worker
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 def _store_one(model_config, monkeypatch=None, *, role="kv_both", **extra):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from lmcache.plugins.connectors.vllm import LMCacheConnector
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# every impl not yet shut down, held weakly: an impl its owner dropped (and shut down) is
+# not kept alive, with its engine's memory pool, until the process ends
+_OPEN: weakref.WeakSet[LMCacheConnectorV1Impl] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_open() -> None:
+    for impl in list(_OPEN):
+        impl.shutdown()
 
 #: upstream's own kv_connector_extra_config keys that change nothing here, and why
 NO_EFFECT = {
@@ -71,7 +82,7 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
             self.async_loads = "never"
         if os.environ.get("LMCACHE_FORCE_SKIP_SAVE"):
             self.saves = False
-        atexit.register(self.shutdown)  # the wrapper does not forward shutdown()
+        _OPEN.add(self)  # the wrapper does not forward shutdown(): closed at exit
 
     def _config_overrides(self, extra: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:  # type: ignore[override]
         """Upstream's extra-config keys first (see the module doc), then ours."""
