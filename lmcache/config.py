@@ -236,6 +236,19 @@ class P2PConfig:
     fetch: bool = option(True, check.boolean)
 
 
+def _media(key: str, v: Any, src: str | None) -> dict[str, str]:
+    """``{tier name or backend: medium}``: short names, at most 64 entries."""
+    from .kv_media import MAX_MEDIUM_LEN
+
+    if not isinstance(v, dict) or len(v) > 64 or not all(
+        isinstance(k, str) and isinstance(m, str) and 0 < len(k) <= MAX_MEDIUM_LEN and 0 < len(m) <= MAX_MEDIUM_LEN
+        for k, m in v.items()
+    ):
+        raise ConfigError(key, f"expected a map of tier name or backend to a medium name (at most 64 entries of "
+                               f"1-{MAX_MEDIUM_LEN} characters each), got {check.show(v)}", src)
+    return dict(v)
+
+
 @dataclass
 class KVEventsConfig:
     """vLLM-compatible KV events (see :mod:`lmcache.plugins.services.kv_events`): off unless ``enabled``.
@@ -258,6 +271,9 @@ class KVEventsConfig:
     buffer_steps: int = option(10_000, check.integer(1))
     hwm: int = option(100_000, check.integer(1))
     queue_size: int = option(100_000, check.integer(1))
+    #: the medium vLLM's events name per tier name or backend (``lmcache.kv_media``:
+    #: ``cpu`` -> ``CPU``, any other -> ``STORAGE`` unless set here)
+    media: dict[str, str] = option({}, lambda k, v, s: _media(k, v, s))
     block_hash_format: str = option("int", check.choice("int", "bytes"))
 
 
