@@ -104,7 +104,7 @@ test-main: $(STAMP)
 test-engines: test-vllm-api test-vllm-live test-sglang
 
 test-vllm-api: $(VLLM_VENV)/.installed
-	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_kv_events.py
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_tier_events.py tests/engines/test_vllm_kv_events.py
 
 test-vllm-live: $(VLLM_CPU_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py

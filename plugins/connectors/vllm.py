@@ -60,6 +60,7 @@ from lmcache import kernels as K
 
 from ..services.lookup import LookupClient, LookupReply, socket_path
 from .prometheus import Metrics
+from .vllm_events import BlockInfo, EventBridge, LMCacheTierEvents, block_info
 from .vllm_extra import request_extra
 
 try:
@@ -149,6 +150,8 @@ class LoadSpec:
     shifted: bool = False
     #: what besides the tokens keys the request's KV (cache salt, LoRA, images)
     extra: KeyExtra | None = None
+    #: vLLM's block hashes of token_ids when vLLM publishes KV events (.vllm_events)
+    blocks: BlockInfo | None = None
 
     @property
     def exact_ids(self) -> list[int]:
@@ -165,6 +168,7 @@ class SaveSpec:
     block_ids: list[int]
     skip: int = 0
     extra: KeyExtra | None = None
+    blocks: BlockInfo | None = None
 
 
 @dataclass
@@ -181,6 +185,8 @@ class _ReqState:
     extra: KeyExtra | None = None
     #: False when the request's key extra is unknown or cannot be built: nothing is stored
     keyed: bool = True
+    #: vLLM's request (its block hashes, for KV events)
+    request: Any = None
 
 
 @dataclass
@@ -408,6 +414,11 @@ class LMCacheConnector(KVConnectorBase_V1):
         self._io: ThreadPoolExecutor | None = None
         #: host staging memory kept between requests, one buffer per user (_buffer)
         self._staging: dict[str, torch.Tensor] = {}
+        # lmcache's tiers in vLLM's own KV-event stream (.vllm_events), when vLLM publishes one
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self.kv_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
+        self._bridge = EventBridge(self.engine) if self.kv_events and self.engine is not None else None
+        self._tier_events: LMCacheTierEvents | None = None  # scheduler: the workers' events, not yet taken
         if role != KVConnectorRole.SCHEDULER:
             with _LOCAL_LOCK:  # a scheduler in this process asks it directly
                 _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
@@ -640,6 +651,7 @@ class LMCacheConnector(KVConnectorBase_V1):
         if st is None:
             extra, keyed = self._key_extra(request)
             st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []), extra=extra, keyed=keyed)
+        st.request = request
         if num_external_tokens <= 0:
             if req_id not in self._async_pending:  # the second call after an async load is a no-op
                 lk = self._lookups.pop(req_id, None)
@@ -676,7 +688,10 @@ class LMCacheConnector(KVConnectorBase_V1):
         # scheduled once every worker reported the load finished
         for req_id in list(self._loads):
             if self._loads[req_id].is_async:
-                meta.loads.append(self._loads.pop(req_id))
+                load = self._loads.pop(req_id)
+                st = self._reqs.get(req_id)
+                load.blocks = self._blocks(st, len(load.exact_ids)) if st is not None else None
+                meta.loads.append(load)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:  # never seen in update_state_after_alloc: its cache salt is unknown
@@ -700,20 +715,40 @@ class LMCacheConnector(KVConnectorBase_V1):
             load = self._loads.pop(req_id, None)
             if load is not None:
                 load.block_ids = list(st.block_ids)
+                load.blocks = self._blocks(st, len(load.exact_ids))
                 meta.loads.append(load)
             end = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n = len(st.prompt)
             save_end = n if end >= n else end // self.chunk_size * self.chunk_size
             if save_end > st.saved_end and self.saves and st.keyed:
-                meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end, st.extra))
+                meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end, st.extra,
+                                           self._blocks(st, save_end)))
                 st.saved_end = save_end
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         return meta
 
+    def _blocks(self, st: _ReqState, n_tokens: int) -> BlockInfo | None:
+        """vLLM's block hashes of the request's first ``n_tokens`` tokens, for the workers'
+        KV events (``None`` when vLLM publishes none)."""
+        if not self.kv_events or st.request is None:
+            return None
+        try:
+            return block_info(st.request, self.block_size, n_tokens)
+        except Exception:  # events must never fail a request
+            log.exception("lmcache: KV events: cannot read the block hashes of %s", st.request.request_id)
+            return None
+
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._async_pending.discard(req_id)
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, LMCacheTierEvents):
+            if self._tier_events is None:
+                self._tier_events = events
+            else:
+                self._tier_events.add_events(events.get_all_events())
+                self._tier_events.increment_workers(events.get_number_of_workers())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
@@ -728,8 +763,23 @@ class LMCacheConnector(KVConnectorBase_V1):
             self._release_lookup(lk)
 
     def take_events(self) -> Iterable[Any]:
-        """No KV cache events: lmcache's own controller publishes admissions/evictions."""
-        return ()
+        """lmcache's tier events the workers reported since the last call (each one once
+        every worker reported it), for vLLM to publish with its own (.vllm_events)."""
+        events, self._tier_events = self._tier_events, None
+        if events is None:
+            return ()
+        return events.aggregate().get_all_events()
+
+    def get_kv_connector_kv_cache_events(self) -> LMCacheTierEvents | None:
+        """Worker: the tiers' events since the last step, as vLLM events."""
+        if self._bridge is None:
+            return None
+        events = self._bridge.take()
+        if not events:
+            return None
+        out = LMCacheTierEvents()
+        out.add_events(events)
+        return out
 
     # ================================================================ worker role
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -911,6 +961,11 @@ class LMCacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         self._layer_loads = []
+        if self._bridge is not None and meta is not None:  # before the stores and loads: their tier events
+            for spec in meta.loads:
+                self._bridge.note(spec.exact_ids, spec.extra, spec.blocks)
+            for spec in meta.saves:
+                self._bridge.note(spec.token_ids, spec.extra, spec.blocks)
         if meta is None or not meta.loads:
             return
         if not self._layers:
@@ -1093,5 +1148,7 @@ class LMCacheConnector(KVConnectorBase_V1):
             ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
             if ws is not None and ws.get(self.tp_rank) is self:
                 del ws[self.tp_rank]
+        if self._bridge is not None:
+            self._bridge.close()
         if self.engine is not None:
             _release_engine(self.engine)

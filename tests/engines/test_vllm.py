@@ -69,7 +69,7 @@ def model_config(tmp_path_factory):
 
 
 def make_config(model_config, policy: str = "recompute", prefix_caching: bool = True, *, upstream: bool = False,
-                role: str = "kv_both", **extra) -> VllmConfig:
+                role: str = "kv_both", kv_events=None, **extra) -> VllmConfig:
     """A VllmConfig naming lmcache's connector; ``upstream``: as LMCache's users name it,
     ``kv_connector: LMCacheConnectorV1`` with no module path (vLLM's wrapper)."""
     extra.setdefault("lmcache.chunk_size", CHUNK)
@@ -89,6 +89,7 @@ def make_config(model_config, policy: str = "recompute", prefix_caching: bool = 
             kv_load_failure_policy=policy,
             kv_connector_extra_config=extra,
         ),
+        kv_events_config=kv_events,
     )
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
     return vc
@@ -221,7 +222,8 @@ class Engine:
         self.last = self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[42] for _ in ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=set(invalid)),
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=set(invalid),
+                                                  kv_cache_events=worker.get_kv_connector_kv_cache_events()),
         ))  # fmt: skip
         return out, invalid
 

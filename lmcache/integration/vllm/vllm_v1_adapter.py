@@ -126,8 +126,9 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
             self.clear_connector_metadata()
 
     def get_kv_events(self) -> list[Any]:
-        """KV events for vLLM's own stream: none yet (lmcache publishes its own, docs/engines.md)."""
-        return []
+        """The tiers' stores for vLLM's own KV-event stream (plugins/connectors/vllm_events.py):
+        the wrapper turns each into a ``BlockStored`` and has no way to carry a removal."""
+        return self._bridge.take(stores_only=True) if self._bridge is not None else []
 
 
 __all__ = ["LMCacheConnectorV1Impl"]
