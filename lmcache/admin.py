@@ -374,11 +374,9 @@ class Admin:
             for tname, key in [p for p in self._pins if p[0] in names and match(p[1])]:
                 self.tier(tname).unpin(key)
                 self._pins.discard((tname, key))
-        result = self.evict(tier, all=True, namespace=namespace)
-        pub = getattr(self.engine, "kv_events", None)
-        if pub is not None and tier is None and namespace is None and not result.get("skipped"):
-            pub.cleared()  # every tier is empty now: AllBlocksCleared for KV-event consumers
-        return result
+        # (KV-event subscribers hear one BlockRemoved per evicted block, never
+        # AllBlocksCleared: llm-d applies that to the whole pod, the engine's GPU blocks too)
+        return self.evict(tier, all=True, namespace=namespace)
 
     # ------------------------------------------------------------ re-encoding
     def recode(

@@ -255,18 +255,30 @@ class KVEventsConfig:
 
     ``endpoint`` is the ZMQ PUB address, bound (``tcp://127.0.0.1:0`` picks a free
     port) or, with ``bind: false``, connected to a router that binds a SUB socket.
-    Every message is published under ``topic``. ``replay_endpoint``, when set, is a
-    ROUTER socket where a subscriber can ask for the last ``buffer_steps`` batches
-    again. ``queue_size`` bounds the events waiting to be sent (beyond it they are
-    dropped and counted) and ``hwm`` the messages ZMQ holds per subscriber.
-    ``block_hash_format``: ``int`` (the low 64 bits of the chunk hash, vLLM's default
-    form) or ``bytes`` (the 16 hash bytes).
+    Unset, it is ``tcp://<host>:5558``: port 5558 because vLLM's own publisher
+    (``--kv-events-config``) defaults to 5557 in the same pod; ``host`` is the address
+    bound and named in the topic: ``kv_events.host``, else ``$POD_IP`` (Kubernetes'
+    downward API: ``status.podIP``), else ``127.0.0.1``. Every message is published
+    under ``topic``; unset, ``kv@<host>:<port>@<model>``, the form llm-d's subscriber
+    parses (pod address, then the model; the port actually bound). ``replay_endpoint``,
+    when set, is a ROUTER socket where a subscriber can ask for the last
+    ``buffer_steps`` batches again. ``queue_size`` bounds the events waiting to be sent
+    (beyond it they are dropped, counted, and a sequence number is skipped so that
+    subscribers see the gap) and ``hwm`` the messages ZMQ holds per subscriber.
+    Blocks are engine blocks of ``block_size`` tokens (vLLM's GPU default 16; its CPU
+    backend uses multiples of 32), hashed as vLLM's ``prefix_caching_hash_algo``
+    ``hash_algo`` does. ``block_hash_format``: ``int`` (the low 64 bits of the
+    big-endian digest, vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or ``bytes``
+    (the 32 digest bytes).
     """
 
     enabled: bool = option(False, check.boolean, shorthand=bool)
-    endpoint: str = option("tcp://127.0.0.1:5557", check.zmq_endpoint)
+    endpoint: str | None = option(None, check.optional(check.zmq_endpoint))
+    host: str | None = option(None, check.optional(check.rule(
+        lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9._:-]{1,253}", v),
+        "expected a host name or IP address, got {}")))
     bind: bool = option(True, check.boolean)
-    topic: str = option("kv-events", check.short_text(256))
+    topic: str | None = option(None, check.optional(check.short_text(256)))
     replay_endpoint: str | None = option(None, check.optional(check.zmq_endpoint))
     buffer_steps: int = option(10_000, check.integer(1))
     hwm: int = option(100_000, check.integer(1))
@@ -274,6 +286,8 @@ class KVEventsConfig:
     #: the medium vLLM's events name per tier name or backend (``lmcache.kv_media``:
     #: ``cpu`` -> ``CPU``, any other -> ``STORAGE`` unless set here)
     media: dict[str, str] = option({}, lambda k, v, s: _media(k, v, s))
+    block_size: int = option(16, check.integer(1))
+    hash_algo: str = option("sha256", check.choice("sha256", "sha256_cbor"))
     block_hash_format: str = option("int", check.choice("int", "bytes"))
 
 

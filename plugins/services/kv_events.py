@@ -1,6 +1,9 @@
 """vLLM-compatible KV events: what this instance's tiers store and drop, published on a
-ZMQ PUB socket so that KV-aware routers built for vLLM's ``--kv-events-config`` (llm-d
-style) can follow lmcache tiers too.
+ZMQ PUB socket so that KV-aware routers built for vLLM's ``--kv-events-config`` (llm-d's
+precise prefix-cache scorer, NVIDIA Dynamo's KV router) can follow lmcache tiers too.
+This is the standalone publisher, for engines other than vLLM and ``lmcache server``;
+inside vLLM, :mod:`lmcache.plugins.connectors.vllm_events` puts the same events into
+vLLM's own stream instead.
 
 Started by :class:`~lmcache.engine.CacheEngine` when the config has
 ``kv_events: {enabled: true}`` (the ``kv_events`` service, :class:`KVEventsService`). The wire format is exactly vLLM's
@@ -12,84 +15,191 @@ Started by :class:`~lmcache.engine.CacheEngine` when the config has
 - the payload is a ``KVEventBatch``: the array ``[ts, events, data_parallel_rank]``;
 - each event is a map tagged by ``"type"``: ``BlockStored`` (``block_hashes``,
   ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
-  ``lora_name``), ``BlockRemoved`` (``block_hashes``, ``medium``) or
-  ``AllBlocksCleared``; fields with default values are omitted, as msgspec's
-  ``omit_defaults`` does.
+  ``lora_name``, ``group_idx``) or ``BlockRemoved`` (``block_hashes``, ``medium``,
+  ``group_idx``); fields with default values are omitted, as msgspec's
+  ``omit_defaults`` does. ``AllBlocksCleared`` is never sent: llm-d applies it to the
+  whole pod, the engine's GPU blocks included, so a tier clear is per-block removals.
 
-One block is one lmcache chunk: its hash is the chunk hash (as vLLM's default
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` does: the low 64 bits of the big-endian
-digest, as an int; or the 16 digest bytes with ``block_hash_format: bytes``), its
-parent is the previous chunk's hash, ``block_size`` the chunk's token count and
-``medium`` the tier's name. A run of chunks one store put into one tier is merged into
-one ``BlockStored`` as vLLM does for one request's blocks.
+Where a router finds it: the endpoint defaults to ``tcp://<host>:5558`` (vLLM's own
+publisher has 5557) and the topic to ``kv@<host>:<port>@<model>``, the form llm-d's
+subscriber parses; ``<host>`` is ``kv_events.host``, else ``$POD_IP``, else 127.0.0.1.
+
+Blocks are the engine's, as vLLM and both routers count them, not lmcache chunks: a
+chunk is announced as the full engine blocks of ``kv_events.block_size`` tokens whose
+last token falls in it (a partial trailing block is never announced: vLLM hashes only
+full blocks), with vLLM's block hashes under ``kv_events.hash_algo``
+(:mod:`lmcache.vllm_block_hash`), each block's parent the previous block, as vLLM chains
+them (int hashes as ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of the
+big-endian digest; or the digest bytes with ``block_hash_format: bytes``). A run of
+blocks one store put into one medium is merged into one ``BlockStored``. Chunks whose
+token ids the engine did not hand over (keyed with a :class:`~lmcache.keys.KeyExtra`:
+salt, LoRA, multimodal items, whose vLLM hash needs extra keys; or adopted from a shared
+store) are not announced.
+
+``medium`` is vLLM's vocabulary (:mod:`lmcache.kv_media`: ``cpu`` tiers are ``CPU``,
+others ``STORAGE``, ``kv_events.media`` overrides). A medium's ``BlockStored`` is sent
+when its first tier admits a chunk and its ``BlockRemoved`` when its last tier drops it;
+after such a removal, a ``BlockStored`` is repeated for each medium that still holds
+the chunk, for consumers that drop a block from every medium on any removal.
 
 Why it is shaped like this: the engine must never wait for a subscriber, and a broken
-event feed must never break caching. The tier listener only appends to a bounded queue
-(it runs under a tier's lock); one thread encodes and sends. A full queue drops the
-event and counts it; the PUB socket itself drops at its high-water mark and never
-blocks. If ``pyzmq``/``msgpack`` are missing or the endpoint cannot be bound, the
-publisher logs once and stays disabled. Token ids are known when the engine stores (or
-promotes) a chunk, not in the tier listener, so the engine hands them over first
-(:meth:`KVEventPublisher.remember`) and they are kept, bounded, until the tiers admit
-the chunk; a chunk whose tokens are no longer known (admitted long after, or adopted
-from a shared store) is published as vLLM publishes such placeholders: no tokens, no
-parent, ``block_size`` 0.
+event feed must never break caching. The tier listener only updates the media (O(1),
+under this publisher's lock) and appends to a bounded queue (it runs under a tier's
+lock); one thread hashes, encodes and sends. A full queue drops the event and counts
+it, and the next batch skips one sequence number, so a subscriber sees the gap and may
+ask the replay socket for what is still buffered (dropped events never are). The PUB
+socket itself drops at its high-water mark and never blocks. If ``pyzmq``/``msgpack``
+are missing or the endpoint cannot be bound, the publisher logs once and stays
+disabled. Token ids are known when the engine stores (or promotes) a chunk, not in the
+tier listener, so the engine hands them over first (:meth:`KVEventPublisher.remember`);
+they are kept, bounded by ``META_ENTRIES``, until a tier admits the chunk, then, with
+the chunk's block hashes, while a tier holds it (a few bytes per token, next to the
+chunk's KV in that tier).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import quote
 
+from lmcache.kv_media import MediaTracker, tier_media
+
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
     from lmcache.config import Config, KVEventsConfig
     from lmcache.keys import Chunk
     from lmcache.services import EngineView
+    from lmcache.vllm_block_hash import BlockHasher
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'lmcache[events]'  (pyzmq and msgpack)"
-#: chunk token lists remembered between the engine's store and the tiers' admit events
+#: chunks remembered between the engine's store and the tiers' admit events
 META_ENTRIES = 16384
 #: most events packed into one KVEventBatch
 MAX_BATCH_EVENTS = 1024
+#: the default port: vLLM's publisher defaults to 5557 in the same pod
+DEFAULT_PORT = 5558
 #: the sequence number of the replay socket's end-of-replay marker (vLLM's ``END_SEQ``)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK64 = (1 << 64) - 1
 #: what vLLM's publisher of a single-rank engine sends in every batch
 DATA_PARALLEL_RANK = 0
+#: the KV cache group of every block (a single-group model's, as vLLM numbers it)
+GROUP_IDX = 0
 _STOP = object()
+_WILDCARDS = ("*", "0.0.0.0", "::", "")
+
+
+def bind_host(cfg: KVEventsConfig) -> str:
+    """The address the publisher binds and names: ``host``, else ``$POD_IP``, else loopback."""
+    return cfg.host or os.environ.get("POD_IP") or "127.0.0.1"
+
+
+def default_endpoint(cfg: KVEventsConfig) -> str:
+    host = bind_host(cfg)
+    return f"tcp://[{host}]:{DEFAULT_PORT}" if ":" in host else f"tcp://{host}:{DEFAULT_PORT}"
+
+
+def default_topic(cfg: KVEventsConfig, endpoint: str, model: str) -> str:
+    """``kv@<host>:<port>@<model>`` for a bound tcp endpoint (for a wildcard bind, the
+    host it stands for: ``host``, ``$POD_IP`` or the host name), else ``kv@<host>@<model>``."""
+    named = cfg.host or os.environ.get("POD_IP")
+    if cfg.bind and endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        if host in _WILDCARDS:
+            host = named or socket.gethostname()
+        return f"kv@{host}:{port}@{model}"
+    return f"kv@{named or socket.gethostname()}@{model}"
+
+
+class _Prefix:
+    """The token ids of one store (or promotion) and vLLM's hashes of its full blocks,
+    computed on demand by the publisher thread (the only one that calls :meth:`hashes`)."""
+
+    __slots__ = ("tokens", "_hashes")
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = tokens
+        self._hashes: list[bytes] = []
+
+    def hashes(self, n: int, hasher: BlockHasher, block_size: int) -> list[bytes]:
+        h = self._hashes
+        while len(h) < n:
+            i = len(h)
+            h.append(hasher.block(h[-1] if h else None, self.tokens[i * block_size : (i + 1) * block_size].tolist()))
+        return h
+
+
+class _Blocks:
+    """The engine blocks ``first..last`` of one chunk. Until the publisher thread first
+    resolves it, it refers to its store's :class:`_Prefix`; then it keeps only its own
+    hashes, parent and token ids."""
+
+    __slots__ = ("prefix", "first", "last", "hashes", "parent", "tokens")
+
+    def __init__(self, prefix: _Prefix, first: int, last: int) -> None:
+        self.prefix: _Prefix | None = prefix
+        self.first, self.last = first, last
+        self.hashes: list[bytes] = []
+        self.parent: bytes | None = None
+        self.tokens: np.ndarray | None = None
+
+    def resolve(self, hasher: BlockHasher, block_size: int) -> _Blocks:
+        p = self.prefix
+        if p is not None:
+            h = p.hashes(self.last + 1, hasher, block_size)
+            self.hashes = h[self.first : self.last + 1]
+            self.parent = h[self.first - 1] if self.first else None
+            self.tokens = p.tokens[self.first * block_size : (self.last + 1) * block_size].copy()
+            self.prefix = None
+        return self
 
 
 class KVEventPublisher:
     """Publishes the tiers' admit/evict events of one engine until :meth:`close`.
 
-    ``enabled`` is false when the socket could not be set up (the reason is in
-    ``error``); every method is then a cheap no-op.
+    ``media`` is ``{tier name: medium}`` (:func:`lmcache.kv_media.tier_media`); events of
+    other tiers are ignored. ``enabled`` is false when the socket could not be set up
+    (the reason is in ``error``); every method is then a cheap no-op.
     """
 
-    def __init__(self, cfg: KVEventsConfig, *, namespace: str, model: str) -> None:
+    def __init__(self, cfg: KVEventsConfig, *, namespace: str, model: str, media: Mapping[str, str]) -> None:
+        from lmcache.vllm_block_hash import BlockHasher
+
         self.cfg = cfg
         self.enabled = False
         self.error: str | None = None
         #: the endpoint actually bound (``tcp://127.0.0.1:0`` resolves to the real port)
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
+        self.topic: str = cfg.topic or ""
+        self._model = model
         self._prefix = f"lmc1:{namespace}:{quote(model, safe='-_.~')}:"
+        self._block_size = cfg.block_size
+        self._hasher = BlockHasher(cfg.hash_algo)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=cfg.queue_size)
-        self._meta: OrderedDict[str, tuple[str | None, Any]] = OrderedDict()
-        self._meta_lock = threading.Lock()
+        self._lock = threading.Lock()  # the fields below, from the engine's and the tiers' threads
+        self._meta: OrderedDict[str, _Blocks] = OrderedDict()  # remembered, not yet admitted
+        self._held: dict[str, _Blocks] = {}  # announced and held by a tier
+        self._media = MediaTracker(media)
+        self._gap = False  # events were dropped since the last batch: skip a sequence number
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = 0
         self._closed = False
         #: counters (``stats()``)
-        self.queued_events = 0
         self.dropped_events = 0  # the queue was full
+        self.skipped_seqs = 0  # sequence numbers left out to show drops
+        self.unannounced = 0  # admits of chunks whose token ids were not handed over
         self.published_batches = 0
         self.published_events = 0
         self.failed_sends = 0
@@ -104,33 +214,37 @@ class KVEventPublisher:
             return
         self._zmq = zmq
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        endpoint = cfg.endpoint or default_endpoint(cfg)
         try:
-            self._open_sockets()
+            self._open_sockets(endpoint)
         except Exception as exc:
             self._close_sockets()
-            self._disable(f"cannot {'bind' if cfg.bind else 'connect'} {cfg.endpoint}: {type(exc).__name__}: {exc}")
+            self._disable(f"cannot {'bind' if cfg.bind else 'connect'} {endpoint}: {type(exc).__name__}: {exc}")
             return
+        self.topic = cfg.topic or default_topic(cfg, self.endpoint or endpoint, model)
         self.enabled = True
         self._thread = threading.Thread(target=self._run, name="lmcache-kv-events", daemon=True)
         self._thread.start()
-        log.info("kv events: publishing on %s (topic %r)", self.endpoint, cfg.topic)
+        log.info("kv events: publishing on %s (topic %r)", self.endpoint, self.topic)
 
     def _disable(self, why: str) -> None:
         self.error = why
         log.warning("kv events disabled: %s; caching is unaffected", why)
 
-    def _open_sockets(self) -> None:
+    def _open_sockets(self, endpoint: str) -> None:
         zmq = self._zmq
         self._ctx = zmq.Context()
         pub = self._pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.cfg.hwm)
         pub.setsockopt(zmq.LINGER, 200)
+        if "[" in endpoint:
+            pub.setsockopt(zmq.IPV6, 1)
         if self.cfg.bind:
-            pub.bind(self.cfg.endpoint)
+            pub.bind(endpoint)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:  # a router that binds a SUB socket and lets publishers connect
-            pub.connect(self.cfg.endpoint)
-            self.endpoint = self.cfg.endpoint
+            pub.connect(endpoint)
+            self.endpoint = endpoint
         if self.cfg.replay_endpoint:
             rep = self._replay = self._ctx.socket(zmq.ROUTER)
             rep.setsockopt(zmq.SNDHWM, 2 * (self.cfg.buffer_steps + 1))  # a full replay plus its marker
@@ -148,46 +262,65 @@ class KVEventPublisher:
 
     # ------------------------------------------------------------ the engine's side
     def remember(self, tokens: Any, chunks: Sequence[Chunk], keys: Sequence[str]) -> None:
-        """Note the parent hash and token ids of chunks the engine is about to store or
-        promote, for the ``BlockStored`` events their admission will cause."""
+        """Note the token ids of chunks the engine is about to store or promote (their
+        engine blocks, for the ``BlockStored`` events their admission will cause)."""
         if not self.enabled or not chunks:
             return
         from lmcache.keys import as_token_array
 
-        arr = as_token_array(tokens)
-        prev: str | None = None
-        with self._meta_lock:
+        prefix = _Prefix(as_token_array(tokens))
+        bs = self._block_size
+        with self._lock:
             meta = self._meta
             for chunk, key in zip(chunks, keys):
-                meta[key] = (prev, arr[chunk.start : chunk.end])
+                first, last = chunk.start // bs, chunk.end // bs - 1
+                if last < first:  # no full engine block ends in this chunk: nothing to announce
+                    continue
+                meta[key] = _Blocks(prefix, first, last)
                 meta.move_to_end(key)
-                prev = chunk.chunk_hash
             while len(meta) > META_ENTRIES:
                 meta.popitem(last=False)
 
     def on_tier_event(self, op: str, tier: str, key: str) -> None:
         """The hierarchy listener (``op`` is ``"admit"`` or ``"evict"``); called under a
-        tier's lock, so it only queues."""
+        tier's lock, so it only updates the media and queues."""
         if not self.enabled or not key.startswith(self._prefix):
             return
-        if op == "admit":
-            with self._meta_lock:
-                meta = self._meta.get(key)
-            self._put(("stored", tier, key, meta))
-        elif op == "evict":
-            self._put(("removed", tier, key, None))
+        with self._lock:
+            if op == "admit":
+                blocks = self._held.get(key) or self._meta.get(key)
+                if blocks is None:
+                    self.unannounced += 1
+                    return
+                medium = self._media.admit(tier, key)
+                if medium is not None:
+                    self._held[key] = blocks
+                    self._put(("stored", medium, blocks))
+            elif op == "evict":
+                blocks = self._held.get(key)
+                if blocks is None:
+                    return
+                gone, still = self._media.evict(tier, key)
+                if not self._media.holders(key):
+                    del self._held[key]
+                if gone is not None:
+                    self._put(("removed", gone, blocks))
+                    for medium in still:  # consumers that drop every medium on a removal hear it again
+                        self._put(("stored", medium, blocks))
 
-    def cleared(self) -> None:
-        """Publish ``AllBlocksCleared`` (every tier of this instance was emptied)."""
+    def ping(self) -> None:
+        """Publish a batch with no events: subscribers see the stream is alive (and a
+        new subscriber can tell its subscription is live)."""
         if self.enabled:
-            self._put(("cleared", None, None, None))
+            with self._lock:
+                self._put(("ping", None, None))
 
-    def _put(self, item: tuple) -> None:
+    def _put(self, item: tuple) -> None:  # (under self._lock)
         try:
             self._queue.put_nowait(item)
-            self.queued_events += 1
         except queue.Full:
             self.dropped_events += 1
+            self._gap = True
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -195,10 +328,15 @@ class KVEventPublisher:
             "error": self.error,
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
-            "topic": self.cfg.topic,
+            "topic": self.topic,
+            "block_size": self._block_size,
+            "hash_algo": self._hasher.algo,
             "next_seq": self._seq,
             "queued_events": self._queue.qsize(),
             "dropped_events": self.dropped_events,
+            "skipped_seqs": self.skipped_seqs,
+            "unannounced": self.unannounced,
+            "held_chunks": len(self._held),
             "published_batches": self.published_batches,
             "published_events": self.published_events,
             "failed_sends": self.failed_sends,
@@ -236,6 +374,8 @@ class KVEventPublisher:
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
+                if self._gap:  # drops and nothing after them: show the gap now
+                    self._send_batch([])
                 continue
             items = [item]
             while item is not _STOP and len(items) < MAX_BATCH_EVENTS:
@@ -248,67 +388,67 @@ class KVEventPublisher:
             if stop:
                 items.pop()
             if items:
-                try:
-                    self._publish(self._events(items))
-                except Exception:  # never let the publisher die
-                    log.exception("kv events: unexpected error publishing a batch")
+                self._send_batch(items)
             if stop:
                 return
 
-    def _hash(self, hex_hash: str) -> int | bytes:
-        raw = bytes.fromhex(hex_hash)
+    def _send_batch(self, items: list[tuple]) -> None:
+        try:
+            events = self._events(items)
+            if events or any(op == "ping" for op, _, _ in items) or self._gap:
+                self._publish(events)
+        except Exception:  # never let the publisher die
+            log.exception("kv events: unexpected error publishing a batch")
+
+    def _hash(self, raw: bytes) -> int | bytes:
         if self.cfg.block_hash_format == "bytes":
             return raw
         return int.from_bytes(raw, "big") & _MASK64
 
     def _events(self, items: list[tuple]) -> list[dict[str, Any]]:
         """vLLM event maps for queued items, merging runs as vLLM does: consecutive
-        chunks of one chain stored into one tier, consecutive removals from one tier."""
+        chunks of one chain stored into one medium, consecutive removals from one medium."""
         out: list[dict[str, Any]] = []
-        last_hex: str | None = None  # hash of the last block of out[-1] when it is a mergeable BlockStored
-        for op, tier, key, meta in items:
-            if op == "cleared":
-                out.append({"type": "AllBlocksCleared"})
-                last_hex = None
+        last: bytes | None = None  # the last block hash of out[-1] when it is a mergeable BlockStored
+        bs = self._block_size
+        for op, medium, blocks in items:
+            if op == "ping":
                 continue
-            h = key.rsplit(":", 1)[1]
-            if op == "removed":
-                prev = out[-1] if out else None
-                if prev is not None and prev["type"] == "BlockRemoved" and prev["medium"] == tier:
-                    prev["block_hashes"].append(self._hash(h))
-                else:
-                    out.append({"type": "BlockRemoved", "block_hashes": [self._hash(h)], "medium": tier})
-                last_hex = None
-                continue
-            if meta is None:  # tokens unknown: vLLM's placeholder form
-                out.append(_stored([self._hash(h)], None, [], 0, tier))
-                last_hex = None
-                continue
-            parent, toks = meta
+            b = blocks.resolve(self._hasher, bs)
+            hashes = [self._hash(h) for h in b.hashes]
             prev = out[-1] if out else None
-            if (
-                prev is not None and last_hex is not None and parent == last_hex
-                and prev["type"] == "BlockStored" and prev["medium"] == tier
-                and prev["block_size"] == len(toks)
-            ):
-                prev["block_hashes"].append(self._hash(h))
-                prev["token_ids"].extend(toks.tolist())
+            if op == "removed":
+                if prev is not None and prev["type"] == "BlockRemoved" and prev["medium"] == medium:
+                    prev["block_hashes"].extend(hashes)
+                else:
+                    out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium,
+                                "group_idx": GROUP_IDX})
+                last = None
+                continue
+            if (prev is not None and last is not None and b.parent == last
+                    and prev["type"] == "BlockStored" and prev["medium"] == medium):
+                prev["block_hashes"].extend(hashes)
+                prev["token_ids"].extend(b.tokens.tolist())
             else:
-                out.append(_stored(
-                    [self._hash(h)], None if parent is None else self._hash(parent), toks.tolist(), len(toks), tier
-                ))
-            last_hex = h
+                out.append(_stored(hashes, None if b.parent is None else self._hash(b.parent),
+                                   b.tokens.tolist(), bs, medium))
+            last = b.hashes[-1]
         return out
 
     def _publish(self, events: list[dict[str, Any]]) -> None:
         zmq = self._zmq
+        with self._lock:
+            gap, self._gap = self._gap, False
+        if gap:  # events were dropped before this batch: a sequence number stands for them
+            self._seq += 1
+            self.skipped_seqs += 1
         payload = self._pack([time.time(), events, DATA_PARALLEL_RANK])
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
         try:
             self._pub.send_multipart(  # type: ignore[union-attr]
-                (self.cfg.topic.encode(), seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                (self.topic.encode(), seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
             )
         except zmq.ZMQError as exc:  # a PUB socket drops at its HWM; a connect socket may not
             self.failed_sends += 1
@@ -327,7 +467,7 @@ class KVEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
-        topic = self.cfg.topic.encode()
+        topic = self.topic.encode()
         self.replays += 1
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
@@ -335,6 +475,32 @@ class KVEventPublisher:
                     (client, b"", topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
                 )
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)  # type: ignore[union-attr]
+
+
+def request_replay(ctx: Any, endpoint: str, start_seq: int, timeout: float = 10.0) -> list[tuple[bytes, int, bytes]]:
+    """The client side of vLLM's replay protocol: ask ``endpoint`` (a replay socket) for
+    the buffered batches from ``start_seq`` on; ``(topic, seq, payload)`` per batch. A
+    ``TimeoutError`` if a reply does not come within ``timeout`` seconds."""
+    import zmq
+
+    req = ctx.socket(zmq.DEALER)  # not REQ: one request is answered by several messages
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(endpoint)
+        req.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out = []
+        while True:
+            if not req.poll(int(timeout * 1000)):
+                raise TimeoutError(f"no replay from {endpoint} within {timeout:g}s")
+            frames = req.recv_multipart()
+            if len(frames) != 4:
+                raise ValueError(f"a replay message of {len(frames)} frames from {endpoint}, expected 4")
+            _, topic, seq, payload = frames
+            if seq == END_SEQ:
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+    finally:
+        req.close()
 
 
 def _stored(hashes: list, parent: int | bytes | None, tokens: list[int], block_size: int, medium: str) -> dict:
@@ -348,6 +514,7 @@ def _stored(hashes: list, parent: int | bytes | None, tokens: list[int], block_s
         "lora_id": None,
         "medium": medium,
         "lora_name": None,
+        "group_idx": GROUP_IDX,
     }
 
 
@@ -362,7 +529,8 @@ class KVEventsService:
 
     def __init__(self, engine: EngineView):
         cfg = engine.config
-        self.publisher = KVEventPublisher(cfg.kv_events, namespace=cfg.namespace, model=cfg.model)
+        media = tier_media(engine.hierarchy.tiers, cfg.kv_events.media)
+        self.publisher = KVEventPublisher(cfg.kv_events, namespace=cfg.namespace, model=cfg.model, media=media)
         self._hierarchy = engine.hierarchy
         if self.publisher.enabled:
             engine.hierarchy.add_listener(self.publisher.on_tier_event)
