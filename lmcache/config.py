@@ -289,6 +289,9 @@ class KVEventsConfig:
     block_size: int = option(16, check.integer(1))
     hash_algo: str = option("sha256", check.choice("sha256", "sha256_cbor"))
     block_hash_format: str = option("int", check.choice("int", "bytes"))
+    #: ``map`` (vLLM 0.32/0.33's msgspec maps) or ``array`` (upstream vLLM's
+    #: ``array_like`` events, the only form llm-d decodes)
+    event_form: str = option("map", check.choice("map", "array"))
 
 
 _FRACTION = check.rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,

@@ -17,7 +17,9 @@ Started by :class:`~lmcache.engine.CacheEngine` when the config has
   ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``,
   ``lora_name``, ``group_idx``) or ``BlockRemoved`` (``block_hashes``, ``medium``,
   ``group_idx``); fields with default values are omitted, as msgspec's
-  ``omit_defaults`` does. ``AllBlocksCleared`` is never sent: llm-d applies it to the
+  ``omit_defaults`` does. With ``kv_events.event_form: array`` each event is instead the
+  array ``[tag, field, ...]`` of upstream vLLM's ``array_like=True`` structs, the only form
+  llm-d decodes (:class:`lmcache.testing.routers.LlmdIndex`). ``AllBlocksCleared`` is never sent: llm-d applies it to the
   whole pod, the engine's GPU blocks included, so a tier clear is per-block removals.
 
 Where a router finds it: the endpoint defaults to ``tcp://<host>:5558`` (vLLM's own
@@ -442,7 +444,8 @@ class KVEventPublisher:
         if gap:  # events were dropped before this batch: a sequence number stands for them
             self._seq += 1
             self.skipped_seqs += 1
-        payload = self._pack([time.time(), events, DATA_PARALLEL_RANK])
+        wire = [_as_array(e) for e in events] if self.cfg.event_form == "array" else events
+        payload = self._pack([time.time(), wire, DATA_PARALLEL_RANK])
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -501,6 +504,15 @@ def request_replay(ctx: Any, endpoint: str, start_seq: int, timeout: float = 10.
             out.append((topic, int.from_bytes(seq, "big"), payload))
     finally:
         req.close()
+
+
+def _as_array(ev: dict[str, Any]) -> list:
+    """An event in upstream vLLM's ``array_like=True`` form (what llm-d decodes): the tag,
+    then the fields in vLLM's struct order up to ``group_idx`` (``extra_keys`` nil)."""
+    if ev["type"] == "BlockRemoved":
+        return ["BlockRemoved", ev["block_hashes"], ev["medium"], ev["group_idx"]]
+    return ["BlockStored", ev["block_hashes"], ev["parent_block_hash"], ev["token_ids"], ev["block_size"],
+            ev["lora_id"], ev["medium"], ev["lora_name"], None, ev["group_idx"]]
 
 
 def _stored(hashes: list, parent: int | bytes | None, tokens: list[int], block_size: int, medium: str) -> dict:

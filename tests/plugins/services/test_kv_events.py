@@ -444,3 +444,41 @@ def test_controller_worker_and_kv_events_both_get_tier_events(ctx):
             while [x["hit_tokens"] for x in client.lookup(toks)["results"]] != [8]:
                 assert time.monotonic() < deadline, "the controller never saw the store"
                 time.sleep(0.05)
+
+
+def n_hashes(events, tag: str) -> int:
+    """Block hashes in events of ``tag``, map or array form."""
+    return sum(len(x[1]) if isinstance(x, list) else len(x["block_hashes"])
+               for x in events if (x[0] if isinstance(x, list) else x["type"]) == tag)
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_router_rules_ingest_the_stream(ctx, form):
+    """What llm-d and Dynamo make of the stream, by their rules as lmcache.testing.routers
+    encodes them (llm-d-kv-cache pool.go/vllm_adapter.go/in_memory.go: the ``kv@`` filter,
+    ``kv@<pod>@<model>`` topic, array-form events only, per-medium removals, cpu weight 0.8;
+    Dynamo publisher.rs: blocks of its kv_block_size only, medium ignored)."""
+    from lmcache.testing.routers import DynamoIndex, LlmdIndex
+
+    toks = list(range(1000, 1040))  # two full blocks of 16, eight tokens over
+    with engine(block_size=16, event_form=form) as e:
+        r = Reader(ctx, e.kv_events)
+        e.store(toks, kv_for(40))
+        r.wait(lambda ev: n_hashes(ev, "BlockStored") == 2)
+        pod = e.kv_events.topic.split("@")[1]
+        llmd, dyn = LlmdIndex(), DynamoIndex(16)
+        for f in r.frames:
+            llmd.ingest(f)
+            dyn.ingest("w", f)
+        if form == "map":  # llm-d drops map-form messages whole; Dynamo reads both
+            assert llmd.score("default", toks) == {} and any("not an array" in d for d in llmd.dropped)
+        else:
+            assert llmd.score("default", toks) == {pod: pytest.approx(2 * 0.8)}
+        assert dyn.score(toks) == {"w": 2}
+        n = len(r.frames)
+        e.admin.clear(all=True)
+        r.wait(lambda ev: n_hashes(ev, "BlockRemoved") == 2)
+        for f in r.frames[n:]:
+            llmd.ingest(f)
+            dyn.ingest("w", f)
+        assert llmd.score("default", toks) == {} and dyn.score(toks) == {}
