@@ -92,7 +92,7 @@ class VllmServer:
 
     def __init__(self, model: str | os.PathLike[str], *, vllm: str | os.PathLike[str] | None = None,
                  kv_transfer_config: Mapping[str, Any] | None = None, prefix_caching: bool = False,
-                 kv_cache_gib: float = 1.0, threads: int | None = None, max_model_len: int = 4096,
+                 kv_cache_gib: float | None = 1.0, threads: int | None = None, max_model_len: int = 4096,
                  tensor_parallel: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_path: str | os.PathLike[str] | None = None, start_timeout: float = 300.0):
         self.port = free_port()
@@ -103,7 +103,11 @@ class VllmServer:
                                       prefix_caching=prefix_caching, max_model_len=max_model_len,
                                       tensor_parallel=tensor_parallel, extra_args=extra_args, served_name=self.name)
         e = dict(os.environ)
-        e.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        if kv_cache_gib is None:  # vLLM's --kv-cache-memory-bytes (in extra_args) decides
+            e.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            e["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"  # whole GiB (vLLM reads an int)
+        e.update({"HF_HUB_OFFLINE": "1",
                   "OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 2) // tensor_parallel)),
                   "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
         # vLLM's automatic thread binding keeps cores out of the worker for its other

@@ -350,25 +350,124 @@ def _upstream_yaml(path: Path, **keys) -> Path:
     return path
 
 
+class VllmEvents:
+    """A subscriber on a live vLLM's own KV-event socket (``--kv-events-config``,
+    publisher zmq): every batch decoded with vLLM's own ``KVEventBatch`` decoder, as
+    llm-d's and Dynamo's subscribers read them (topic prefix ``kv@``)."""
+
+    def __init__(self, port: int):
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.connect(f"tcp://127.0.0.1:{port}")
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self.events: list = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._zmq = zmq
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                topic, seq, payload = self._sock.recv_multipart()
+            except self._zmq.Again:
+                continue
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.events.extend(self._decode(payload).events)
+
+    def wait_for(self, test, bound: float = 30.0) -> list:
+        """The events so far once ``test(events)`` holds (a hang guard of ``bound`` s)."""
+        import time
+
+        end = time.monotonic() + bound
+        while not test(list(self.events)) and time.monotonic() < end:
+            time.sleep(0.2)
+        return list(self.events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def _blocks(events, medium: str, kind: str = "BlockStored") -> list:
+    return [h for e in events if type(e).__name__ == kind and e.medium == medium for h in e.block_hashes]
+
+
+def _kv_events_args(port: int) -> list[str]:
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+           "topic": f"kv@127.0.0.1:{port}@smollm2"}
+    return ["--kv-events-config", json.dumps(cfg)]
+
+
 @pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
 def test_lmcacheconnectorv1_upstream_yaml_with_local_disk_across_a_restart(vllm_bin, model, reference, tmp_path):
     """An LMCache-format YAML through LMCACHE_CONFIG_FILE (local_cpu, max_local_cpu_size,
     local_disk as a file:// URL, max_local_disk_size): a restarted server's first request
-    is served from the disk files the first server wrote."""
+    is served from the disk files the first server wrote.
+
+    With ``--kv-events-config`` (issue 36), on vLLM's own socket: the first server's
+    lmcache CPU-tier stores carry the hashes of vLLM's own GPU blocks of the same prompt;
+    once vLLM's small prefix cache (56 MiB) evicted the first document's GPU blocks (two
+    more documents), those blocks are still announced on CPU and never removed there; the
+    restarted server announces the document its disk tier serves on STORAGE, with the
+    first server's hashes (vLLM's sha256 block hashes do not depend on the process)."""
     disk = tmp_path / "kv-store-disk"
     cfg = _upstream_yaml(tmp_path / "lmcache-config.yaml", chunk_size=256, local_cpu=True, max_local_cpu_size=0.25,
                          local_disk=f"file://{disk}/", max_local_disk_size=1.0)
     env = {"LMCACHE_CONFIG_FILE": str(cfg)}
-    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "a.log") as a:
-        p = DOCS[1][0]
-        assert a.complete(p, MAX_TOKENS).text == reference[p]
-        assert len(_settled_files(disk)) >= 2
+    port = free_port()
+    small = ["--kv-cache-memory-bytes", str(56 << 20)] + _kv_events_args(port)
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "a.log",
+                    prefix_caching=True, max_model_len=960, kv_cache_gib=None, extra_args=small) as a:
+        sub = VllmEvents(port)
+        try:
+            p = DOCS[1][0]
+            assert a.complete(p, MAX_TOKENS).text == reference[p]
+            events = sub.wait_for(lambda ev: _blocks(ev, "CPU"))
+            gpu, cpu = _blocks(events, "GPU"), _blocks(events, "CPU")
+            doc = [h for h in gpu if h in set(cpu)]
+            assert len(cpu) >= 2 and doc == cpu  # lmcache's blocks are vLLM's blocks of the prompt, in order
+            pair = next(e for e in events if type(e).__name__ == "BlockStored" and e.medium == "GPU"), \
+                next(e for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU")
+            for e in pair:  # for the record (docs/engines.md): the same blocks, from vLLM and from lmcache
+                print(f"captured: {e.medium} BlockStored block_size={e.block_size} hashes={e.block_hashes} "
+                      f"parent={e.parent_block_hash} tokens={len(e.token_ids)} lora={e.lora_name}")
+            assert len(_settled_files(disk)) >= 2
+            for q in (DOCS[2][0], DOCS[3][0]):  # vLLM's prefix cache evicts the first document
+                assert a.complete(q, MAX_TOKENS).text == reference[q]
+            events = sub.wait_for(lambda ev: set(doc) & set(_blocks(ev, "GPU", "BlockRemoved")))
+            dropped = set(doc) & set(_blocks(events, "GPU", "BlockRemoved"))
+            assert dropped, "vLLM's prefix cache kept every block of the first document"
+            assert not dropped & set(_blocks(events, "CPU", "BlockRemoved"))  # lmcache still announces them
+            assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))  # no gap
+        finally:
+            sub.close()
     env.update(prometheus_dir(tmp_path))
-    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "b.log") as b:
-        q = DOCS[1][1]
-        assert b.complete(q, MAX_TOKENS).text == reference[q]
-        assert hits(b) >= CHUNK
-        assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)
+    port = free_port()
+    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "b.log",
+                    prefix_caching=True, max_model_len=960, kv_cache_gib=None,
+                    extra_args=["--kv-cache-memory-bytes", str(56 << 20)] + _kv_events_args(port)) as b:
+        sub = VllmEvents(port)
+        try:
+            q = DOCS[1][1]
+            assert b.complete(q, MAX_TOKENS).text == reference[q]
+            assert hits(b) >= CHUNK
+            assert lmcache_metric(b, "num_hit_tokens_total") == hits(b)
+            stored = _blocks(sub.wait_for(lambda ev: _blocks(ev, "STORAGE")), "STORAGE")
+            assert stored and stored == doc[: len(stored)]  # the first server's blocks, from its disk files
+        finally:
+            sub.close()
 
 
 @pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
