@@ -399,7 +399,8 @@ class KVEventPublisher:
             events = self._events(items)
             if events or any(op == "ping" for op, _, _ in items) or self._gap:
                 self._publish(events)
-        except Exception:  # never let the publisher die
+        except Exception:  # never let the publisher die; the lost batch is a sequence gap
+            self._gap = True
             log.exception("kv events: unexpected error publishing a batch")
 
     def _hash(self, raw: bytes) -> int | bytes:
