@@ -251,7 +251,8 @@ class CacheEngine:
                 self._puts = ThreadPoolExecutor(2, thread_name_prefix="lmcache-store")
             return self._puts
 
-    def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None, extra: KeyExtra | None = None) -> RetrieveResult:
+    def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None, extra: KeyExtra | None = None,
+                 into: Callable[[Chunk, torch.Tensor], None] | None = None) -> RetrieveResult:
         """KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
@@ -260,8 +261,18 @@ class CacheEngine:
         ``num_tokens`` tokens of ``out`` are the result: chunks read after a miss may
         have been copied into the rest of it (a file-like tier copies each chunk as it
         arrives).
+
+        With ``into`` (a sink; no ``out``), nothing is copied here: ``into(chunk, kv)``
+        gets each chunk's KV in the memory pool (``(layers, 2, chunk tokens, heads,
+        head_size)``, contiguous, to be read during the call only) as soon as it is
+        ready, on a file-like tier's I/O threads too, so the caller copies it once, to
+        where it goes. Every chunk of the result is handed over exactly once before this
+        returns; chunks read after a miss may be handed over too (not part of the
+        result, like ``out`` past ``num_tokens``). ``result.kv`` is ``None``.
         """
         self._check_open()
+        if out is not None and into is not None:
+            raise ValueError("retrieve takes out or into, not both")
         if self.kv_spec is None and self._spec_from_tiers() is None:
             return RetrieveResult(0, out)
         spec = self.kv_spec
@@ -274,7 +285,15 @@ class CacheEngine:
         # prefix may then hold KV of chunks after a miss; it is not part of the result)
         copied: set[int] = set()
         on_ready = None
-        if out is not None and chunks and _fits(out, chunks[-1].end, spec):
+        if into is not None:
+            def on_ready(j: int, obj: MemoryObj) -> None:
+                if obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype:
+                    try:
+                        into(chunks[j], obj.tensor)
+                    except Exception:  # handed over again below, where its error reaches the caller
+                        return
+                    copied.add(j)
+        elif out is not None and chunks and _fits(out, chunks[-1].end, spec):
             dtype = dtype_from_name(spec.dtype)
 
             # a file-like tier calls this on its I/O threads; an out made under
@@ -291,6 +310,11 @@ class CacheEngine:
             with self.hierarchy.pinned(keys):
                 got = self._fetch(chunks, keys, spec, on_ready)
             n = got[-1][0].end if got else 0
+            if into is not None:
+                for j, (chunk, obj, _) in enumerate(got):
+                    if j not in copied:
+                        into(chunk, obj.tensor)
+                return RetrieveResult(n, None, [t.name for _, _, t in got], [c for c, _, _ in got])
             if out is None and n:
                 out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
             elif out is not None and n:

@@ -90,6 +90,47 @@ def test_retrieve_into_out():
             e.retrieve(toks, out=torch.zeros(L, 2, 10, H, D))
 
 
+@pytest.mark.parametrize("top", ["cpu", "disk"])
+def test_retrieve_into_a_sink_hands_over_each_chunk_once_from_the_pool(tmp_path, top):
+    """``retrieve(into=sink)``: each chunk of the cached prefix reaches the sink exactly
+    once, as pool memory (no copy made by the engine), in the engine layout; from a disk
+    tier on its I/O threads as each file arrives. A chunk lost in the middle ends the
+    result there; the sink's error reaches the caller; ``out`` and ``into`` together are
+    refused. Every object read is handed back to the pool."""
+    toks = list(range(100))  # 6 full chunks of 16 + 4 tokens
+    kv = kv_for(toks)
+    tiers = [{"backend": "disk", "path": str(tmp_path / "d"), "capacity": "8MiB"}] if top == "disk" else \
+        [{"backend": "cpu", "capacity": "4MiB"}]
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": tiers}) as e:
+        e.store(toks, kv)
+        e.flush()
+        live = e.pool.live  # the cpu tier's own objects
+        seen: dict[int, torch.Tensor] = {}
+        pool = (e.pool._buf.data_ptr(), e.pool._buf.data_ptr() + e.pool.capacity)
+
+        def sink(chunk, t):
+            assert chunk.start not in seen, "a chunk handed over twice"
+            assert pool[0] <= t.data_ptr() < pool[1] and t.is_contiguous()  # the pool's memory itself
+            seen[chunk.start] = t.clone()
+
+        res = e.retrieve(toks, into=sink)
+        assert res.num_tokens == 100 and res.kv is None and len(res.tiers) == 7
+        assert sorted(seen) == list(range(0, 100, 16))
+        assert torch.equal(torch.cat([seen[k] for k in sorted(seen)], dim=2), kv)
+        e.hierarchy.tiers[0].remove([e.chunk_keys(toks)[1][3]])  # chunk 3 lost
+        seen.clear()
+        assert e.retrieve(toks, into=sink).num_tokens == 48 and {0, 16, 32} <= set(seen)
+
+        def broken(chunk, t):
+            raise RuntimeError("sink failed")
+
+        with pytest.raises(RuntimeError, match="sink failed"):
+            e.retrieve(toks, into=broken)
+        with pytest.raises(ValueError, match="out or into"):
+            e.retrieve(toks, out=torch.zeros_like(kv), into=sink)
+        assert e.pool.live == live - (top == "cpu")  # only the removed chunk is gone
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int32, torch.float64])
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_retrieve_into_an_out_of_another_dtype_is_refused(dtype, layerwise):

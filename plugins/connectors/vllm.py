@@ -901,8 +901,15 @@ class LMCacheConnector(KVConnectorBase_V1):
         return slots
 
     def _load_bulk(self, spec: LoadSpec, role: str = "load") -> int:
-        """Retrieve and scatter one load; the number of tokens loaded."""
+        """Retrieve and scatter one load; the number of tokens loaded.
+
+        Each chunk is scattered from the engine's memory pool straight into the paged
+        blocks as it is ready (``retrieve(into=...)``): one copy. MLA (the kernels read
+        its latent halves in another order than the engine stores them) and shifted
+        reuse (it re-rotates the keys in a buffer) go through a staging buffer."""
         assert self.engine is not None
+        if not (self.is_mla or spec.shifted):
+            return self._load_direct(spec)
         buf, view = self._buffer(len(spec.token_ids), role)
         ids = spec.exact_ids
         try:
@@ -915,6 +922,28 @@ class LMCacheConnector(KVConnectorBase_V1):
             slots = self._load_slots(spec, got)
             K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
         return got
+
+    def _load_direct(self, spec: LoadSpec) -> int:
+        """:meth:`_load_bulk` without staging: chunk by chunk from the pool into the paged
+        blocks (tokens below ``skip`` are vLLM's already, slots past ``load_end`` are
+        padding; a chunk read after a miss lands in blocks reported failed, so recomputed)."""
+        assert self.engine is not None
+        slots = self._load_slots(spec, spec.load_end)
+        device = self._device()
+        layers = len(self._layers)
+
+        def sink(chunk: Any, kv: torch.Tensor) -> None:
+            if chunk.end <= spec.skip:
+                return
+            buf = kv.view(layers, 1, *kv.shape[2:]) if self._split else kv  # the kernels' chunk form
+            K.scatter(buf.to(device), self._layout, slots[chunk.start : chunk.end], self._layers,
+                      max(0, spec.skip - chunk.start))
+
+        ids = spec.exact_ids
+        try:
+            return self.engine.retrieve(ids, into=sink, extra=spec.extra).num_tokens
+        finally:  # the lookup's pins (taken for the scheduler) end with the load
+            self.engine.release(ids, extra=spec.extra)
 
     def _load_shifted(self, spec: LoadSpec, start: int, view: torch.Tensor) -> int:
         """Shifted reuse after the exact part (``view[:, :, :start]``): the chunks the

@@ -322,8 +322,8 @@ def test_staging_memory_is_kept_between_requests(model_config, monkeypatch, keep
 
     if not keep:
         monkeypatch.setattr(conn, "STAGING_KEEP_BYTES", 0)
-    layout = "std_nhd"
-    eng = Engine(make_config(model_config), kv_cache_config(False))
+    layout = "mla"  # loads scatter from the pool directly but for MLA (its kernels' latent order)
+    eng = Engine(make_config(model_config), kv_cache_config(True))
     gen = torch.Generator().manual_seed(3)
     try:
         a_layers, b_layers = alloc(layout), alloc(layout)
@@ -351,6 +351,32 @@ def test_staging_memory_is_kept_between_requests(model_config, monkeypatch, keep
             assert buffers[0] is not None and buffers[1] is buffers[0]
         else:
             assert buffers == [None, None]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("layout", [k for k, mla in LAYOUTS.items() if not mla])
+def test_a_load_scatters_from_the_pool_without_staging(model_config, layout):
+    """Issue 31: a load copies each chunk once, from the engine's memory pool into the paged
+    blocks (before: pool -> staging buffer -> blocks). No host staging buffer is made for
+    loads, and the loaded KV equals what was stored, behind a prefix vLLM holds itself."""
+    eng = Engine(make_config(model_config), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(5)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 4 * CHUNK + 9))
+        eng.submit("a", prompt)
+        out, _ = eng.step(wa, a_layers, layout, gen)
+        src = new_req(out, "a").block_ids[0]
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("b", prompt + [5, 6, 7])
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        got = new_req(out, "b")
+        assert got.num_computed_tokens == 4 * CHUNK and invalid == set()
+        assert same(a_layers, layout, slots_of(src, 4 * CHUNK), b_layers, layout, slots_of(got.block_ids[0], 4 * CHUNK))
+        assert "load" not in _impl(wb)._staging
     finally:
         eng.close()
 
