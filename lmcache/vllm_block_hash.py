@@ -9,8 +9,10 @@ hash_fn(seed)``; the seed is ``$PYTHONHASHSEED`` when set, else ``"vllm-none-has
 (``init_none_hash``). ``hash_fn`` is its ``prefix_caching_hash_algo``:
 
 - ``sha256`` (vLLM's default): SHA-256 of the object pickled with protocol 5
-  (``pickle.HIGHEST_PROTOCOL`` on every Python vLLM supports). Here the object is only
-  ever *serialized*, a tuple of bytes, ints and ``None``; nothing is unpickled.
+  (``pickle.HIGHEST_PROTOCOL`` on every Python vLLM supports). The bytes CPython's
+  pickler writes for the few types a block key holds (tuples of bytes, ints, ``str`` and
+  ``None``, under 64 KiB) are written here by :func:`pickle5` without the ``pickle``
+  module: nothing is ever unpickled, and the test compares them with ``pickle.dumps``.
 - ``sha256_cbor``: SHA-256 of its canonical CBOR encoding (encoded here for the same
   few types, as ``cbor2.dumps(obj, canonical=True)`` writes them).
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import struct
 from typing import Any, Callable, Sequence
 
@@ -33,9 +34,63 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 ALGOS = ("sha256", "sha256_cbor")
 
 
+#: CPython's pickler frames what follows PROTO once it is at least this long (FRAME_SIZE_MIN)
+_FRAME_MIN = 4
+#: ... and starts a new frame past this many bytes (FRAME_SIZE_TARGET): not written here
+_FRAME_MAX = 64 * 1024
+
+
+def _pickle(obj: Any, out: bytearray) -> None:
+    if obj is None:
+        out += b"N"
+    elif isinstance(obj, bool):
+        out += b"\x88" if obj else b"\x89"  # NEWTRUE / NEWFALSE
+    elif isinstance(obj, int):
+        if 0 <= obj < 1 << 8:
+            out += b"K" + bytes((obj,))  # BININT1
+        elif 0 <= obj < 1 << 16:
+            out += b"M" + struct.pack("<H", obj)  # BININT2
+        elif -(1 << 31) <= obj < 1 << 31:
+            out += b"J" + struct.pack("<i", obj)  # BININT
+        else:  # LONG1: little-endian two's complement, shortest form
+            raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+            out += b"\x8a" + bytes((len(raw),)) + raw
+    elif isinstance(obj, bytes):
+        head = b"C" + bytes((len(obj),)) if len(obj) < 1 << 8 else b"B" + struct.pack("<I", len(obj))
+        out += head + obj + b"\x94"  # SHORT_BINBYTES / BINBYTES, MEMOIZE
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8", "surrogatepass")
+        head = b"\x8c" + bytes((len(raw),)) if len(raw) < 1 << 8 else b"X" + struct.pack("<I", len(raw))
+        out += head + raw + b"\x94"  # SHORT_BINUNICODE / BINUNICODE, MEMOIZE
+    elif isinstance(obj, tuple):
+        if not obj:
+            out += b")"  # EMPTY_TUPLE (not memoized)
+            return
+        if len(obj) > 3:
+            out += b"("  # MARK
+        for x in obj:
+            _pickle(x, out)
+        out += (b"\x85", b"\x86", b"\x87")[len(obj) - 1] if len(obj) <= 3 else b"t"
+        out += b"\x94"
+    else:
+        raise TypeError(f"pickle5: cannot encode {type(obj).__name__}")
+
+
+def pickle5(obj: Any) -> bytes:
+    """The bytes ``pickle.dumps(obj, protocol=5)`` writes for ``obj`` made of tuples,
+    bytes, ints, str, bool and ``None`` (each object once, as block keys are), under 64 KiB."""
+    body = bytearray()
+    _pickle(obj, body)
+    body += b"."  # STOP
+    if len(body) >= _FRAME_MAX:
+        raise ValueError(f"pickle5: {len(body)} bytes would span several frames")
+    frame = b"\x95" + struct.pack("<Q", len(body)) if len(body) >= _FRAME_MIN else b""
+    return b"\x80\x05" + frame + bytes(body)
+
+
 def sha256(obj: Any) -> bytes:
-    """vLLM's ``sha256``: the digest of ``obj`` pickled with protocol 5 (serialized only)."""
-    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+    """vLLM's ``sha256``: the digest of ``obj`` pickled with protocol 5 (:func:`pickle5`)."""
+    return hashlib.sha256(pickle5(obj)).digest()
 
 
 def _cbor_head(major: int, n: int, out: bytearray) -> None:
