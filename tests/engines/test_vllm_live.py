@@ -93,6 +93,9 @@ def stats(api_port: int) -> dict:
         return json.load(r)
 
 
+# a hang guard: the first test also starts the reference server (its setup took 157 s of a
+# loaded 2-core CI machine, the test itself 145 s: 301 s against the default 300)
+@pytest.mark.timeout(600)
 def test_serve_reuses_the_cpu_tier_of_one_live_engine(vllm_bin, model, reference, tmp_path):
     """The case that failed before: CPU tier only, one `vllm serve`, scheduler and worker
     in separate processes. The second question about each document loads the document's
