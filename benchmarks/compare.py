@@ -35,11 +35,20 @@ the other), driven by ``benchmarks/compare/lmcache_ref.py`` in a subprocess star
   LMCache's allocate, copy and ``batched_put``), that is, until the CPU tier holds every
   chunk while the disk writes go on behind it; the median of ``repeats`` stores, each
   after the previous one's disk writes finished and its chunks were removed. What it
-  measures is what the lower tier's write-behind takes from the store path.
+  measures is what the lower tier's write-behind takes from the store path. Persist: the
+  same stores until every chunk is on disk (ours: ``store`` then ``flush``; LMCache: until
+  ``local_disk`` holds every key). Disk hit: the first retrieve of the 16 chunks by a fresh
+  engine with only the disk tier, the files in the page cache (ours: a new engine opened
+  on the files the stores left; LMCache 0.5.6 does not index a directory it finds, so a
+  new ``local_disk``-only storage manager that stored them), into a preallocated, touched
+  tensor; the median of ``hit_repeats`` engines (:mod:`lmcache.benchmarks.compare_disk`).
 
 Limits measured in this run: memcpy (CPU tiers; for CPU over disk with the default
 threads, over the workload's bytes), raw file write/read of chunk-sized files in the same
-directory (disk tiers), and one xxh3-128 pass over the token bytes (hashing). Torch runs
+directory (disk tiers), one xxh3-128 pass over the token bytes (hashing); for persist,
+memcpy then raw writes as LMCache's ``local_disk`` does them (a plain write per file, no
+fsync, no O_DIRECT, 4 threads); for the disk hit, raw page-cache reads of those files then
+one scatter into a KV tensor. Torch runs
 with ``--threads`` intra-op threads on both sides (default 1: on a small shared machine a
 second thread makes every copy wait for a busy core), except for CPU over disk.
 """
@@ -59,6 +68,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
+from .compare_disk import engine_for, over_disk_limits, over_disk_rows, run_ours_over_disk
 from .harness import emit, err, out, save_figure
 
 GB = 1e9
@@ -124,7 +134,7 @@ def build_spec(*, quick: bool, shapes: list[str], tiers: list[str], chunks: int 
     if "cpu" in tiers and "disk" in tiers:  # the same sizes in --quick: the workload is the point
         od_bytes = OVER_DISK["layers"] * 2 * OVER_DISK["kv_heads"] * OVER_DISK["head_size"] * 4 * chunk_size * OVER_DISK["chunks"]
         over_disk = {**OVER_DISK, "chunk_size": chunk_size, "bytes": od_bytes, "capacity": od_bytes * 5 // 4 + (64 << 20),
-                     "repeats": 3 if quick else 7, "threads": default_threads}
+                     "repeats": 3 if quick else 7, "hit_repeats": 3, "threads": default_threads}
     return {
         "chunk_size": chunk_size,
         "dtype": "float16",
@@ -172,17 +182,6 @@ def _random_kv(shape: tuple[int, ...], gen):
     return torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(torch.float16)
 
 
-def _engine(spec: dict[str, Any], shape: dict[str, Any], tiers: list[dict[str, Any]], pool: int):
-    from lmcache.config import KVSpec, load_config
-    from lmcache.engine import CacheEngine
-
-    cfg = load_config(None, chunk_size=spec["chunk_size"], write_policy="write-through", tiers=tiers,
-                      memory_pool_size=pool)
-    kv_spec = KVSpec(num_layers=shape["layers"], num_kv_heads=shape["kv_heads"], head_size=shape["head_size"],
-                     dtype=spec["dtype"])
-    return CacheEngine(cfg, kv_spec=kv_spec)
-
-
 def run_ours_tier(shape: dict[str, Any], spec: dict[str, Any], tier: str) -> dict[str, Any]:
     import shutil
 
@@ -197,7 +196,7 @@ def run_ours_tier(shape: dict[str, Any], spec: dict[str, Any], tier: str) -> dic
     cap = spec["capacity"]
     tiers = [{"backend": "cpu", "capacity": cap}] if tier == "cpu" else [
         {"backend": "disk", "capacity": cap, "path": str(directory)}]
-    engine = _engine(spec, shape, tiers, cap)
+    engine = engine_for(spec, shape, tiers, cap)
     try:
         kvs = [_random_kv((L, 2, tpp, H, D), gen) for _ in range(prompts)]
         chunk_bytes = L * 2 * cs * H * D * 2
@@ -251,71 +250,6 @@ def run_ours_tier(shape: dict[str, Any], spec: dict[str, Any], tier: str) -> dic
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _random_bits32(shape: tuple[int, ...], gen):
-    """Random fp32 bit patterns (compared as integers, so NaNs do not matter)."""
-    import torch
-
-    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32).view(torch.float32)
-
-
-def run_ours_cpu_over_disk(spec: dict[str, Any]) -> dict[str, Any]:
-    """CPU over disk: the store call's wall time (see the module docstring), then the
-    disk writes (untimed), checked by a retrieve from the CPU tier and a count of the
-    disk tier's entries."""
-    import shutil
-    import statistics
-
-    import torch
-
-    od = spec["cpu_over_disk"]
-    cs, n = od["chunk_size"], od["chunks"] * od["chunk_size"]
-    L, H, D = od["layers"], od["kv_heads"], od["head_size"]
-    gen = torch.Generator().manual_seed(spec["seed"] + 2)
-    toks = torch.randint(0, 128256, (n,), generator=gen).tolist()
-    directory = tempfile.mkdtemp(prefix="ours-cpu-over-disk-", dir=spec["dir"])
-    cap = od["capacity"]
-    engine = _engine({**spec, "dtype": od["dtype"], "chunk_size": cs}, od,
-                     [{"backend": "cpu", "capacity": cap}, {"backend": "disk", "capacity": cap, "path": directory}], cap)
-    threads = torch.get_num_threads()
-    try:
-        kv = _random_bits32((L, 2, n, H, D), gen)  # one engine buffer
-        seconds: list[float] = []
-        stored = 0
-        torch.set_num_threads(od["threads"])
-        for r in range(od["repeats"]):
-            if r:  # the previous store's disk writes are done; its chunks removed from both tiers
-                engine.admin.clear(all=True)
-                engine.flush()
-            t0 = time.perf_counter()
-            stored = engine.store(toks, kv).stored_tokens
-            seconds.append(time.perf_counter() - t0)
-            engine.flush()
-        on_disk = engine.hierarchy.tiers[1].usage().entries
-        got = engine.retrieve(toks).kv
-        exact = got is not None and got.shape == kv.shape and torch.equal(got.view(torch.int32), kv.view(torch.int32))
-        return {
-            "tier": "cpu over disk",
-            "shape": od["name"],
-            "dtype": od["dtype"],
-            "threads": torch.get_num_threads(),
-            "chunks": od["chunks"],
-            "bytes": od["bytes"],
-            "stored_chunks": stored // cs,
-            "disk_chunks": on_disk,
-            "store_seconds": seconds,
-            "store_gbps": od["bytes"] / statistics.median(seconds) / GB,
-            "store_best_gbps": od["bytes"] / min(seconds) / GB,
-            "exact": exact,
-            "complete": stored == n and on_disk == od["chunks"],
-        }
-    finally:
-        torch.set_num_threads(threads)
-        engine.close()
-        del engine
-        gc.collect()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 def run_ours_lookup(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
@@ -325,7 +259,7 @@ def run_ours_lookup(spec: dict[str, Any]) -> list[dict[str, Any]]:
     tokens_t = torch.randint(0, 128256, (longest,), generator=gen)
     tokens = tokens_t.tolist()
     shape = spec["lookup_shape"]
-    engine = _engine(spec, shape, [{"backend": "cpu", "capacity": spec["lookup_capacity"]}], spec["lookup_capacity"])
+    engine = engine_for(spec, shape, [{"backend": "cpu", "capacity": spec["lookup_capacity"]}], spec["lookup_capacity"])
     rows = []
     try:
         kv = torch.zeros((shape["layers"], 2, longest, shape["kv_heads"], shape["head_size"]), dtype=torch.float16)
@@ -437,9 +371,8 @@ def build_rows(ours: dict[str, Any], ref: dict[str, Any], physical: dict[str, An
         add(f"{base} retrieve", "tier", "GB/s", t["retrieve_gbps"], r["retrieve_gbps"], *lim_r, ex)
     a, b = ours.get("cpu_over_disk"), ref.get("cpu_over_disk")
     if a and b:
-        lim = physical.get("memcpy_over_disk_gbps")
-        add(f"cpu over disk {a['shape']} {a['dtype']} store, {a['threads']} threads (default)", "tier", "GB/s",
-            a["store_gbps"], b["store_gbps"], f"memcpy ({a['threads']} threads)", lim, bool(a["exact"] and b["exact"]))
+        for workload, x, y, lim_name, lim, ex in over_disk_rows(a, b, physical):
+            add(workload, "tier", "GB/s", x, y, lim_name, lim, ex)
     theirs_l = {(row["input"], row["tokens"]): row for row in ref["lookup"]}
     for row in ours["lookup"]:
         r = theirs_l.get((row["input"], row["tokens"]))
@@ -487,6 +420,9 @@ def print_table(data: dict[str, Any]) -> None:
             + (f" ({od['threads']} threads: {od_lim:.2f})" if od and od_lim else "") + "; "
             + "; ".join(f"{k}: file write {v['write_gbps']:.2f} / read {v['read_gbps']:.2f} GB/s"
                         for k, v in data["physical"]["file_io"].items()))
+    lim = data["physical"].get("over_disk")
+    if lim:
+        o.print("cpu over disk limits: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()) + " GB/s")
     t = Table(show_lines=False)
     for col, just in (("workload", "left"), ("unit", "left"), ("lmcache (ours)", "right"), (f"LMCache {REF_VERSION}", "right"),
                       ("ours/theirs", "right"), ("limit", "left"), ("ours/limit", "right"), ("theirs/limit", "right"),
@@ -595,6 +531,7 @@ def compare_cmd(
         if spec["cpu_over_disk"]:
             torch.set_num_threads(default_threads)
             physical["memcpy_over_disk_gbps"] = memcpy_gbps(spec["cpu_over_disk"]["bytes"], repeats=5)
+            physical["over_disk"] = over_disk_limits(work, spec["cpu_over_disk"])
             torch.set_num_threads(threads)
         e.print("running the workloads through lmcache ...")
         t0 = time.perf_counter()
@@ -603,7 +540,7 @@ def compare_cmd(
             for t in tier_names:
                 ours["tiers"].append({"shape": s["name"], **run_ours_tier(s, spec, t)})
         ours["lookup"] = run_ours_lookup(spec)
-        ours["cpu_over_disk"] = run_ours_cpu_over_disk(spec) if spec["cpu_over_disk"] else None
+        ours["cpu_over_disk"] = run_ours_over_disk(spec) if spec["cpu_over_disk"] else None
         ours["seconds"] = time.perf_counter() - t0
         e.print(f"running the workloads through LMCache {REF_VERSION} ({venv}) ...")
         ref = run_ref(venv, spec, timeout)

@@ -62,14 +62,24 @@ def test_bench_compare_quick_json(tmp_path):
         assert t["exact"] and t["complete"] and t["threads"] == od["threads"], t
         assert t["stored_chunks"] == t["disk_chunks"] == 16 and t["bytes"] == od["bytes"] == 16 * 256 * 46080
         assert len(t["store_seconds"]) == od["repeats"] and t["store_gbps"] > 0
+        # persist (store+flush) per store round; a fresh disk-only engine's hit per round
+        assert len(t["persist_seconds"]) == od["repeats"] and t["persist_gbps"] > 0
+        assert all(p >= s for p, s in zip(t["persist_seconds"], t["store_seconds"]))
+        assert len(t["hit_seconds"]) == od["hit_repeats"] and t["hit_gbps"] > 0
+        assert t["hit_exact"] and t["hit_tokens"] == 16 * 256
     assert ref["cpu_over_disk"]["backends"] == ["LocalCPUBackend", "LocalDiskBackend"]
 
     assert data["exact"] == {"ours": True, "lmcache": True} and data["complete"] == {"ours": True, "lmcache": True}
     assert data["physical"]["memcpy_gbps"] > 0 and set(data["physical"]["file_io"]) == {"llama3-8b", "smollm2"}
     assert data["physical"]["memcpy_over_disk_gbps"] > 0
+    assert set(data["physical"]["over_disk"]) == {"memcpy", "write", "read", "scatter", "persist", "hit"}
+    assert all(v > 0 for v in data["physical"]["over_disk"].values())
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 3 + 1 + 2 * len(spec["lookup_inputs"]) * len(spec["lookup_lengths"])
-    assert sum(r["workload"].startswith("cpu over disk smollm2 float32 store") for r in rows) == 1
+    assert len(rows) == 2 * 2 * 3 + 3 + 2 * len(spec["lookup_inputs"]) * len(spec["lookup_lengths"])
+    for name, limit in (("cpu over disk smollm2 float32 store", "memcpy"),
+                        ("cpu over disk smollm2 float32 persist (store+flush)", "memcpy + raw write"),
+                        ("disk hit smollm2 float32, fresh engine, page cache", "page-cache read + scatter")):
+        assert [r["limit"].split(" (")[0] for r in rows if r["workload"].startswith(name)] == [limit], name
     for r in rows:
         assert r["ours"] > 0 and r["lmcache"] > 0 and r["ours_over_lmcache"] > 0 and r["exact"]
         assert r["limit"] and r["ours_vs_limit"] > 0 and r["lmcache_vs_limit"] > 0

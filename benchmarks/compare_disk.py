@@ -1,0 +1,215 @@
+"""Our side of ``lmcache bench compare``'s disk workloads on SmolLM2's fp32 KV (the
+``cpu_over_disk`` part of the spec, see :mod:`lmcache.benchmarks.compare`), and the limits
+they are measured against in the same run.
+
+- store: a CPU tier over a disk tier (write-through), the wall time of the store call;
+- persist: the same stores until every chunk is on disk (``store`` then ``flush``);
+- disk hit: a fresh engine with only the disk tier opened on the files the stores left
+  (in the page cache), its first retrieve of all 16 chunks into a preallocated, touched
+  destination tensor; every byte compared.
+
+Limits (:func:`over_disk_limits`): memcpy of the workload's bytes, raw writes of
+chunk-sized new files the way LMCache 0.5.6's ``local_disk`` backend writes them (one
+plain ``write`` per file, no fsync, no O_DIRECT, 4 threads), raw reads of those files
+from the page cache into one buffer (4 threads) and one scatter of that buffer into a KV
+tensor. Persist's limit is memcpy then the writes; the hit's limit is the reads then the
+scatter.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+#: LMCache 0.5.6 ``local_disk``: ``disk_io_threads`` defaults to 4 (writes and reads)
+REF_DISK_THREADS = 4
+
+
+def engine_for(spec: dict[str, Any], shape: dict[str, Any], tiers: list[dict[str, Any]], pool: int):
+    """A write-through ``CacheEngine`` over ``tiers`` for KV of ``shape``."""
+    from lmcache.config import KVSpec, load_config
+    from lmcache.engine import CacheEngine
+
+    cfg = load_config(None, chunk_size=spec["chunk_size"], write_policy="write-through", tiers=tiers,
+                      memory_pool_size=pool)
+    kv_spec = KVSpec(num_layers=shape["layers"], num_kv_heads=shape["kv_heads"], head_size=shape["head_size"],
+                     dtype=spec["dtype"])
+    return CacheEngine(cfg, kv_spec=kv_spec)
+
+
+def random_bits32(shape: tuple[int, ...], gen):
+    """Random fp32 bit patterns (compared as integers, so NaNs do not matter)."""
+    import torch
+
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32).view(torch.float32)
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return a is not None and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def run_ours_over_disk(spec: dict[str, Any]) -> dict[str, Any]:
+    """The store, persist and disk-hit figures (see the module docstring): ``repeats``
+    stores into the CPU tier over the disk tier, each followed by a ``flush`` (the
+    previous round's chunks removed from both tiers first), then ``hit_repeats`` fresh
+    disk-only engines on the last round's files."""
+    import torch
+
+    od = spec["cpu_over_disk"]
+    cs, n = od["chunk_size"], od["chunks"] * od["chunk_size"]
+    L, H, D = od["layers"], od["kv_heads"], od["head_size"]
+    gen = torch.Generator().manual_seed(spec["seed"] + 2)
+    toks = torch.randint(0, 128256, (n,), generator=gen).tolist()
+    directory = tempfile.mkdtemp(prefix="ours-cpu-over-disk-", dir=spec["dir"])
+    cap = od["capacity"]
+    espec = {**spec, "dtype": od["dtype"], "chunk_size": cs}
+    disk = {"backend": "disk", "capacity": cap, "path": directory}
+    engine = engine_for(espec, od, [{"backend": "cpu", "capacity": cap}, disk], cap)
+    threads = torch.get_num_threads()
+    try:
+        kv = random_bits32((L, 2, n, H, D), gen)  # one engine buffer
+        seconds: list[float] = []
+        persist: list[float] = []
+        stored = 0
+        torch.set_num_threads(od["threads"])
+        for r in range(od["repeats"]):
+            if r:  # the previous store's disk writes are done; its chunks removed from both tiers
+                engine.admin.clear(all=True)
+                engine.flush()
+            t0 = time.perf_counter()
+            stored = engine.store(toks, kv).stored_tokens
+            seconds.append(time.perf_counter() - t0)
+            engine.flush()
+            persist.append(time.perf_counter() - t0)
+        on_disk = engine.hierarchy.tiers[1].usage().entries
+        exact = _same(engine.retrieve(toks).kv, kv)
+        engine.close()
+        engine = None
+        hits: list[float] = []
+        hit_exact, hit_tokens = True, 0
+        out = torch.empty_like(kv)
+        for _ in range(od["hit_repeats"]):
+            out.zero_()  # touched: the scatter does not pay for the destination's first use
+            fresh = engine_for(espec, od, [disk], cap)
+            try:
+                t0 = time.perf_counter()
+                hit_tokens = fresh.retrieve(toks, out=out).num_tokens
+                hits.append(time.perf_counter() - t0)
+            finally:
+                fresh.close()
+            hit_exact = hit_exact and hit_tokens == n and _same(out, kv)
+        return {
+            "tier": "cpu over disk",
+            "shape": od["name"],
+            "dtype": od["dtype"],
+            "threads": torch.get_num_threads(),
+            "chunks": od["chunks"],
+            "bytes": od["bytes"],
+            "stored_chunks": stored // cs,
+            "disk_chunks": on_disk,
+            "store_seconds": seconds,
+            "store_gbps": od["bytes"] / statistics.median(seconds) / GB,
+            "store_best_gbps": od["bytes"] / min(seconds) / GB,
+            "persist_seconds": persist,
+            "persist_gbps": od["bytes"] / statistics.median(persist) / GB,
+            "hit_seconds": hits,
+            "hit_gbps": od["bytes"] / statistics.median(hits) / GB,
+            "hit_tokens": hit_tokens,
+            "hit_exact": hit_exact,
+            "exact": exact and hit_exact,
+            "complete": stored == n and on_disk == od["chunks"] and hit_tokens == n,
+        }
+    finally:
+        torch.set_num_threads(threads)
+        if engine is not None:
+            engine.close()
+        del engine
+        gc.collect()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def over_disk_limits(directory: Path, od: dict[str, Any], repeats: int = 3) -> dict[str, float]:
+    """GB/s of the physical steps under the disk workloads (best of ``repeats``), with
+    torch's default threads: ``memcpy``, ``write`` (new chunk-sized files, one plain write
+    each, no fsync, :data:`REF_DISK_THREADS` threads, as LMCache writes), ``read`` (those
+    files from the page cache into one buffer, the same threads), ``scatter`` (that
+    buffer's chunks into a ``(layers, 2, tokens, heads, head)`` tensor), and the two
+    limits: ``persist`` (memcpy then write) and ``hit`` (read then scatter)."""
+    import torch
+
+    torch.set_num_threads(od["threads"])
+    L, H, D, cs, k = od["layers"], od["kv_heads"], od["head_size"], od["chunk_size"], od["chunks"]
+    chunk = L * 2 * cs * H * D * 4
+    src = torch.randint(-(2**31), 2**31 - 1, (k * chunk // 4,), dtype=torch.int32)
+    pool = torch.empty_like(src)
+    pool.zero_()
+    kv = torch.empty((L, 2, k * cs, H, D), dtype=torch.int32)
+    kv.zero_()
+    views = [memoryview(pool.numpy()).cast("B")[i * chunk : (i + 1) * chunk] for i in range(k)]
+    srcs = [memoryview(src.numpy()).cast("B")[i * chunk : (i + 1) * chunk] for i in range(k)]
+    work = Path(tempfile.mkdtemp(prefix="raw-over-disk-", dir=directory))
+    best = {"memcpy": float("inf"), "write": float("inf"), "read": float("inf"), "scatter": float("inf")}
+
+    def write(i: int, sub: Path) -> None:
+        with open(sub / f"c{i}", "wb") as f:  # LMCache's write_file without O_DIRECT
+            f.write(srcs[i])
+
+    def read(i: int, sub: Path) -> None:
+        with open(sub / f"c{i}", "rb", buffering=0) as f:
+            f.readinto(views[i])
+
+    try:
+        with ThreadPoolExecutor(REF_DISK_THREADS) as ex:
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                pool.copy_(src)
+                best["memcpy"] = min(best["memcpy"], time.perf_counter() - t0)
+                sub = work / str(r)
+                sub.mkdir()
+                t0 = time.perf_counter()
+                list(ex.map(write, range(k), [sub] * k))
+                best["write"] = min(best["write"], time.perf_counter() - t0)
+                pool.zero_()
+                t0 = time.perf_counter()
+                list(ex.map(read, range(k), [sub] * k))
+                best["read"] = min(best["read"], time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i in range(k):
+                    kv[:, :, i * cs : (i + 1) * cs].copy_(pool[i * chunk // 4 : (i + 1) * chunk // 4].view(L, 2, cs, H, D))
+                best["scatter"] = min(best["scatter"], time.perf_counter() - t0)
+                shutil.rmtree(sub)
+        if not torch.equal(pool, src):  # pragma: no cover - a broken filesystem
+            raise RuntimeError("raw file read returned other bytes than were written")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    nbytes = k * chunk
+    gbps = {name: nbytes / s / GB for name, s in best.items()}
+    gbps["persist"] = nbytes / (best["memcpy"] + best["write"]) / GB
+    gbps["hit"] = nbytes / (best["read"] + best["scatter"]) / GB
+    return gbps
+
+
+def over_disk_rows(a: dict[str, Any], b: dict[str, Any], physical: dict[str, Any]) -> list[tuple]:
+    """``(workload, ours, theirs, limit name, limit GB/s, exact)`` of the CPU-over-disk
+    store, persist and disk-hit rows."""
+    lim = physical.get("over_disk") or {}
+    th = f"{a['threads']} threads"
+    name = f"{a['shape']} {a['dtype']}"
+    ex = bool(a["exact"] and b["exact"])
+    return [
+        (f"cpu over disk {name} store, {th} (default)", a["store_gbps"], b["store_gbps"], f"memcpy ({th})",
+         physical.get("memcpy_over_disk_gbps"), ex),
+        (f"cpu over disk {name} persist (store+flush)", a["persist_gbps"], b["persist_gbps"],
+         "memcpy + raw write", lim.get("persist"), ex),
+        (f"disk hit {name}, fresh engine, page cache", a["hit_gbps"], b["hit_gbps"],
+         "page-cache read + scatter", lim.get("hit"), ex),
+    ]
