@@ -23,13 +23,14 @@ from .config import Config, KVSpec, load_config
 from .dtypes import dtype_from_name, dtype_name
 from .errors import KVShapeError
 from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseRetrieval: public here too
-    _KV, LayerwiseRetrieval, RetrieveResult, StoreResult, _check_out, _check_out_dtype, _default_instance_id, _fits,
-    _length, spec_in_tiers, store_chunks,
+    _KV, KVGather, LayerwiseRetrieval, RetrieveResult, StoreResult, _check_out, _check_out_dtype, _default_instance_id, _fits,
+    spec_in_tiers, store_chunks,
 )
 from .hierarchy import StorageHierarchy
 from .keys import Chunk, KeyExtra, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries
+from .prompt import Prompt, PromptMemo
 from .services import start_services
 from .tier import Tier
 
@@ -52,6 +53,8 @@ class CacheEngine:
         self.config = config
         self.clock = clock
         self.tokens = TokenProcessor(config.chunk_size, config.save_unfull_chunk, config.hash_algorithm)
+        #: the prompts seen last, so that one request's calls hash its tokens once (:mod:`lmcache.prompt`)
+        self.prompts = PromptMemo(self.tokens)
         self.pool = MemoryPool(config.pool_size, prefault=config.memory_pool_prefault)
         self.hierarchy = StorageHierarchy(config, self.pool, registries, clock)
         self.kv_spec = kv_spec or config.kv_spec
@@ -139,8 +142,19 @@ class CacheEngine:
         return cached[1]
 
     def chunk_keys(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
-        """The chunks of ``tokens`` and their key strings (see :class:`~lmcache.keys.KeyExtra`)."""
+        """The chunks of ``tokens`` and their key strings (see :class:`~lmcache.keys.KeyExtra`),
+        hashed now (:meth:`prompt` keeps them for the calls that follow)."""
         return self.tokens.chunk_keys(tokens, self._key_prefix(), extra)
+
+    def prompt(self, tokens: Any, extra: KeyExtra | None = None) -> Prompt:
+        """``tokens`` with their chunk keys, hashed once for every call that follows:
+        :meth:`lookup`, :meth:`locate`, :meth:`store`, :meth:`retrieve`, :meth:`release`
+        and :meth:`retrieve_layerwise` take it in place of the tokens (and find it again
+        when given the same tokens and extra: see :class:`~lmcache.prompt.PromptMemo`).
+        Needs the kv spec (the keys name it)."""
+        if self.kv_spec is None:
+            raise KVShapeError("no kv_spec yet: give the engine one, or store once, before building prompts")
+        return self.prompts.get(tokens, self._key_prefix(), extra)
 
     def _adopt_spec(self, kv: _KV) -> KVSpec:
         """This engine's kv spec, taken from the first KV stored; later KV must match it."""
@@ -191,8 +205,9 @@ class CacheEngine:
         self._check_open()
         if self.kv_spec is None and self._spec_from_tiers() is None:
             return 0, []
+        prompt = self.prompt(tokens, extra)
         if self.miss_fillers:  # a service fetches what the tiers miss (the p2p endpoint)
-            chunks, keys = self.chunk_keys(tokens, extra)
+            chunks, keys = prompt.chunks, prompt.keys
             tiers = self.hierarchy.contains_prefix(keys)
             for fill in self.miss_fillers:
                 if len(tiers) == len(keys):
@@ -204,36 +219,39 @@ class CacheEngine:
             # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
             # its first miss, so a miss costs the chunks up to it, not the whole prompt
             keys, tiers = [], []
-            for batch in self.tokens.key_batches(tokens, self._key_prefix(), extra=extra):
+            for batch in prompt.batches():
                 keys += batch
                 got = self.hierarchy.contains_prefix(batch)
                 tiers += got
                 if len(got) < len(batch):
                     break
-            n = min(len(tiers) * self.tokens.chunk_size, _length(tokens))
+            n = min(len(tiers) * self.tokens.chunk_size, len(prompt))
         if pin:
             held = self.hierarchy.lease_prefix(keys, tiers, self.config.lookup_pin_timeout)
             if held < len(tiers):  # evicted between the lookup and its lease: promise what is held
                 tiers = tiers[:held]
-                n = min(held * self.tokens.chunk_size, _length(tokens))
+                n = min(held * self.tokens.chunk_size, len(prompt))
         return n, tiers
 
-    def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+    def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | KVGather, *,
               extra: KeyExtra | None = None) -> StoreResult:
         """Store the KV of ``tokens``.
 
         ``kv`` is a tensor ``(layers, 2, len(tokens), heads, head_size)``, or one
         ``(key, value)`` pair per layer, each ``(len(tokens), heads, head_size)``; views
-        with any strides are fine (only the chunks not yet cached are copied).
+        with any strides are fine (only the chunks not yet cached are copied). Or a
+        :class:`~lmcache.engine_io.KVGather`: each chunk not yet cached is written by the
+        caller straight into the cache's memory (one copy from a paged KV cache).
         """
         self._check_open()
         src = _KV.wrap(kv)
         spec = self._adopt_spec(src)
-        chunks, keys = self.chunk_keys(tokens, extra)
-        if src.num_tokens != _length(tokens):
-            raise KVShapeError(f"kv holds {src.num_tokens} tokens but {_length(tokens)} tokens were given")
-        for observe in self.store_observers if not extra else ():  # (the KV-event publisher: token ids for BlockStored)
-            observe(tokens, chunks, keys)
+        prompt = self.prompt(tokens, extra)
+        chunks, keys = prompt.chunks, prompt.keys
+        if src.num_tokens != len(prompt):
+            raise KVShapeError(f"kv holds {src.num_tokens} tokens but {len(prompt)} tokens were given")
+        for observe in self.store_observers if not prompt.extra else ():  # (the KV-event publisher: token ids for BlockStored)
+            observe(prompt.tokens, chunks, keys)
         present = self.hierarchy.contains(keys)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         # a file-like top tier writes on the store's own I/O threads, so that the write of
@@ -327,13 +345,16 @@ class CacheEngine:
                 obj.unref()
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])
 
-    def release(self, tokens: Any, *, extra: KeyExtra | None = None) -> None:
+    def release(self, tokens: Any, *, extra: KeyExtra | None = None, upto: int | None = None) -> None:
         """Drop the leases that the caller's ``lookup(tokens, pin=True)`` took: once the
         :meth:`retrieve` that followed returned (it holds what it read), or when none will
-        (otherwise they expire after ``lookup_pin_timeout``). One lease per chunk each call."""
+        (otherwise they expire after ``lookup_pin_timeout``). One lease per chunk each call.
+        ``upto`` (a lookup's answer) releases what ``lookup(tokens[:upto], pin=True)`` took,
+        without hashing that prefix again."""
         self._check_open()
         if self.kv_spec is not None:
-            self.hierarchy.release_leases(self.chunk_keys(tokens, extra)[1])
+            prompt = self.prompt(tokens, extra)
+            self.hierarchy.release_leases(prompt.keys if upto is None else prompt.keys_upto(upto))
 
     def retrieve_layerwise(self, tokens: Any, out: torch.Tensor, *, timeout: float = 60.0,
                            extra: KeyExtra | None = None) -> LayerwiseRetrieval:
@@ -400,9 +421,10 @@ class CacheEngine:
         """The chunks and keys a retrieve reads: observers hear them (promotions are
         stored chunks too), and chunks missing after the local prefix are asked of the
         miss fillers first (usually a no-op: the lookup before already fetched them)."""
-        chunks, keys = self.chunk_keys(tokens, extra)
-        for observe in self.store_observers if not extra else ():
-            observe(tokens, chunks, keys)
+        prompt = self.prompt(tokens, extra)
+        chunks, keys = prompt.chunks, prompt.keys
+        for observe in self.store_observers if not prompt.extra else ():
+            observe(prompt.tokens, chunks, keys)
         for fill in self.miss_fillers if keys else ():
             have = len(self.hierarchy.contains_prefix(keys))
             if have == len(keys):

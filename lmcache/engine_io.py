@@ -118,13 +118,35 @@ class LayerwiseRetrieval:
             self.wait(i)
 
 
-class _KV:
-    """A KV source: a 5-D tensor or per-layer (key, value) pairs of (T, H, D)."""
+class KVGather:
+    """KV a store reads where the engine keeps it (a paged cache), chunk by chunk, instead
+    of from one tensor: ``fill(start, end, out)`` writes tokens ``[start, end)`` into
+    ``out``, a contiguous ``(num_layers, 2, end - start, num_kv_heads, head_size)`` tensor
+    of ``dtype`` in the cache's memory pool. So a store copies each chunk once, from the
+    engine's memory into the pool, and only the chunks not cached already. ``fill`` runs
+    on the storing thread, in chunk order; an exception from it ends the store (the chunk's
+    memory is given back, the chunks stored before it stay)."""
 
-    def __init__(self, tensor: torch.Tensor | None, layers: list[tuple[torch.Tensor, torch.Tensor]] | None):
+    def __init__(self, fill: Callable[[int, int, torch.Tensor], None], *, num_tokens: int, num_layers: int,
+                 num_kv_heads: int, head_size: int, dtype: torch.dtype):
+        self.fill = fill
+        self.num_tokens, self.num_layers, self.num_kv_heads, self.head_size = num_tokens, num_layers, num_kv_heads, head_size
+        self.dtype = dtype
+
+
+class _KV:
+    """A KV source: a 5-D tensor, per-layer (key, value) pairs of (T, H, D), or a
+    :class:`KVGather`."""
+
+    def __init__(self, tensor: torch.Tensor | None, layers: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 gather: KVGather | None = None):
         self.tensor = tensor
         self.layers = layers
-        if tensor is not None:
+        self.gather = gather
+        if gather is not None:
+            self.num_layers, self.num_tokens = gather.num_layers, gather.num_tokens
+            self.num_kv_heads, self.head_size, self.dtype = gather.num_kv_heads, gather.head_size, gather.dtype
+        elif tensor is not None:
             self.num_layers, _, self.num_tokens, self.num_kv_heads, self.head_size = tensor.shape
             self.dtype = tensor.dtype
         else:
@@ -136,6 +158,8 @@ class _KV:
 
     @classmethod
     def wrap(cls, kv: Any) -> _KV:
+        if isinstance(kv, KVGather):
+            return cls(None, None, kv)
         if isinstance(kv, torch.Tensor):
             if kv.dim() != 5 or kv.shape[1] != 2:
                 raise KVShapeError(
@@ -159,6 +183,9 @@ class _KV:
         return cls(None, [tuple(p) for p in layers])  # type: ignore[misc]
 
     def copy_chunk(self, start: int, end: int, out: torch.Tensor) -> None:
+        if self.gather is not None:
+            self.gather.fill(start, end, out)
+            return
         if self.tensor is not None:
             out.copy_(self.tensor[:, :, start:end])
             return

@@ -1,0 +1,160 @@
+"""A request's tokens hashed once: :class:`Prompt` and the engine's :class:`PromptMemo`.
+
+One request passes through an engine several times: the scheduler's lookup, the load's
+retrieve and its release, a save's lookup, store and release, the KV-event bridge. Each
+of those used to turn the tokens into chunk keys again. A :class:`Prompt` holds the
+tokens (one int64 array), the :class:`~lmcache.keys.KeyExtra` and the chunk keys computed
+so far (in the growing batches of :meth:`TokenProcessor.key_batches`, so a lookup that
+misses early hashes only up to its miss); every :class:`~lmcache.CacheEngine` call takes
+one in place of the tokens. Callers that receive the tokens again later (a vLLM worker
+gets the token ids from the scheduler's metadata, not the object its lookup service
+built) find the same prompt in the engine's :class:`PromptMemo`, keyed by the exact
+token bytes (compared in full, never by a digest alone), so each key is hashed once per
+request per process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .keys import Chunk, KeyExtra, TokenProcessor, as_token_array
+
+#: prompts an engine remembers, and the tokens they may hold together (int64: 8 B each)
+MEMO_PROMPTS = 128
+MEMO_TOKENS = 1 << 21
+
+
+class Prompt:
+    """Tokens, their key extra and their chunk keys, computed as far as asked and kept.
+
+    Thread-safe: the lookup service's thread and a worker's load may use one prompt at
+    once. ``tokens`` is a read-only int64 array.
+    """
+
+    __slots__ = ("tokens", "extra", "prefix", "stop", "_cs", "_keys", "_batches", "_lock")
+
+    def __init__(self, processor: TokenProcessor, prefix: str, tokens: np.ndarray, extra: KeyExtra | None):
+        tokens.flags.writeable = False
+        self.tokens = tokens
+        self.extra = extra or None
+        self.prefix = prefix
+        self.stop = processor._stop(len(tokens))  # where the last chunk ends
+        self._cs = processor.chunk_size
+        self._keys: list[str] = []
+        self._batches: Iterator[list[str]] | None = processor.key_batches(tokens, prefix, extra=self.extra)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _more(self) -> bool:
+        """Hash the next batch (the caller holds the lock); False when all are hashed."""
+        if self._batches is None:
+            return False
+        got = next(self._batches, None)
+        if got is None:
+            self._batches = None
+            return False
+        self._keys += got
+        return True
+
+    def batches(self) -> Iterator[list[str]]:
+        """The keys in consecutive batches, hashed as the caller iterates (what is hashed
+        already comes in one batch)."""
+        at = 0
+        while True:
+            with self._lock:
+                if at >= len(self._keys):
+                    self._more()
+                got = self._keys[at:]
+            if not got:
+                return
+            yield got
+            at += len(got)
+
+    @property
+    def keys(self) -> list[str]:
+        """Every chunk's key (hashing what is left)."""
+        with self._lock:
+            while self._more():
+                pass
+            return self._keys
+
+    def keys_upto(self, num_tokens: int) -> list[str]:
+        """The keys of the chunks that end at or before ``num_tokens`` (and the one that ends
+        at ``stop`` when ``num_tokens`` reaches it): what a lookup of ``tokens[:num_tokens]``
+        would have leased."""
+        if num_tokens >= self.stop:
+            return self.keys
+        n = num_tokens // self._cs
+        with self._lock:
+            while len(self._keys) < n and self._more():
+                pass
+            return self._keys[:n]
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """Every chunk, in order (see :meth:`TokenProcessor.chunks`)."""
+        keys = self.keys
+        cs, skip = self._cs, len(self.prefix)
+        return [Chunk(s, min(s + cs, self.stop), k[skip:]) for s, k in zip(range(0, self.stop, cs), keys)]
+
+
+class PromptMemo:
+    """The prompts an engine saw last, by exact content: at most :data:`MEMO_PROMPTS`
+    prompts holding at most :data:`MEMO_TOKENS` tokens together, least recently used
+    dropped first."""
+
+    def __init__(self, processor: TokenProcessor, max_prompts: int = MEMO_PROMPTS, max_tokens: int = MEMO_TOKENS):
+        self.processor = processor
+        self.max_prompts = max_prompts
+        self.max_tokens = max_tokens
+        self._items: OrderedDict[tuple[str, bytes, bytes], Prompt] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        #: prompts built (their tokens hashed) and prompts found again
+        self.built = self.found = 0
+
+    def get(self, tokens: Any, prefix: str, extra: KeyExtra | None = None) -> Prompt:
+        """The prompt of ``tokens`` (a list, array, tensor or a :class:`Prompt`) under
+        ``prefix`` and ``extra``: the remembered one if its tokens are exactly these."""
+        if isinstance(tokens, Prompt):
+            if tokens.prefix == prefix and tokens.extra == (extra or tokens.extra):
+                return tokens
+            tokens, extra = tokens.tokens, extra or tokens.extra
+        arr = as_token_array(tokens)
+        if len(arr) > self.max_tokens:  # too long to keep: hashed for this call only
+            return Prompt(self.processor, prefix, arr, extra)
+        key = (prefix, extra.to_bytes() if extra else b"", arr.tobytes())
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+                self.found += 1
+                return found
+        prompt = Prompt(self.processor, prefix, arr, extra)
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:  # another thread built it meanwhile
+                return found
+            self.built += 1
+            self._items[key] = prompt
+            self._tokens += len(arr)
+            while len(self._items) > self.max_prompts or self._tokens > self.max_tokens:
+                _, old = self._items.popitem(last=False)
+                self._tokens -= len(old.tokens)
+        return prompt
+
+    def clear(self) -> None:
+        """Forget every prompt (a benchmark that times hashing calls this between calls)."""
+        with self._lock:
+            self._items.clear()
+            self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._items)

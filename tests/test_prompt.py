@@ -1,0 +1,159 @@
+"""One request, one hash: :class:`lmcache.prompt.Prompt`, the engine's prompt memo, and a
+store that gathers each chunk straight into pool memory (:class:`KVGather`)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache.engine_io import KVGather
+from lmcache.errors import KVShapeError
+from lmcache.keys import KeyExtra, TokenProcessor
+from lmcache.prompt import PromptMemo
+
+from test_engine import D, H, L, engine, kv_for
+
+
+def counting(e):
+    """Count the engine's chunk-hash calls (the real digest still runs)."""
+    calls = [0]
+    real = e.tokens._digest
+
+    def digest(data):
+        calls[0] += 1
+        return real(data)
+
+    e.tokens._digest = digest
+    return calls
+
+
+def test_one_request_hashes_its_chunks_once_per_process():
+    """The calls a vLLM worker makes for one load (the lookup service's pinned lookup, the
+    retrieve, the release) and for one save (lookup, store, release of the cached prefix)
+    each hash the prompt's chunks once, with the tokens handed over as new lists each time.
+    Before: 3 passes per load (21 digest calls for 7 chunks), 3 per save."""
+    toks = list(range(100))  # 7 chunks of 16
+    with engine() as e:
+        e.store(toks, kv_for(toks))
+        e.prompts.clear()
+        built = e.prompts.built
+        calls = counting(e)
+        assert e.lookup(np.array(toks, dtype=np.uint32), pin=True) == 100  # the lookup channel's array
+        out = torch.empty(L, 2, 100, H, D)
+        assert e.retrieve(list(toks), out=out).num_tokens == 100
+        e.release(list(toks))
+        assert calls[0] == 7
+        assert torch.equal(out, kv_for(toks))
+
+        more = toks + list(range(500, 540))  # a save: 2 chunks more than cached (9 in all)
+        calls[0] = 0
+        skip = e.lookup(list(more), pin=True)
+        assert skip == 96  # the 6 full chunks; the partial 7th differs in `more`
+        res = e.store(list(more), kv_for(more))
+        e.release(list(more), upto=skip)
+        assert (res.skipped_tokens, res.stored_tokens) == (96, 44)
+        assert calls[0] == 9
+        assert e.prompts.built - built == 2
+
+
+def test_release_upto_drops_exactly_what_the_prefix_lookup_leased():
+    toks = list(range(64))
+    with engine() as e:
+        e.store(toks, kv_for(toks))
+        p = e.prompt(toks)
+        n = e.lookup(toks[:40], pin=True)  # leases chunks 0, 1 (the partial third is not cached)
+        assert n == 32
+        leased = [k for k in p.keys if e.hierarchy.tiers[0].is_pinned(k)]
+        assert leased == p.keys[:2]
+        e.release(toks, upto=n)
+        assert not any(e.hierarchy.tiers[0].is_pinned(k) for k in p.keys)
+
+
+def test_the_memo_matches_exact_content_and_stays_bounded():
+    tp = TokenProcessor(16)
+    memo = PromptMemo(tp, max_prompts=3, max_tokens=200)
+    a = memo.get(list(range(50)), "p:")
+    assert memo.get(np.arange(50), "p:") is a  # the same content in another type
+    assert memo.get(torch.arange(50), "p:") is a
+    assert memo.get(list(range(49)) + [7], "p:") is not a  # same length, one token differs
+    assert memo.get(list(range(50)), "q:") is not a  # another key prefix (kv spec)
+    salted = memo.get(list(range(50)), "p:", KeyExtra(b"tenant-2"))
+    assert salted is not a and salted.keys[0] != a.keys[0]
+    assert len(memo) == 3 and memo._tokens <= 200
+    memo.get(list(range(150)), "p:")  # over the token budget with the others: the oldest go
+    assert memo._tokens <= 200 and len(memo) <= 3
+    big = memo.get(list(range(300)), "p:")  # longer than the whole budget: not kept
+    assert memo.get(list(range(300)), "p:") is not big
+    assert big.keys == tp.chunk_keys(list(range(300)), "p:")[1]
+
+
+def test_a_prompt_hashes_only_as_far_as_a_lookup_reaches():
+    toks = list(range(16 * 200))
+    with engine() as e:
+        e.store(toks[:32], kv_for(toks[:32]))
+        calls = counting(e)
+        assert e.lookup(toks) == 32
+        assert calls[0] == 8  # the first batch of 8 chunks, not 200
+        p = e.prompt(toks)
+        assert len(p.keys) == 200 and calls[0] == 200  # the rest hashed once, when asked
+        assert [c.end for c in p.chunks][-2:] == [16 * 199, 16 * 200]
+        assert p.keys == e.chunk_keys(toks)[1]
+
+
+def test_a_prompt_is_shared_by_threads():
+    toks = list(range(16 * 300))
+    with engine() as e:
+        e.store(toks[:16], kv_for(toks[:16]))
+        p = e.prompt(toks)
+        seen: list[list[str]] = []
+        threads = [threading.Thread(target=lambda: seen.append(list(p.keys))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(s == e.chunk_keys(toks)[1] for s in seen)
+
+
+def test_a_gathered_store_fills_only_the_chunks_not_cached_straight_into_the_pool():
+    toks = list(range(100))
+    kv = kv_for(toks)
+    asked: list[tuple[int, int]] = []
+
+    def fill(start, end, out):
+        asked.append((start, end))
+        assert out.is_contiguous() and tuple(out.shape) == (L, 2, end - start, H, D)
+        out.copy_(kv[:, :, start:end])
+
+    with engine() as e:
+        e.store(toks[:32], kv[:, :, :32])
+        res = e.store(toks, KVGather(fill, num_tokens=100, num_layers=L, num_kv_heads=H, head_size=D,
+                                     dtype=torch.float32))
+        assert asked == [(32, 48), (48, 64), (64, 80), (80, 96), (96, 100)]
+        assert (res.stored_tokens, res.skipped_tokens) == (68, 32)
+        assert torch.equal(e.retrieve(toks).kv, kv)
+        assert e.pool.live == sum(t.info()["entries"] for t in e.hierarchy.tiers)
+
+
+def test_a_gathered_store_of_another_shape_or_a_failing_gather_stores_nothing_wrong():
+    toks = list(range(48))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(toks[:16], kv[:, :, :16])
+        with pytest.raises(KVShapeError, match="does not match"):
+            e.store(toks, KVGather(lambda *a: None, num_tokens=48, num_layers=L, num_kv_heads=H + 1, head_size=D,
+                                   dtype=torch.float32))
+
+        def fill(start, end, out):
+            if start >= 32:
+                raise RuntimeError("the engine's blocks are gone")
+            out.copy_(kv[:, :, start:end])
+
+        live = e.pool.live
+        with pytest.raises(RuntimeError, match="blocks are gone"):
+            e.store(toks, KVGather(fill, num_tokens=48, num_layers=L, num_kv_heads=H, head_size=D, dtype=torch.float32))
+        assert e.lookup(toks) == 32  # the chunk stored before the failure, nothing after it
+        assert torch.equal(e.retrieve(toks).kv, kv[:, :, :32])
+        assert e.pool.live == live + 1
