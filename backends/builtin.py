@@ -1,5 +1,8 @@
 """Built-in storage backends, registered through the same hook as third-party ones.
 
+Their raw-client baselines for ``lmcache bench tiers --backend`` (not part of the backend
+contract) are registered here too, through ``lmcache_register_bench_baselines``.
+
 Backends with an optional client library name the extra that installs it: loading one
 without its client fails with ``pip install 'lmcache[<extra>]'``.
 """
@@ -24,3 +27,9 @@ def lmcache_register_backends(registry):
     registry.add("mooncake", "lmcache.backends.mooncake:MooncakeBackend", extra="mooncake",
                  description="a Mooncake distributed store")
     registry.add("lm", "lmcache.backends.lm:LMBackend", description="an lmcache server (lm://host:port)")
+
+
+@hookimpl
+def lmcache_register_bench_baselines(registry):
+    for name in ("redis", "valkey", "s3", "fs", "mooncake", "lm"):
+        registry.add(name, f"lmcache.benchmarks.raw_baselines:{name}")

@@ -47,7 +47,6 @@ import time
 import uuid
 from concurrent.futures import Future, wait
 from functools import partial
-from concurrent.futures import ThreadPoolExecutor as _RawPool
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
@@ -195,8 +194,8 @@ class FSBackend(BytesBackend):
     shared = True
 
     @classmethod
-    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         url = opts["url"]
         if not isinstance(url, str) or not url.strip():
             raise ConfigError("url", f"expected a directory URL such as file:///mnt/nfs/lmcache, got {url!r}")
@@ -500,39 +499,3 @@ class FSBackend(BytesBackend):
 
     def close(self) -> None:
         self._workers.close()
-
-    # ------------------------------------------------------------- baseline
-    @classmethod
-    def raw_transfer(
-        cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int
-    ) -> tuple[float, float]:
-        """fsspec's own ``pipe_file`` and ``open().readinto`` of the same bytes, ``concurrency``
-        requests at a time, ``batch`` items per round, into a scratch directory that is
-        removed afterwards."""
-        opts = cls.check_options(options)
-        fs_cls = _filesystem_class(opts["url"])
-        fs = fs_cls(**{**fs_cls._get_kwargs_from_urls(opts["url"]), **opts["fs_options"]})
-        scratch = f"{fs_cls._strip_protocol(opts['url']).rstrip('/')}/.raw-{uuid.uuid4().hex}"
-        fs.makedirs(scratch, exist_ok=True)
-        paths = [f"{scratch}/{quote(name, safe='')}" for name, _ in items]
-        step = max(1, batch)
-        try:
-            with _RawPool(opts["concurrency"]) as pool:
-                t0 = time.perf_counter()
-                for i in range(0, len(items), step):
-                    list(pool.map(fs.pipe_file, paths[i : i + step], [d for _, d in items[i : i + step]]))
-                # reads land in buffers allocated once, as ours land in the memory pool:
-                # fresh bytes objects per read would measure page faults, not the store
-                bufs = [bytearray(max(len(d) for _, d in items)) for _ in range(min(step, len(items)))]
-
-                def read_into(path: str, buf: bytearray) -> int:
-                    with fs.open(path, "rb") as f:
-                        return f.readinto(memoryview(buf)[: fs.size(path)])
-
-                t1 = time.perf_counter()
-                for i in range(0, len(items), step):
-                    list(pool.map(read_into, paths[i : i + step], bufs))
-                t2 = time.perf_counter()
-        finally:
-            fs.rm(scratch, recursive=True)
-        return t1 - t0, t2 - t1

@@ -70,7 +70,7 @@ class GDSBackend(DiskBackend):
     }
 
     @classmethod
-    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
         opts = dict(options)
         url, path = opts.get("url"), opts.get("path")
         if url is not None:
@@ -80,7 +80,7 @@ class GDSBackend(DiskBackend):
             opts["path"] = from_url
         elif path is None:
             raise ConfigError("url", "the gds backend needs a directory, e.g. url: gds:///mnt/nvme/lmcache")
-        opts = super().check_options(opts)
+        opts = super().check_options(opts, capacity)
         use = opts["use_kvikio"]
         if isinstance(use, str):
             use = {"auto": "auto", "true": True, "false": False}.get(use.lower(), use)

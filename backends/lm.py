@@ -41,7 +41,6 @@ import hmac
 import logging
 import socket
 import threading
-import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -210,8 +209,8 @@ class LMBackend(BytesBackend):
     shared = True
 
     @classmethod
-    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         parse_url(opts["url"])
         t = opts["timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
@@ -396,79 +395,3 @@ class LMBackend(BytesBackend):
         with self._lock:
             self._closed = True
         self._drop_idle()
-
-    # ------------------------------------------------------ raw baseline
-    @classmethod
-    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
-        """Plain loopback TCP of the same bytes, the floor under any protocol: a trivial
-        sink/echo server (a thread on 127.0.0.1) receives each value with ``recv_into``
-        after an 8-byte length and acknowledges each ``batch`` with one byte (put);
-        then it sends the values back, ``batch`` per request, into buffers the client
-        allocated (get). ``options`` are not used: the baseline never touches the server."""
-        return raw_tcp_transfer([v for _, v in items], batch)
-
-
-def raw_tcp_transfer(values: Sequence[bytes], batch: int) -> tuple[float, float]:
-    """``(put_seconds, get_seconds)`` of plain socket transfers of ``values`` on loopback."""
-    import struct
-
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(1)
-    stored: list[Any] = []
-    failure: list[BaseException] = []
-    u64 = struct.Struct("<Q")
-
-    def sink() -> None:
-        try:
-            conn, _ = lsock.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with conn:
-                while True:  # put phase: u64 count, then count x (u64 length, bytes); ack 1 byte
-                    n = u64.unpack(proto.recv_exact(conn, 8))[0]
-                    if n == 0:
-                        break
-                    for _ in range(n):
-                        size = u64.unpack(proto.recv_exact(conn, 8))[0]
-                        stored.append(proto.recv_exact(conn, size))
-                    conn.sendall(b"\x01")
-                i = 0
-                while i < len(stored):  # get phase: u64 count requested, values sent back
-                    n = u64.unpack(proto.recv_exact(conn, 8))[0]
-                    proto.send_buffers(conn, stored[i : i + n])
-                    i += n
-        except BaseException as exc:  # noqa: BLE001 - reported by the client side
-            failure.append(exc)
-
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    c = socket.create_connection(lsock.getsockname(), timeout=60)
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        t0 = time.perf_counter()
-        for part in _chunks(values, batch):
-            bufs: list[Any] = [u64.pack(len(part))]
-            for v in part:
-                bufs += [u64.pack(len(v)), v]
-            proto.send_buffers(c, bufs)
-            proto.recv_exact(c, 1)
-        c.sendall(u64.pack(0))
-        t1 = time.perf_counter()
-        got = 0
-        for part in _chunks(values, batch):
-            c.sendall(u64.pack(len(part)))
-            for v in part:
-                buf = proto.alloc(len(v))  # the buffer kind the lm client receives into
-                proto.recv_into_exact(c, memoryview(buf))
-                got += len(buf)
-        t2 = time.perf_counter()
-    finally:
-        c.close()
-        t.join(10)
-        lsock.close()
-    if failure:
-        raise BackendError(f"raw transfer failed: {failure[0]}")
-    want = sum(len(v) for v in values)
-    if got != want:
-        raise BackendError(f"raw transfer read back {got} bytes of {want}")
-    return t1 - t0, t2 - t1

@@ -278,8 +278,8 @@ class MooncakeBackend(BytesBackend):
     shared = True
 
     @classmethod
-    def check_options(cls, options):
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         host, _ = parse_url(opts["url"])
         prefix = opts["prefix"]
         if not isinstance(prefix, str) or any(c in prefix for c in ",\n\r"):
@@ -622,56 +622,3 @@ class MooncakeBackend(BytesBackend):
             rc = exc
         if rc not in (0, None):
             log.warning("mooncake tier %s: close returned %s", self.context.tier, rc)
-
-    # ------------------------------------------------------------ benchmark
-    @classmethod
-    def raw_transfer(cls, options, items, batch):
-        """The raw client's ``upsert_parts``/``batch_get_buffer`` of the same bytes,
-        ``batch`` at a time (cut to fit the local buffer, as the client requires), then
-        ``batch_remove``. One untimed round first: a fresh client's buffers are mapped
-        lazily, and the first touch of their pages is not what the store costs."""
-        opts = cls.check_options(options)
-        mod = import_client()
-        store = mod.MooncakeDistributedStore()
-        args = _setup_args(opts)
-        rc = store.setup(*args)
-        if rc != 0:
-            raise MooncakeError(f"setup (master {args[6]})", rc)
-        budget = max(args[3] // 2, 1)
-        step = max(batch, 1)
-        names = [opts["prefix"] + n for n, _ in items]
-        values = [v for _, v in items]
-
-        def once() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            for s in range(0, len(items), step):
-                part = list(range(s, min(s + step, len(items))))
-                for i in part:  # faster than upsert_batch here (4.2 vs 7 GB/s for 32 MiB values)
-                    rc = store.upsert_parts(names[i], values[i])
-                    if rc != 0:
-                        raise MooncakeError("upsert_parts", rc)
-            t1 = time.perf_counter()
-            for s in range(0, len(items), step):
-                part = list(range(s, min(s + step, len(items))))
-                for g in _groups([len(values[i]) for i in part], budget):  # gets fit the buffer too
-                    idx = [names[part[j]] for j in g]
-                    handles = store.batch_get_buffer(idx)
-                    for h, n in zip(handles, idx):
-                        if h is None:
-                            raise BackendError(f"mooncake raw get of {n} found nothing")
-                    del handles
-            t2 = time.perf_counter()
-            codes = store.batch_remove(names, True)
-            bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
-            if bad:
-                raise MooncakeError("batch_remove", bad[0])
-            return t1 - t0, t2 - t1
-
-        try:
-            once()
-            return once()
-        finally:
-            try:
-                store.batch_remove(names, True)  # after an error midway
-            finally:
-                store.close()

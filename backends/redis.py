@@ -37,7 +37,6 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
@@ -194,8 +193,8 @@ class RedisBackend(BytesBackend):
 
     # ----------------------------------------------------------- options
     @classmethod
-    def check_options(cls, options):
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         target = parse_url(opts["url"], cls.SCHEMES)
         t = opts["timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
@@ -566,51 +565,6 @@ class RedisBackend(BytesBackend):
                     c.close()
                 except Exception:  # pragma: no cover
                     pass
-
-    @classmethod
-    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
-        """redis-py alone: pipelined SETs, then pipelined GETs of the same keys,
-        ``batch`` per round trip; then UNLINK them all."""
-        opts = cls.check_options(options)
-        target = parse_url(opts["url"], cls.SCHEMES)
-        api = cls._client_api()
-        client, sentinel = cls._connect(api, target, opts)
-        names = [opts["prefix"] + name for name, _ in items]
-
-        def pipe() -> Any:
-            return client.pipeline() if target.mode == "cluster" else client.pipeline(transaction=False)
-
-        try:
-            t0 = time.perf_counter()
-            for part in _chunks(list(zip(names, (v for _, v in items))), batch):
-                p = pipe()
-                for k, v in part:
-                    p.set(k, v)
-                p.execute()
-            t1 = time.perf_counter()
-            got = 0
-            for part in _chunks(names, batch):
-                p = pipe()
-                for k in part:
-                    p.get(k)
-                got += sum(len(v) for v in p.execute() if v is not None)
-            t2 = time.perf_counter()
-            want = sum(len(v) for _, v in items)
-            if got != want:
-                raise BackendError(f"raw transfer read back {got} bytes of {want}")
-            return t1 - t0, t2 - t1
-        finally:
-            try:
-                for part in _chunks(names, batch):
-                    p = pipe()
-                    for k in part:
-                        p.unlink(k)
-                    p.execute()
-            finally:
-                client.close()
-                if sentinel is not None:
-                    for s in sentinel.sentinels:
-                        s.close()
 
 
 def _take(it: Iterator[Any], n: int) -> list:

@@ -55,7 +55,6 @@ import logging
 import re
 import threading
 import time
-import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -211,8 +210,8 @@ class S3Backend(BytesBackend):
         return bucket, prefix
 
     @classmethod
-    def check_options(cls, options):
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         cls.location(opts)
         ep = opts["endpoint_url"]
         if ep is not None:
@@ -550,52 +549,6 @@ class S3Backend(BytesBackend):
             if p is not None:
                 p.shutdown(wait=True, cancel_futures=True)
         self.client.close()
-
-    # ------------------------------------------------------------- benchmark
-    @classmethod
-    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
-        """Plain boto3 ``put_object``/``get_object`` of the same bytes, ``concurrency``
-        requests in flight, ``batch`` items at a time, under a private prefix that is
-        deleted afterwards."""
-        opts = cls.check_options(options)
-        client = cls._client(opts, opts["concurrency"])
-        bucket, prefix = cls.location(opts)
-        base = (prefix + "/" if prefix else "") + f"lmcache-raw-{uuid.uuid4().hex}/"
-        names = [base + name for name, _ in items]
-        batch = max(1, int(batch))
-        try:
-            if opts["create_bucket"]:
-                try:
-                    client.head_bucket(Bucket=bucket)
-                except Exception:
-                    client.create_bucket(Bucket=bucket)
-            with ThreadPoolExecutor(opts["concurrency"], thread_name_prefix="lmcache-s3-raw") as pool:
-
-                def put(i: int) -> None:
-                    client.put_object(Bucket=bucket, Key=names[i], Body=items[i][1])
-
-                def get(i: int) -> int:
-                    with client.get_object(Bucket=bucket, Key=names[i])["Body"] as body:
-                        return len(body.read())
-
-                def timed(fn: Callable[[int], Any]) -> float:
-                    t0 = time.perf_counter()
-                    for start in range(0, len(items), batch):
-                        list(pool.map(fn, range(start, min(start + batch, len(items)))))
-                    return time.perf_counter() - t0
-
-                put_s = timed(put)
-                get_s = timed(get)
-        finally:
-            try:
-                for i in range(0, len(names), DELETE_BATCH):
-                    client.delete_objects(
-                        Bucket=bucket,
-                        Delete={"Objects": [{"Key": n} for n in names[i : i + DELETE_BATCH]], "Quiet": True},
-                    )
-            finally:
-                client.close()
-        return put_s, get_s
 
 
 def _release(f: Future, release: Callable[[Any], None]) -> None:

@@ -3,7 +3,9 @@
 The physical limit of a networked or shared store is what its own client achieves doing
 the same transfers in the plainest fast way (redis-py pipelined SET/GET, boto3 concurrent
 put/get, fsspec writes and reads, Mooncake batch put/get). Each backend provides that
-baseline as :meth:`lmcache.storage.StorageBackend.raw_transfer`; this module times the
+baseline through the hook ``lmcache_register_bench_baselines`` (the built-ins in
+:mod:`lmcache.benchmarks.raw_baselines`; a third-party package registers its own the
+same way, under its backend's name); this module times the
 backend's own batch ``put``/``get`` (payload encoding with the self-describing header and
 checksum, decoding and verifying into a memory object) on the same bytes, in the same
 run, against the same server, and reports the ratio.
@@ -16,7 +18,7 @@ chunk's KV plus a header of a few hundred bytes; the raw client moves exactly as
 - put: wall time of ``backend.put(batch)`` over all values, ``--batch`` values per call;
 - get: wall time of ``backend.get(keys)`` over all values, same batches; the first
   round checks that every value comes back bit-exact;
-- raw: ``raw_transfer`` with the same bytes and batch size;
+- raw: the registered baseline with the same bytes and batch size;
 - each round opens the backend, stores, reads and deletes everything once untimed (a
   fresh client's buffers and connections warm up), then timed, and closes it; then
   the raw client does the same; the best of ``--repeats`` rounds counts for each (the
@@ -97,7 +99,7 @@ def _settle() -> None:
 def _warm_up(be: Any, keys: list[str], objs: list[Any], batch: int) -> None:
     """One untimed store/read/delete of everything: a fresh client maps its buffers
     lazily (Mooncake's segment, connection pools), and first touches are not what the
-    store costs. ``raw_transfer`` implementations warm up the same way."""
+    store costs. Baselines warm up the same way."""
     for part in _chunks(list(zip(keys, objs)), batch):
         be.put(part)
     for part in _chunks(keys, batch):
@@ -128,15 +130,17 @@ def run_backend(
     from lmcache.memory import MemoryPool
     from lmcache.plugin_manager import get_registries
     from lmcache.errors import LMCacheError
-    from lmcache.storage import BackendContext, StorageBackend
+    from lmcache.storage import BackendContext
 
     regs = get_registries()
     cls = regs.backends.load(backend)
-    if getattr(cls.raw_transfer, "__func__", None) is StorageBackend.raw_transfer.__func__:
+    if backend not in regs.baselines:
+        known = ", ".join(regs.baselines.names()) or "none"
         raise LMCacheError(
-            f"backend {backend!r} has no raw-client baseline (raw_transfer); for cpu and disk run "
-            "`lmcache bench tiers` without --backend"
+            f"backend {backend!r} has no raw-client baseline (registered through lmcache_register_bench_baselines: "
+            f"{known}); for cpu and disk run `lmcache bench tiers` without --backend"
         )
+    raw_transfer = regs.baselines.load(backend)
     codec_obj = load_codec(regs.codecs.load, codec)
     tdtype = getattr(torch, dtype)
     value_nbytes = math.prod(shape) * torch.empty((), dtype=tdtype).element_size()
@@ -191,7 +195,7 @@ def run_backend(
         best["put"] = min(best["put"], t1 - t0)
         best["get"] = min(best["get"], t2 - t1)
         _settle()
-        put_s, get_s = cls.raw_transfer(options, raw_items, batch)
+        put_s, get_s = raw_transfer(options, raw_items, batch)
         best["raw_put"] = min(best["raw_put"], put_s)
         best["raw_get"] = min(best["raw_get"], get_s)
     gbps = {k: nbytes / v / GB for k, v in best.items()}

@@ -120,7 +120,7 @@ class Admin:
                 if tier is not None and tcfg.name != tier:
                     continue
                 parts = check_tier(i, tcfg, source=config.source, registries=registries)
-                if getattr(parts.backend_cls, "holds_memory_objects", False):
+                if parts.backend_cls.holds_memory_objects:
                     skipped.append((tcfg.name, "it lives in a running instance's memory; use --url to see it"))
                     continue
                 opened.append(

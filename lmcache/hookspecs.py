@@ -94,3 +94,19 @@ def lmcache_register_services(registry: Registry) -> None:
     ``info() -> dict | None`` (its part of ``CacheEngine.stats()``) and ``close()``, called
     in reverse start order (see :mod:`lmcache.services`). Returns nothing.
     """
+
+
+@hookspec
+def lmcache_register_bench_baselines(registry: Registry) -> None:
+    """Register raw-client baselines for ``lmcache bench tiers --backend NAME``.
+
+    Called once per plugin manager. ``registry.add(name, "module:function")`` where
+    ``name`` is the backend's registered name and the function is
+    ``baseline(options, items, batch) -> (put_seconds, get_seconds)``: with the store's own
+    client, in the plainest fast way, store ``items`` (a sequence of ``(name, bytes)``)
+    ``batch`` at a time, read them all back, delete them, and return the two wall times.
+    ``options`` are the tier's backend keys. The benchmark reports the backend's own batch
+    put/get against it; a backend without a baseline cannot be benchmarked that way. Not
+    part of the backend contract: the engine never calls it. Names are unique across all
+    plugins. Returns nothing.
+    """

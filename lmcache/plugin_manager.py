@@ -50,6 +50,7 @@ KINDS = {
     "policy": "lmcache_register_policies",
     "layout": "lmcache_register_layouts",
     "service": "lmcache_register_services",
+    "baseline": "lmcache_register_bench_baselines",
 }
 
 
@@ -353,6 +354,8 @@ class Registries:
         self.policies = Registry("policy")
         self.layouts = Registry("layout")
         self.services = Registry("service")
+        #: raw-client baselines of ``lmcache bench tiers --backend`` (:mod:`lmcache.benchmarks.raw_baselines`)
+        self.baselines = Registry("baseline")
         by_kind = {
             "backend": self.backends,
             "codec": self.codecs,
@@ -360,6 +363,7 @@ class Registries:
             "policy": self.policies,
             "layout": self.layouts,
             "service": self.services,
+            "baseline": self.baselines,
         }
         _check_pending(pm)  # also for plugins registered on ``pm`` by hand
         dropped = getattr(pm, "_lmcache_dropped", set())

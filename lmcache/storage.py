@@ -18,9 +18,9 @@ A backend is built as ``Backend(context)``; see :class:`BackendContext`.
 from __future__ import annotations
 
 import inspect
-
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
@@ -112,13 +112,36 @@ class BackendContext:
 
 
 def check_backend_options(backend_cls: type, options: Mapping[str, Any], capacity: int | None) -> dict[str, Any]:
-    """``backend_cls.check_options(options)``, with ``capacity=`` when it takes it."""
+    """``backend_cls.check_options(options, capacity)``: the one signature of the contract.
+
+    A backend whose ``check_options`` still takes only ``options`` (the signature before
+    capacity was passed) keeps working for now: it is called as ``check_options(options)``
+    with a :class:`DeprecationWarning` naming the class and the expected signature, and it
+    cannot see the tier's capacity."""
     fn = backend_cls.check_options
     try:
-        takes = "capacity" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # pragma: no cover - not introspectable
-        takes = False
-    return fn(options, capacity=capacity) if takes else fn(options)
+        inspect.signature(fn).bind(options, capacity)
+    except TypeError:
+        warnings.warn(
+            f"backend {backend_cls.__module__}:{backend_cls.__qualname__}: check_options(cls, options) is "
+            "deprecated; declare check_options(cls, options, capacity=None) and call "
+            "super().check_options(options, capacity)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return fn(options)
+    except ValueError:  # pragma: no cover - not introspectable
+        pass
+    return fn(options, capacity)
+
+
+@dataclass
+class IntegrityStats:
+    """A byte backend's payload check failures: ``corrupt`` entries dropped so far, and the
+    last failure's message."""
+
+    corrupt: int = 0
+    last_error: str = field(default="")
 
 
 class StorageBackend:
@@ -135,6 +158,14 @@ class StorageBackend:
     #: on every engine start); its capacity bounds what this instance writes, and the
     #: store's own limits (Redis ``maxmemory``, S3 lifecycle rules) bound the total.
     shared: ClassVar[bool] = False
+    #: True if :meth:`get` calls ``on_ready(i, obj)`` for each hit as it is ready
+    #: (possibly from the backend's I/O threads, before ``get`` returns): the tier then
+    #: passes its ``on_ready`` and the engine copies each chunk out as it arrives. False:
+    #: the tier calls ``get(keys)`` without it and hands the results over after it returns.
+    streams_gets: ClassVar[bool] = False
+    #: The backend's payload check failures (:class:`IntegrityStats`, counted in the tier's
+    #: ``corrupt``); ``None`` for a backend that stores no payload bytes (cpu).
+    integrity: IntegrityStats | None = None
 
     def __init__(self, context: BackendContext):
         self.context = context
@@ -145,10 +176,12 @@ class StorageBackend:
         """Validate a tier's backend keys without opening anything; return them merged
         with the defaults. Raises :class:`ConfigError` naming the key (``"capacity"`` for
         a capacity this backend cannot hold). ``capacity`` is the tier's capacity in bytes
-        (``None`` where no tier is known). Subclasses that check more call
-        ``super().check_options(options)`` first; one that does not look at ``capacity``
-        may leave it out of its signature (``lmcache config validate`` calls this, so
-        whatever it checks fails there, not when the engine starts)."""
+        (``None`` where no tier is known). The signature is fixed: every backend declares
+        ``check_options(cls, options, capacity=None)`` and calls
+        ``super().check_options(options, capacity)`` first (``lmcache config validate``
+        calls it, so whatever it checks fails there, not when the engine starts). A
+        backend with the old one-argument form still works, with a
+        :class:`DeprecationWarning` (see :func:`check_backend_options`)."""
         unknown = set(options) - set(cls.OPTIONS)
         if unknown:
             known = ", ".join(sorted(cls.OPTIONS)) or "none"
@@ -185,8 +218,28 @@ class StorageBackend:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return [self.contains_one(k) for k in keys]
 
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        return [self.get_one(k) for k in keys]
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+        """One result per key: an object the caller owns (one reference) or ``None``.
+
+        ``on_ready`` is passed only to a backend that declares ``streams_gets = True``
+        (the tier never passes it to others, so an override of ``get(keys)`` without it
+        keeps working). Such a backend calls ``on_ready(i, obj)`` exactly once per hit
+        ``keys[i]``, never for a miss, before ``get`` returns, possibly from its I/O
+        threads; ``obj`` is the object also returned at ``i`` (the callback borrows it).
+        This default loops over :meth:`get_one` and, if the class declares
+        ``streams_gets``, calls ``on_ready(i, obj)`` on the caller's thread right after
+        each hit's ``get_one``; otherwise it never calls ``on_ready``. An exception from
+        ``on_ready`` is logged, never raised (the hit is still returned)."""
+        out: list[MemoryObj | None] = []
+        for i, k in enumerate(keys):
+            obj = self.get_one(k)
+            out.append(obj)
+            if obj is not None and on_ready is not None and self.streams_gets:
+                try:
+                    on_ready(i, obj)
+                except Exception:
+                    log.exception("tier %s: on_ready for %s failed", self.context.tier, k)
+        return out
 
     def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
         return [self.put_one(k, o) for k, o in items]
@@ -214,26 +267,11 @@ class StorageBackend:
     def close(self) -> None:
         pass
 
-    @classmethod
-    def raw_transfer(cls, options: Mapping[str, Any], items: Sequence[tuple[str, bytes]], batch: int) -> tuple[float, float]:
-        """The physical limit for ``lmcache bench tiers --backend``: store ``items``
-        (name, bytes) with the store's own client in the fastest plain way (pipelines,
-        multi-get, concurrent requests) ``batch`` at a time, read them all back, delete
-        them, and return ``(put_seconds, get_seconds)``. Networked backends implement it;
-        the default says the backend has no raw baseline."""
-        raise NotImplementedError(f"backend {cls.__name__} has no raw baseline")
-
     def __enter__(self) -> StorageBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass
-class IntegrityStats:
-    corrupt: int = 0
-    last_error: str = field(default="")
 
 
 class BytesBackend(StorageBackend):

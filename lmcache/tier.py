@@ -11,6 +11,7 @@ import errno
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -241,8 +242,10 @@ class Tier:
     def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
         """Objects for ``keys`` in one batch call to the backend (a pipeline or a
         concurrent fetch for remote stores); the caller owns one reference of each.
-        A backend with ``streams_gets`` calls ``on_ready(i, obj)`` (from its I/O threads)
-        as each object arrives, before this returns; others do not call it."""
+        ``on_ready`` reaches only a backend that declares ``streams_gets``, which calls
+        ``on_ready(i, obj)`` (possibly from its I/O threads) as each hit arrives, before
+        this returns; for other backends it is never called
+        (:meth:`lmcache.storage.StorageBackend.get`)."""
         if not keys:
             return []
         if not self.available:
@@ -252,8 +255,8 @@ class Tier:
             born = [self.ledger.born.get(k) for k in keys]
         t0 = time.perf_counter()
         try:
-            if on_ready is not None and getattr(self.backend, "streams_gets", False):
-                objs = self.backend.get(keys, on_ready=on_ready)
+            if on_ready is not None and self.backend.streams_gets:
+                objs = self.backend.get(keys, on_ready)
             else:
                 objs = self.backend.get(keys) if len(keys) > 1 else [self.backend.get_one(keys[0])]
         except Exception as exc:
@@ -382,7 +385,7 @@ class Tier:
         it by hits; ``hit_rate`` is hits / (hits + misses), ``None`` before any get.
         """
         st = self.stats.as_dict()
-        integrity = getattr(self.backend, "integrity", None)  # a byte backend's checksum/header failures
+        integrity = self.backend.integrity  # a byte backend's checksum/header failures
         st["corrupt"] += integrity.corrupt if integrity is not None else 0
         looked = st["hits"] + st["misses"]
         with self._lock:
@@ -485,12 +488,19 @@ class Tier:
     def size_of(self, key: str) -> int | None:
         return self.ledger.sizes.get(key)
 
-    def key_list(self) -> list[str]:
-        """The keys this tier accounts for, copied under its lock (a consistent
-        snapshot for the controller worker: events after it arrive through
+    def keys(self) -> list[tuple[str, int]]:
+        """Every ``(key, stored bytes)`` this tier accounts for, as the backend's
+        :meth:`~lmcache.storage.StorageBackend.keys` names it, copied under the tier's lock
+        (a consistent snapshot for the controller worker: events after it arrive through
         its ledger's listeners)."""
         with self._lock:
-            return list(self.ledger.sizes)
+            return list(self.ledger.sizes.items())
+
+    def key_list(self) -> list[str]:
+        """Deprecated: ``[key for key, _ in tier.keys()]``."""
+        warnings.warn("Tier.key_list() is deprecated; use Tier.keys(), which gives (key, stored bytes) pairs",
+                      DeprecationWarning, stacklevel=2)
+        return [k for k, _ in self.keys()]
 
     def evict_keys(self, keys: Sequence[str]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
         """Evict these entries now (an operator's request: nothing is demoted to the

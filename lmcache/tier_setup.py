@@ -69,11 +69,10 @@ def check_tier(
         policy = regs.policies.load(tcfg.policy)()
     except Exception as exc:
         raise ConfigError(f"{prefix}.policy", str(exc), source) from exc
-    if getattr(backend_cls, "check_options", None) is not None:
-        try:
-            check_backend_options(backend_cls, options, tcfg.capacity)
-        except ConfigError as exc:
-            raise ConfigError(f"{prefix}.{exc.key}", exc.problem, source) from None
+    try:
+        check_backend_options(backend_cls, options, tcfg.capacity)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}.{exc.key}", exc.problem, source) from None
     return TierParts(backend_cls, codec, policy, options)
 
 

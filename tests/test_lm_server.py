@@ -44,6 +44,14 @@ TESTS = Path(__file__).parent
 PEER_DIR = TESTS / "backends"  # shared_store_peer.py, the peer process of backends/test_shared_stores.py
 
 
+def baseline(name):
+    """The raw-client baseline registered for backend ``name`` (lmcache_register_bench_baselines)."""
+    from lmcache.plugin_manager import get_registries
+
+    return get_registries().baselines.load(name)
+
+
+
 @pytest.fixture(scope="module")
 def server():
     with lm_store(capacity="512MiB") as s:
@@ -533,5 +541,5 @@ def test_two_engine_processes_share_one_server(server, tmp_path, monkeypatch):
 # ------------------------------------------------------------------ raw baseline
 def test_raw_transfer_moves_the_bytes(server):
     items = [(f"item{i}", os.urandom(1000 + i)) for i in range(50)]
-    put_s, get_s = LMBackend.raw_transfer(server.options, items, 16)
+    put_s, get_s = baseline("lm")(server.options, items, 16)
     assert put_s >= 0 and get_s >= 0

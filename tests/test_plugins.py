@@ -181,6 +181,10 @@ class _ThirdParty:
     def lmcache_register_services(self, registry):
         registry.add("counter", CountingService)
 
+    @hookimpl
+    def lmcache_register_bench_baselines(self, registry):
+        registry.add("cpu2", "lmcache.benchmarks.raw_baselines:lm")
+
 
 class CountingService:
     """A third-party service: counts the chunks the engine's tiers admit."""
@@ -214,6 +218,7 @@ def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     assert regs.hooks_of("thirdparty") == HOOKS
     assert regs.connectors.load("echo") is EchoConnector
     assert regs.layouts.load("thirdparty_hnd") is THIRD_PARTY_LAYOUT
+    assert regs.baselines.entry("cpu2").plugin == "thirdparty" and callable(regs.baselines.load("cpu2"))
     assert regs.connectors.entry("echo").plugin == "thirdparty"
     cfg = lmcache.load_config(
         {"chunk_size": 4, "tiers": [{"backend": "cpu2", "capacity": 3 * 4 * 2 * 4 * 4, "codec": "raw2", "policy": "mru"}]}

@@ -62,10 +62,10 @@ def assert_rejects(backend_cls, options, key: str, *, construct: bool = True) ->
     """``options`` is a config error naming ``key``, both in ``check_options`` (what
     ``lmcache config validate`` runs) and, with ``construct``, when the backend is built."""
     from ..errors import ConfigError
-    from ..storage import BackendContext
+    from ..storage import BackendContext, check_backend_options
 
     with pytest.raises(ConfigError) as info:
-        backend_cls.check_options(options)
+        check_backend_options(backend_cls, options, None)
     assert info.value.key == key, f"expected a config error naming {key!r}, got {info.value}"
     if construct:
         with pytest.raises(ConfigError) as info:

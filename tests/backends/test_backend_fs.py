@@ -26,6 +26,14 @@ from lmcache.testing import BytesBackendTests, FileBackendTests, assert_rejects,
 REGS = get_registries()
 
 
+def baseline(name):
+    """The raw-client baseline registered for backend ``name`` (lmcache_register_bench_baselines)."""
+    from lmcache.plugin_manager import get_registries
+
+    return get_registries().baselines.load(name)
+
+
+
 @pytest.fixture(scope="module")
 def FSBackend():
     try:
@@ -140,7 +148,7 @@ def test_corrupt_and_truncated_files_are_misses_and_deleted(FSBackend, tmp_path)
 
 def test_raw_transfer_moves_the_bytes_and_cleans_up(FSBackend, tmp_path):
     items = [(make_key(i), os.urandom(10_000 + i)) for i in range(20)]
-    put_s, get_s = FSBackend.raw_transfer({"url": str(tmp_path), "concurrency": 4}, items, batch=8)
+    put_s, get_s = baseline("fs")({"url": str(tmp_path), "concurrency": 4}, items, 8)
     assert put_s > 0 and get_s > 0
     assert list(tmp_path.iterdir()) == []
 

@@ -30,6 +30,14 @@ REGS = get_registries()
 L, H, D = 2, 2, 8
 
 
+def baseline(name):
+    """The raw-client baseline registered for backend ``name`` (lmcache_register_bench_baselines)."""
+    from lmcache.plugin_manager import get_registries
+
+    return get_registries().baselines.load(name)
+
+
+
 def _backend_class():
     try:
         return REGS.backends.load("mooncake")
@@ -276,7 +284,7 @@ def test_read_only_backend_adds_no_memory(Mooncake, store, make):
 def test_raw_transfer_moves_the_bytes_and_cleans_up(Mooncake, store, raw):
     prefix = f"raw-{uuid.uuid4().hex[:8]}/"
     items = [(f"bench-{i}", bytes([i]) * (100_000 + i)) for i in range(12)]
-    put_s, get_s = Mooncake.raw_transfer({**store.options, "prefix": prefix}, items, 5)
+    put_s, get_s = baseline("mooncake")({**store.options, "prefix": prefix}, items, 5)
     assert put_s >= 0 and get_s >= 0
     assert raw.batch_is_exist([prefix + n for n, _ in items]) == [0] * len(items)
 

@@ -23,3 +23,9 @@ def lmcache_register_codecs(registry):
         "lmcache_plugin_example.zlib_codec:ZlibCodec",
         description="lossless zlib (DEFLATE) from the standard library",
     )
+
+
+@hookimpl
+def lmcache_register_bench_baselines(registry):
+    # what `lmcache bench tiers --backend sqlite` compares the backend with
+    registry.add("sqlite", "lmcache_plugin_example.bench:raw_baseline")

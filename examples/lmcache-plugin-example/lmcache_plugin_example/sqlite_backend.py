@@ -43,10 +43,11 @@ class SQLiteBackend(BytesBackend):
     OPTIONS = {"path": None, "timeout": 5.0}
 
     @classmethod
-    def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
         """Every option is checked here, so that ``lmcache config validate`` finds a bad
-        value before an engine starts; ``__init__`` only opens."""
-        opts = super().check_options(options)  # rejects keys not in OPTIONS
+        value before an engine starts; ``__init__`` only opens. ``capacity`` is the tier's
+        capacity in bytes (``None`` where no tier is known); SQLite holds any."""
+        opts = super().check_options(options, capacity)  # rejects keys not in OPTIONS
         path = opts["path"]
         if not path or not isinstance(path, (str, os.PathLike)):
             raise ConfigError("path", "the sqlite backend needs a database file, e.g. path: /var/cache/lmcache/kv.db")

@@ -216,9 +216,37 @@ def test_discovered_through_the_entry_point_with_no_configuration():
     assert backend.target == "lmcache_plugin_example.sqlite_backend:SQLiteBackend"
     assert regs.backends.load("sqlite") is SQLiteBackend
     assert regs.codecs.load("zlib") is ZlibCodec
-    assert regs.hooks_of("example") == ["lmcache_register_backends", "lmcache_register_codecs"]
+    assert regs.hooks_of("example") == [
+        "lmcache_register_backends", "lmcache_register_bench_baselines", "lmcache_register_codecs"]
+    assert regs.baselines.entry("sqlite").target == "lmcache_plugin_example.bench:raw_baseline"
     dist, version = plugin_source("example")
     assert md.version(dist) == version == md.version("lmcache-plugin-example")
+
+
+def test_bench_tiers_compares_the_backend_with_its_registered_baseline(tmp_path):
+    """``lmcache bench tiers --backend sqlite`` finds the raw baseline this package
+    registers through ``lmcache_register_bench_baselines`` (before: the baseline had to be
+    a ``raw_transfer`` classmethod on the backend, and this failed with "no raw-client
+    baseline"); the scratch database is removed afterwards."""
+    import json
+
+    db = tmp_path / "kv.db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache.cli.main", "bench", "tiers", "--backend", "sqlite", "-o", f"path={db}",
+         "--values", "3", "--batch", "2", "--repeats", "1", "--layers", "2", "--kv-heads", "2",
+         "--head-size", "16", "--chunk-size", "16", "--json"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["backend"] == "sqlite" and data["exact"] is True
+    assert data["raw_put_gbps"] > 0 and data["raw_get_gbps"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.db"]  # no scratch database left
+
+
+def test_check_options_takes_the_tier_capacity():
+    """The one signature of the contract, ``check_options(options, capacity)``."""
+    assert SQLiteBackend.check_options({"path": "/tmp/x.db"}, 1 << 20)["timeout"] == 5.0
 
 
 def test_discovery_imports_no_implementation_module():
