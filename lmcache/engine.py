@@ -270,7 +270,7 @@ class CacheEngine:
             return self._puts
 
     def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None, extra: KeyExtra | None = None,
-                 into: Callable[[Chunk, torch.Tensor], None] | None = None) -> RetrieveResult:
+                 into: Callable[[Chunk, torch.Tensor], None] | None = None, leased: bool = False) -> RetrieveResult:
         """KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
@@ -287,6 +287,12 @@ class CacheEngine:
         where it goes. Every chunk of the result is handed over exactly once before this
         returns; chunks read after a miss may be handed over too (not part of the
         result, like ``out`` past ``num_tokens``). ``result.kv`` is ``None``.
+
+        The chunks read are kept from eviction while they are read (the promotions of
+        one chunk may not evict the next): by the caller's leases with ``leased=True``
+        (its ``lookup(tokens, pin=True)`` of these tokens, released after this returns:
+        one guard per chunk, no pins taken here; a lease that expired leaves its chunk
+        unguarded, so at worst it is a miss), else by pins taken for the read.
         """
         self._check_open()
         if out is not None and into is not None:
@@ -325,7 +331,7 @@ class CacheEngine:
                         out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
                     copied.add(j)
         try:
-            with self.hierarchy.pinned(keys):
+            with contextlib.nullcontext() if leased else self.hierarchy.pinned(keys):
                 got = self._fetch(chunks, keys, spec, on_ready)
             n = got[-1][0].end if got else 0
             if into is not None:

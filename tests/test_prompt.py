@@ -157,3 +157,24 @@ def test_a_gathered_store_of_another_shape_or_a_failing_gather_stores_nothing_wr
         assert e.lookup(toks) == 32  # the chunk stored before the failure, nothing after it
         assert torch.equal(e.retrieve(toks).kv, kv[:, :, :32])
         assert e.pool.live == live + 1
+
+
+def test_a_leased_retrieve_is_guarded_by_the_lookups_leases_alone():
+    toks = list(range(64))
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(toks, kv)
+        tier = e.hierarchy.tiers[0]
+        keys = e.prompt(toks).keys
+        seen: list[tuple[int, bool]] = []
+
+        def sink(chunk, got):
+            seen.append((len(tier._pins), all(tier.is_pinned(k) for k in keys)))
+
+        assert e.lookup(toks, pin=True) == 64
+        assert e.retrieve(toks, into=sink, leased=True).num_tokens == 64
+        assert seen == [(0, True)] * 4  # no pin beside the lease; every chunk guarded
+        e.release(toks)
+        assert not any(tier.is_pinned(k) for k in keys)
+        assert e.retrieve(toks, into=sink).num_tokens == 64  # no lookup lease: pins (gone after the read)
+        assert not tier._pins
