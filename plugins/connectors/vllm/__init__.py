@@ -58,10 +58,10 @@ from lmcache.keys import KeyExtra
 from lmcache.kernels import KVLayout, get_layout, register_layout
 from lmcache import kernels as K
 
-from ..services.lookup import LookupClient, LookupReply, socket_path
-from .prometheus import Metrics
-from .vllm_events import BlockInfo, EventBridge, LMCacheTierEvents, block_info
-from .vllm_extra import request_extra
+from ...services.lookup import LookupClient, LookupReply, socket_path
+from ..prometheus import Metrics
+from ..vllm_events import BlockInfo, EventBridge, LMCacheTierEvents, block_info
+from ..vllm_extra import request_extra
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
