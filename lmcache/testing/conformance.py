@@ -92,6 +92,18 @@ class BackendTests:
             assert torch.equal(g.tensor, o.tensor)
             g.unref()
 
+    def test_get_hands_each_hit_to_on_ready_iff_it_streams(self, backend):
+        """``on_ready`` reaches only a backend declaring ``streams_gets``; that one calls
+        it exactly once per hit, with the object it also returns, never for a miss."""
+        o = make_obj(2)
+        backend.put([(make_key(2), o)])
+        keys = [make_key(1), make_key(2)]
+        seen: list[tuple[int, object]] = []
+        got = backend.get(keys, lambda i, obj: seen.append((i, obj))) if backend.streams_gets else backend.get(keys)
+        assert got[0] is None and got[1] is not None and torch.equal(got[1].tensor, o.tensor)
+        assert seen == ([(1, got[1])] if backend.streams_gets else [])
+        got[1].unref()
+
     def test_contains_batch(self, backend):
         backend.put([(make_key(1), make_obj(1)), (make_key(3), make_obj(3))])
         assert backend.contains([make_key(i) for i in range(5)]) == [False, True, False, True, False]

@@ -309,7 +309,7 @@ def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
         raw = redis_tier.backend._conn()
         raw.set(redis_tier.backend.prefix + keys[0], data)  # valid header and checksums, wrong shape
         assert e.retrieve(toks).num_tokens == 0
-        assert keys[0] not in e.hierarchy.tiers[0].key_list()  # never promoted into the CPU tier
+        assert keys[0] not in dict(e.hierarchy.tiers[0].keys())  # never promoted into the CPU tier
         assert raw.exists(redis_tier.backend.prefix + keys[0]) == 0  # and dropped from Redis
         assert e.stats()["tiers"][redis_tier.name]["corrupt"] == 1
 
