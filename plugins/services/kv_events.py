@@ -2,7 +2,7 @@
 ZMQ PUB socket so that KV-aware routers built for vLLM's ``--kv-events-config`` (llm-d's
 precise prefix-cache scorer, NVIDIA Dynamo's KV router) can follow lmcache tiers too.
 This is the standalone publisher, for engines other than vLLM and ``lmcache server``;
-inside vLLM, :mod:`lmcache.plugins.connectors.vllm_events` puts the same events into
+inside vLLM, :mod:`lmcache.plugins.connectors.vllm.events` puts the same events into
 vLLM's own stream instead.
 
 Started by :class:`~lmcache.engine.CacheEngine` when the config has

@@ -318,7 +318,7 @@ def test_staging_memory_is_kept_between_requests(model_config, monkeypatch, keep
     (fresh memory costs page faults on every request: 52 ms against 9 ms for a 3k-token
     prompt of SmolLM2). A later, shorter load through the same memory is exact all the
     same; past STAGING_KEEP_BYTES each request allocates its own."""
-    from lmcache.plugins.connectors import vllm as conn
+    from lmcache.plugins.connectors.vllm import worker as conn
 
     if not keep:
         monkeypatch.setattr(conn, "STAGING_KEEP_BYTES", 0)
@@ -335,7 +335,7 @@ def test_staging_memory_is_kept_between_requests(model_config, monkeypatch, keep
             out, _ = eng.step(wa, a_layers, layout, gen)
             stored[rid] = new_req(out, rid).block_ids[0]
             eng.finish(rid)
-        assert list(wa._staging) == (["gather"] if keep else [])  # the saves' gather, on the host
+        assert list(wa.connector_worker._staging) == (["gather"] if keep else [])  # the saves' gather, on the host
         eng.sched.reset_prefix_cache()  # vLLM forgets; lmcache remembers
         buffers = []
         for rid, prompt, hit in (("b-long", long, 4 * CHUNK), ("b-short", short, CHUNK)):
@@ -345,7 +345,7 @@ def test_staging_memory_is_kept_between_requests(model_config, monkeypatch, keep
             assert got.num_computed_tokens == hit and invalid == set()
             src = stored["long" if rid == "b-long" else "short"]
             assert same(a_layers, layout, slots_of(src, hit), b_layers, layout, slots_of(got.block_ids[0], hit))
-            buffers.append(wb._staging.get("load"))
+            buffers.append(wb.connector_worker._staging.get("load"))
             eng.finish(rid)
         if keep:  # one buffer, sized by the first load, served the second
             assert buffers[0] is not None and buffers[1] is buffers[0]
@@ -376,7 +376,7 @@ def test_a_load_scatters_from_the_pool_without_staging(model_config, layout):
         got = new_req(out, "b")
         assert got.num_computed_tokens == 4 * CHUNK and invalid == set()
         assert same(a_layers, layout, slots_of(src, 4 * CHUNK), b_layers, layout, slots_of(got.block_ids[0], 4 * CHUNK))
-        assert "load" not in _impl(wb)._staging
+        assert "load" not in _impl(wb).connector_worker._staging
     finally:
         eng.close()
 
@@ -645,6 +645,44 @@ def test_shifted_reuse_chunk_gone_before_the_load_is_recomputed(model_config):
         eng.close()
 
 
+def test_each_role_builds_only_its_side(model_config):
+    """The entry class delegates by role (as vLLM's offloading connector): the scheduler
+    role builds a scheduler side and no worker state (no engine, no staging, no layers),
+    a worker builds a worker side and no scheduler state (no lookups, no request state)."""
+    from lmcache.plugins.connectors.vllm import ConnectorScheduler, ConnectorWorker, LMCacheConnector
+
+    vc = make_config(model_config)
+    s = LMCacheConnector(vc, KVConnectorRole.SCHEDULER, kv_cache_config(False))
+    w = LMCacheConnector(vc, KVConnectorRole.WORKER, kv_cache_config(False))
+    try:
+        assert type(s.connector_scheduler) is ConnectorScheduler and s.connector_worker is None and s.engine is None
+        assert type(w.connector_worker) is ConnectorWorker and w.connector_scheduler is None and w.engine is not None
+        for name in ("engine", "_staging", "_layers", "_io", "_bridge", "_failed"):
+            assert not hasattr(s.connector_scheduler, name), name
+        for name in ("_reqs", "_lookups", "_loads", "_client", "_tier_events", "stats"):
+            assert not hasattr(w.connector_worker, name), name
+        # a call of the other role does nothing and answers empty
+        assert s.get_finished({"x"}) == (None, None) and s.get_block_ids_with_load_errors() == set()
+        assert tuple(w.take_events()) == () and w.request_finished(Request("x", [1, 2, 3], SamplingParams(max_tokens=4), None), []) == (False, None)
+    finally:
+        s.shutdown()
+        w.shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_an_unknown_lmcache_vllm_key_is_refused_naming_it(model_config, role):
+    """``lmcache.vllm.*`` is the ``vllm`` config section: an unknown key or a bad value is
+    a one-line ConfigError naming the key, in either role."""
+    from lmcache.errors import ConfigError
+    from lmcache.plugins.connectors.vllm import LMCacheConnector
+
+    for extra, key in (({"lmcache.vllm.layerwize": True}, "vllm.layerwize"),
+                       ({"lmcache.vllm.async_loads": "sometimes"}, "vllm.async_loads")):
+        with pytest.raises(ConfigError) as err:
+            LMCacheConnector(make_config(model_config, **extra), getattr(KVConnectorRole, role), kv_cache_config(False))
+        assert err.value.key == key and key in str(err.value) and "\n" not in str(err.value)
+
+
 def test_shifted_reuse_is_off_while_vllms_prefix_cache_is_on(model_config, caplog):
     from lmcache.plugins.connectors.vllm import LMCacheConnector
 
@@ -678,7 +716,7 @@ def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, laye
     try:
         layers = alloc(layout)
         w = eng.worker(layers)
-        assert w._layout.name == "vllm_cpu_vec" and len(w._layers) == 2 * len(LAYERS)
+        assert w.connector_worker._layout.name == "vllm_cpu_vec" and len(w.connector_worker._layers) == 2 * len(LAYERS)
         prompt = list(range(1, 201))
         eng.submit("a", prompt)
         out, _ = eng.step(w, layers, layout, gen)

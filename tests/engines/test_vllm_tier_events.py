@@ -1,4 +1,4 @@
-"""lmcache's tiers in vLLM's own KV-event stream (issue 36; plugins/connectors/vllm_events.py).
+"""lmcache's tiers in vLLM's own KV-event stream (issue 36; plugins/connectors/vllm/events.py).
 
 vLLM 0.33's real ``Scheduler`` runs with ``kv_events_config.enable_kv_cache_events``; the
 worker connector's ``get_kv_connector_kv_cache_events`` goes back in the
@@ -176,7 +176,7 @@ def test_no_events_without_vllms_kv_events(model_config, tmp_path):
     try:
         layers = alloc(LAYOUT)
         w = eng.worker(layers)
-        assert _impl(w)._bridge is None
+        assert _impl(w).connector_worker._bridge is None
         out, _ = eng.step(w, layers, LAYOUT, torch.Generator().manual_seed(0))
         assert w.get_kv_connector_kv_cache_events() is None
     finally:

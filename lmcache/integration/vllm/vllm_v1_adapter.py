@@ -37,7 +37,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from lmcache.plugins.connectors.vllm import LMCacheConnector
+from lmcache.plugins.connectors.vllm import ConnectorScheduler, LMCacheConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,9 +68,23 @@ def _flag(v: Any) -> bool:
     return v if isinstance(v, bool) else str(v).strip().lower() in _TRUE
 
 
+class _Scheduler(ConnectorScheduler):
+    """The scheduler side under the wrapper: lookups leave out a prompt's last
+    ``skip_last_n_tokens`` tokens (upstream's key)."""
+
+    skip_last_n_tokens = 0
+
+    def _start_lookup(self, tokens: list[int], extra: Any = None):  # type: ignore[override]
+        if self.skip_last_n_tokens:
+            tokens = tokens[: max(0, len(tokens) - self.skip_last_n_tokens)]
+        return super()._start_lookup(tokens, extra)
+
+
 class LMCacheConnectorV1Impl(LMCacheConnector):
     """lmcache's vLLM connector, built and called by vLLM's ``LMCacheConnectorV1`` wrapper
     (see the module doc)."""
+
+    scheduler_class = _Scheduler
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, parent: KVConnectorBase_V1):
         self._parent = parent
@@ -79,9 +93,12 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
         if self.async_loads != "never":
             log.info("lmcache: loads are synchronous under LMCacheConnectorV1 (vLLM's wrapper reports "
                      "every load as synchronous); kv_connector LMCacheConnector loads lower tiers asynchronously")
-            self.async_loads = "never"
-        if os.environ.get("LMCACHE_FORCE_SKIP_SAVE"):
-            self.saves = False
+        sched = self.connector_scheduler
+        if isinstance(sched, _Scheduler):
+            sched.async_loads = "never"
+            sched.skip_last_n_tokens = self.skip_last_n_tokens
+            if os.environ.get("LMCACHE_FORCE_SKIP_SAVE"):
+                sched.saves = False
         _OPEN.add(self)  # the wrapper does not forward shutdown(): closed at exit
 
     def _config_overrides(self, extra: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:  # type: ignore[override]
@@ -105,11 +122,6 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
         return config_file, overrides
 
     # ------------------------------------------------------------------ scheduler role
-    def _start_lookup(self, tokens: list[int], extra: Any = None):  # type: ignore[override]
-        if self.skip_last_n_tokens:
-            tokens = tokens[: max(0, len(tokens) - self.skip_last_n_tokens)]
-        return super()._start_lookup(tokens, extra)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:  # type: ignore[override]
         """The wrapper adds ``False`` (a synchronous load) itself."""
         n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -126,9 +138,10 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
             self.clear_connector_metadata()
 
     def get_kv_events(self) -> list[Any]:
-        """The tiers' stores for vLLM's own KV-event stream (plugins/connectors/vllm_events.py):
+        """The tiers' stores for vLLM's own KV-event stream (plugins/connectors/vllm/events.py):
         the wrapper turns each into a ``BlockStored`` and has no way to carry a removal."""
-        return self._bridge.take(stores_only=True) if self._bridge is not None else []
+        w = self.connector_worker
+        return w._bridge.take(stores_only=True) if w is not None and w._bridge is not None else []
 
 
 __all__ = ["LMCacheConnectorV1Impl"]

@@ -1,0 +1,515 @@
+"""The worker side of the vLLM connector (:class:`ConnectorWorker`): it owns the
+:class:`~lmcache.engine.CacheEngine` (shared by the workers of one process with the same
+config), whose ``lookup`` service answers the scheduler on this rank's socket.
+
+:meth:`ConnectorWorker.register_kv_caches` detects the layout of vLLM's per-layer tensors
+from their shapes (:mod:`.layout`); loads (:meth:`ConnectorWorker._load_bulk`) scatter each
+chunk from the engine's memory pool into the paged blocks with :mod:`lmcache.kernels`
+through slot mappings built from block ids (:meth:`ConnectorWorker._load_direct`; MLA and
+shifted reuse through a staging buffer); saves gather and store
+(:meth:`ConnectorWorker._prepare_save`, :meth:`ConnectorWorker._finish_save`). A load that
+returns fewer tokens than promised reports the affected blocks through
+:meth:`ConnectorWorker.get_block_ids_with_load_errors`, so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache import kernels as K
+from lmcache.config import KVSpec
+from lmcache.engine import CacheEngine
+from lmcache.keys import KeyExtra
+from lmcache.kernels import KVLayout
+
+from ...services.lookup import socket_path
+from .common import Side
+from .events import EventBridge, LMCacheTierEvents
+from .layout import VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
+from .metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STAGING_KEEP_BYTES", "ConnectorWorker", "local_workers"]
+
+#: the largest staging buffer a worker keeps between requests (one per use, see
+#: ``ConnectorWorker._buffer``); a larger load or save allocates its own each time
+STAGING_KEEP_BYTES = 1 << 30
+
+# --------------------------------------------------------------------------- shared engines
+_ENGINES: dict[tuple, list] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def _acquire_engine(config_file: str | None, overrides: dict[str, Any], kv_spec: KVSpec) -> CacheEngine:
+    key = (config_file, tuple(sorted((k, repr(v)) for k, v in overrides.items())), kv_spec)
+    with _ENGINES_LOCK:
+        entry = _ENGINES.get(key)
+        if entry is None or entry[0]._closed:
+            engine = CacheEngine.from_config(config_file, kv_spec=kv_spec, **overrides)
+            entry = _ENGINES[key] = [engine, 0, key]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_engine(engine: CacheEngine) -> None:
+    with _ENGINES_LOCK:
+        for key, entry in list(_ENGINES.items()):
+            if entry[0] is engine:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _ENGINES[key]
+                    engine.close()
+                return
+
+
+#: worker sides of this process by (vLLM instance, DP rank) -> {TP rank: worker}
+_LOCAL_WORKERS: dict[tuple[str, int], dict[int, ConnectorWorker]] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_workers(instance: str, dp_rank: int, tp_size: int) -> list[ConnectorWorker] | None:
+    """The worker sides of ``(instance, dp_rank)``, by TP rank, if all of them live in this
+    process (and are open), else ``None``: a scheduler in this process asks them directly."""
+    with _LOCAL_LOCK:
+        ws = _LOCAL_WORKERS.get((instance, dp_rank)) or {}
+        live = {r: w for r, w in ws.items() if not w._closed}
+    if len(live) == tp_size and all(r in live for r in range(tp_size)):
+        return [live[r] for r in range(tp_size)]
+    return None
+
+
+class ConnectorWorker(Side):
+    """The worker role's half of :class:`~lmcache.plugins.connectors.vllm.LMCacheConnector`
+    (see the module doc): the engine, loads, saves, staging buffers, finished loads."""
+
+    role = "worker"
+
+    def __init__(self, vllm_config: VllmConfig, kv_transfer_config: Any, kv_cache_config: KVCacheConfig | None,
+                 config_file: str | None, overrides: dict[str, Any]) -> None:
+        super().__init__(vllm_config, kv_transfer_config, kv_cache_config, tp_rank_of(vllm_config))
+        # the engine's lookup service answers the scheduler on this rank's socket
+        sock = socket_path(self.instance, self.dp_rank, self.tp_rank)
+        # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
+        max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
+        bound = {"lookup_max_tokens": max_len} if max_len > 0 else {}
+        self.engine: CacheEngine = _acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
+        self._configure(self.engine.config)
+        self._shifted_from: dict[str, int] = {}  # request -> first position not loaded exactly
+        self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._layout: KVLayout | None = None
+        self._split = False
+        self._failed: set[int] = set()
+        self._layer_loads: list[tuple[LoadSpec, Any, torch.Tensor, torch.Tensor]] = []
+        self._layer_saves: list[tuple[SaveSpec, torch.Tensor, torch.Tensor, int]] = []
+        self._async_lock = threading.Lock()
+        self._async_done: set[str] = set()
+        self._io: ThreadPoolExecutor | None = None
+        #: host staging memory kept between requests, one buffer per user (_buffer)
+        self._staging: dict[str, torch.Tensor] = {}
+        self._bridge = EventBridge(self.engine) if self.kv_events else None
+        with _LOCAL_LOCK:  # a scheduler in this process asks it directly
+            _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
+
+    # ================================================================ lookup channel
+    def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
+                      extra: KeyExtra | None = None) -> tuple[int, list[int]]:
+        assert self.engine is not None
+        return self.engine.services["lookup"].lookup(tokens, pin, shifted, extra)
+
+    def get_kv_connector_kv_cache_events(self) -> LMCacheTierEvents | None:
+        """Worker: the tiers' events since the last step, as vLLM events."""
+        if self._bridge is None:
+            return None
+        events = self._bridge.take()
+        if not events:
+            return None
+        out = LMCacheTierEvents()
+        out.add_events(events)
+        return out
+
+    # ================================================================ KV caches, loads, saves
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views: list[torch.Tensor] = []
+        layout: KVLayout | None = None
+        heads = 1 if self.is_mla else self.kv_spec.num_kv_heads
+        head = self.kv_spec.head_size * (2 if self.is_mla else 1)
+        isa = (cpu_isa(self._vllm_config, list(kv_caches), next(iter(kv_caches.values())).dtype, self.block_size,
+                       self.kv_spec.head_size) if kv_caches else None)
+        for i, (name, t) in enumerate(kv_caches.items()):
+            lay, view = detect_layout(t, num_kv_heads=heads, head_size=head, is_mla=self.is_mla, cpu_isa=isa)
+            if layout is not None and lay != layout:
+                raise ValueError(f"lmcache: layer {name} is {lay.name} but earlier layers are {layout.name}")
+            layout = lay
+            views.extend(view if isinstance(view, list) else [view])
+            self._layer_index[name] = i
+        self._split = layout is VLLM_CPU_VEC  # two kernel layers (keys, values) per model layer
+        if isa not in (None, "vec") and self.shifted:
+            log.warning("lmcache: approximate_reuse is off under vLLM: CPU attention kernels %r pack blocks "
+                        "in a layout lmcache does not read per token", isa)
+            self.shifted, self._inv_freq = False, None
+        if len(views) != self.kv_spec.num_layers * (2 if self._split else 1):
+            raise ValueError(f"lmcache: {len(views)} KV cache layers registered, expected {self.kv_spec.num_layers}")
+        self._layers, self._layout = views, layout
+        log.info("lmcache: %d layers in layout %s, kv %s", len(views), layout.name if layout else None, self.kv_spec.signature)
+
+    def _buffer(self, num_tokens: int, role: str | None = None, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernels chunk buffer, the engine's (L, 2, T, H, D) view of it), on the host
+        unless ``device`` is given.
+
+        With ``role``, host memory is kept for the next call of the same role (up to
+        :data:`STAGING_KEEP_BYTES`): each role has one user at a time ("load": the loads
+        of a step, one after another; "io": the I/O thread's; "gather" and "save": the
+        saves of a step, one after another). Fresh host memory is paid in page faults on
+        every request: a 3k-token prompt's KV (142 MB of SmolLM2 fp32) took 52 ms to copy
+        into a new buffer, 9 ms into a kept one. Layerwise loads and saves hold several
+        buffers at once and take fresh ones; so does a GPU (its caching allocator keeps
+        freed memory, and memory held past vLLM's profiling is not ours to take)."""
+        assert self._layout is not None
+        shape = self._layout.chunk_shape(self._layers[0], len(self._layers), num_tokens)
+        dtype = self._layers[0].dtype
+        need = math.prod(shape)
+        if role is None or need * dtype.itemsize > STAGING_KEEP_BYTES or (device is not None and device.type != "cpu"):
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            flat = self._staging.get(role)
+            if flat is None or flat.numel() < need or flat.dtype != dtype:
+                flat = self._staging[role] = torch.empty(need, dtype=dtype, device=device)
+            buf = flat[:need].view(shape)
+        return buf, self._view_of(buf)
+
+    def _view_of(self, buf: torch.Tensor) -> torch.Tensor:
+        """The engine's (L, 2, T, H, D) view of a kernels chunk buffer."""
+        shape = buf.shape
+        if self._split:  # (2L, 1, T, H, D): the same memory as the engine's (L, 2, T, H, D)
+            view = buf.view(self.kv_spec.num_layers, 2, *shape[2:])
+        elif self.is_mla:
+            L, _, T, _, latent = shape
+            view = buf.view(L, T, 2, latent // 2).permute(0, 2, 1, 3).unsqueeze(3)
+        else:
+            view = buf
+        return view
+
+    def _kernel_layers(self, i: int) -> tuple[int, ...]:
+        """The kernel layers of model layer ``i`` (keys and values apart in a split layout)."""
+        return (2 * i, 2 * i + 1) if self._split else (i,)
+
+    def _device(self) -> torch.device:
+        return self._layers[0].device
+
+    def _bad_blocks(self, spec: LoadSpec, good: int) -> list[int]:
+        """The blocks of tokens ``[max(good, skip), load_end)``: what a short load left unloaded."""
+        first = max(good, spec.skip) // self.block_size
+        last = -(-spec.load_end // self.block_size)
+        bad = spec.block_ids[first:last]
+        if bad:
+            log.warning("lmcache: %s: loaded %d of %d tokens; %d blocks will be recomputed",
+                        spec.req_id, max(good, spec.skip), spec.load_end, len(bad))
+        return bad
+
+    def _fail(self, spec: LoadSpec, good: int) -> None:
+        bad = self._bad_blocks(spec, good)
+        if bad:
+            with self._async_lock:
+                self._failed.update(bad)
+
+    def _load_slots(self, spec: LoadSpec, got: int) -> torch.Tensor:
+        """Slots of the lookup's tokens: tokens past ``min(got, load_end)`` are padding."""
+        n = len(spec.token_ids)
+        valid = min(got, spec.load_end)
+        slots = torch.full((n,), -1, dtype=torch.int64)
+        slots[:valid] = _slots(spec.block_ids, self.block_size, valid)
+        return slots
+
+    def _load_bulk(self, spec: LoadSpec, role: str = "load") -> int:
+        """Retrieve and scatter one load; the number of tokens loaded.
+
+        Each chunk is scattered from the engine's memory pool straight into the paged
+        blocks as it is ready (``retrieve(into=...)``): one copy. MLA (the kernels read
+        its latent halves in another order than the engine stores them) and shifted
+        reuse (it re-rotates the keys in a buffer) go through a staging buffer."""
+        assert self.engine is not None
+        if not (self.is_mla or spec.shifted):
+            return self._load_direct(spec)
+        buf, view = self._buffer(len(spec.token_ids), role)
+        ids = spec.exact_ids
+        try:
+            got = self.engine.retrieve(ids, out=view, extra=spec.extra).num_tokens
+        finally:  # the lookup's pins (taken for the scheduler) end with the load
+            self.engine.release(ids, extra=spec.extra)
+        if spec.shifted and got == len(ids) and got < spec.load_end:
+            got = self._load_shifted(spec, got, view)
+        if min(got, spec.load_end) > spec.skip:
+            slots = self._load_slots(spec, got)
+            K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
+        return got
+
+    def _load_direct(self, spec: LoadSpec) -> int:
+        """:meth:`_load_bulk` without staging: chunk by chunk from the pool into the paged
+        blocks (tokens below ``skip`` are vLLM's already, slots past ``load_end`` are
+        padding; a chunk read after a miss lands in blocks reported failed, so recomputed)."""
+        assert self.engine is not None
+        slots = self._load_slots(spec, spec.load_end)
+        device = self._device()
+        layers = len(self._layers)
+
+        def sink(chunk: Any, kv: torch.Tensor) -> None:
+            if chunk.end <= spec.skip:
+                return
+            buf = kv.view(layers, 1, *kv.shape[2:]) if self._split else kv  # the kernels' chunk form
+            K.scatter(buf.to(device), self._layout, slots[chunk.start : chunk.end], self._layers,
+                      max(0, spec.skip - chunk.start))
+
+        ids = spec.exact_ids
+        try:
+            return self.engine.retrieve(ids, into=sink, extra=spec.extra).num_tokens
+        finally:  # the lookup's pins (taken for the scheduler) end with the load
+            self.engine.release(ids, extra=spec.extra)
+
+    def _load_shifted(self, spec: LoadSpec, start: int, view: torch.Tensor) -> int:
+        """Shifted reuse after the exact part (``view[:, :, :start]``): the chunks the
+        content index has for the next tokens, their keys re-rotated to these positions,
+        without a gap; returns how far they reach. The request's KV from ``start`` on is
+        approximate: its saves go under shifted keys (:meth:`_finish_save`)."""
+        from lmcache.kernels import rope
+
+        assert self.engine is not None
+        svc = self.engine.services.get("approximate_reuse")
+        if svc is None or self._inv_freq is None or spec.extra:  # (its index has no keyed chunks)
+            return start
+        with self._async_lock:
+            self._shifted_from[spec.req_id] = start
+        run = svc.cover(spec.token_ids, start, len(spec.token_ids))
+        at = start
+        for m, kv in zip(run, svc.fetch(run)):
+            if kv is None or m.start != at:
+                break  # a chunk gone since the lookup: vLLM computes from here
+            kv = kv.to(view.dtype)
+            view[:, 0, at : at + m.length] = rope.rerotate(kv[:, 0], m.delta, self._inv_freq)
+            view[:, 1, at : at + m.length] = kv[:, 1]
+            at += m.length
+        return at
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        """One asynchronous load, on the I/O thread: failures are filed before the request
+        is reported finished, so vLLM sees them no later than the finish."""
+        bad: list[int] = []
+        t0 = time.perf_counter()
+        got = 0
+        try:
+            got = self._load_bulk(spec, "io")
+            if got < spec.load_end:
+                bad = self._bad_blocks(spec, got)
+        except Exception:
+            log.exception("lmcache: loading %s failed; vLLM will recompute it", spec.req_id)
+            bad = self._bad_blocks(spec, 0)
+        self._loaded(spec, got, t0)
+        with self._async_lock:
+            self._failed.update(bad)
+            self._async_done.add(spec.req_id)
+
+    def start_load_kv(self, meta: LMCacheConnectorMetadata | None) -> None:
+        """Start this step's loads (``meta``: the step's connector metadata, if ours)."""
+        self._layer_loads = []
+        if self._bridge is not None and meta is not None:  # before the stores and loads: their tier events
+            for spec in meta.loads:
+                self._bridge.note(spec.exact_ids, spec.extra, spec.blocks)
+            for spec in meta.saves:
+                self._bridge.note(spec.token_ids, spec.extra, spec.blocks)
+        if meta is None or not meta.loads:
+            return
+        if not self._layers:
+            for spec in meta.loads:
+                self._fail(spec, 0)
+                if spec.is_async:
+                    with self._async_lock:
+                        self._async_done.add(spec.req_id)
+            return
+        for spec in meta.loads:
+            if spec.is_async:
+                if self._io is None:
+                    self._io = ThreadPoolExecutor(1, thread_name_prefix="lmcache-vllm-load")
+                self._io.submit(self._load_async, spec)
+                continue
+            t0 = time.perf_counter()
+            try:
+                if self.layerwise:
+                    assert self.engine is not None
+                    buf, view = self._buffer(len(spec.token_ids))
+                    try:
+                        handle = self.engine.retrieve_layerwise(spec.token_ids, view, extra=spec.extra)
+                    finally:
+                        self.engine.release(spec.token_ids, extra=spec.extra)
+                    got = handle.num_tokens
+                    slots = self._load_slots(spec, got)
+                    self._layer_loads.append((spec, handle, buf, slots))
+                else:
+                    got = self._load_bulk(spec)
+                self._loaded(spec, got, t0)
+                if got < spec.load_end:
+                    self._fail(spec, got)
+            except Exception:
+                log.exception("lmcache: loading %s failed; vLLM will recompute it", spec.req_id)
+                self._loaded(spec, 0, t0)
+                self._fail(spec, 0)
+
+    def _loaded(self, spec: LoadSpec, got: int, t0: float) -> None:
+        """Report one load to the metrics: the tokens vLLM was promised, those loaded."""
+        self.metrics.retrieve(spec.load_end - spec.skip, max(0, min(got, spec.load_end) - spec.skip),
+                              time.perf_counter() - t0)
+        if self.engine is not None:
+            self.metrics.usage(self.engine.hierarchy.tiers)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._layer_loads:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        for spec, handle, buf, slots in self._layer_loads:
+            try:
+                handle.wait(i)
+                if min(handle.num_tokens, spec.load_end) > spec.skip:
+                    for j in self._kernel_layers(i):
+                        K.scatter_layer(buf[j].to(self._device()), self._layout, slots, self._layers[j], spec.skip)
+            except Exception:
+                log.exception("lmcache: layer %s of %s failed to load; vLLM will recompute it", layer_name, spec.req_id)
+                self._fail(spec, 0)
+
+    def save_kv_layer(self, layer_name: str, meta: LMCacheConnectorMetadata | None) -> None:
+        """Layerwise: gather layer ``layer_name`` of this step's saves; store after the last."""
+        if not self.layerwise:
+            return
+        i = self._layer_index.get(layer_name)
+        if meta is None or not meta.saves or i is None or not self._layers:
+            return
+        if i == 0:
+            self._layer_saves = []
+            for spec in meta.saves:
+                prepared = self._prepare_save(spec)
+                if prepared is not None:
+                    self._layer_saves.append(prepared)
+        for spec, dev_buf, slots, skip in self._layer_saves:
+            for j in self._kernel_layers(i):
+                K.gather_layer(self._layers[j], self._layout, slots, dev_buf[j], skip)
+        if i == self.kv_spec.num_layers - 1:
+            saves, self._layer_saves = self._layer_saves, []
+            for spec, dev_buf, slots, skip in saves:
+                self._finish_save(spec, dev_buf, skip)
+
+    def _prepare_save(self, spec: SaveSpec, role: str | None = None) -> tuple[SaveSpec, torch.Tensor, torch.Tensor, int] | None:
+        """Pin what is cached already and set up the gather of the rest (``None``: nothing to
+        do); the gather's buffer is on the engine's device, kept for ``role`` (see :meth:`_buffer`)."""
+        assert self.engine is not None
+        skip = self.engine.lookup(spec.token_ids, pin=True, extra=spec.extra)
+        if skip >= len(spec.token_ids):
+            self.engine.release(spec.token_ids, extra=spec.extra)
+            return None
+        # from here on, what this lookup leased is token_ids[:skip]: every release below
+        # drops exactly that (a chunk past it may be another caller's lease by then)
+        slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
+        dev_buf, _ = self._buffer(len(spec.token_ids), role, self._device())
+        return spec, dev_buf, slots, skip
+
+    def _gather_from(self, spec: SaveSpec, skip: int) -> int:
+        """Where a save's gather starts: ``skip`` (what is cached already), or the first
+        position a shifted load did not load exactly, if earlier."""
+        with self._async_lock:
+            b = self._shifted_from.get(spec.req_id)
+        return skip if b is None else min(skip, b)
+
+    def _finish_save(self, spec: SaveSpec, dev_buf: torch.Tensor, skip: int) -> None:
+        assert self.engine is not None
+        try:
+            if dev_buf.device.type == "cpu":  # gathered on the host already (vLLM's CPU backend)
+                view = self._view_of(dev_buf)
+            else:
+                buf, view = self._buffer(len(spec.token_ids), "save")
+                g = self._gather_from(spec, skip)
+                buf[:, :, g:].copy_(dev_buf[:, :, g:])
+            with self._async_lock:
+                b = self._shifted_from.get(spec.req_id)
+            svc = self.engine.services.get("approximate_reuse")
+            if b is not None and b < len(spec.token_ids):
+                # KV built on shifted reuse is not exact: never under the exact keys
+                if b:
+                    self.engine.store(spec.token_ids[:b], view[:, :, :b], extra=spec.extra)
+                if svc is not None:
+                    svc.store_shifted(spec.token_ids, view, b // self.chunk_size)
+                return
+            # chunks before ``skip`` stay pinned (leased) until after the store, so the
+            # store skips them and never reads their unfilled rows
+            t0 = time.perf_counter()
+            res = self.engine.store(spec.token_ids, view, extra=spec.extra)
+            self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
+            self.metrics.usage(self.engine.hierarchy.tiers)
+        except Exception:
+            log.exception("lmcache: storing %s failed", spec.req_id)
+        finally:
+            self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+
+    def wait_for_save(self, meta: LMCacheConnectorMetadata | None) -> None:
+        """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk)."""
+        if meta is None or not meta.saves or not self._layers:
+            return
+        assert self.engine is not None
+        if self.layerwise:
+            if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
+                for spec, _, _, skip in self._layer_saves:
+                    self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+                self._layer_saves = []
+            return
+        for spec in meta.saves:  # one after another: they share the "gather" buffer
+            prepared = self._prepare_save(spec, "gather")
+            if prepared is None:
+                continue
+            _, dev_buf, slots, skip = prepared
+            try:
+                K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
+            except Exception:
+                log.exception("lmcache: gathering %s failed", spec.req_id)
+                self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+                continue
+            self._finish_save(spec, dev_buf, skip)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Saves finish within the step; asynchronous loads are reported once done."""
+        with self._async_lock:
+            done, self._async_done = self._async_done, set()
+            for req_id in finished_req_ids:
+                self._shifted_from.pop(req_id, None)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._async_lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+
+    # ================================================================ lifecycle
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        with _LOCAL_LOCK:
+            ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
+            if ws is not None and ws.get(self.tp_rank) is self:
+                del ws[self.tp_rank]
+        if self._bridge is not None:
+            self._bridge.close()
+        _release_engine(self.engine)
