@@ -80,7 +80,8 @@ class GDSBackend(DiskBackend):
             opts["path"] = from_url
         elif path is None:
             raise ConfigError("url", "the gds backend needs a directory, e.g. url: gds:///mnt/nvme/lmcache")
-        opts = super().check_options(opts, capacity)
+        # DiskBackend.check_options still takes options only; pass capacity once it takes it
+        opts = super().check_options(opts)
         use = opts["use_kvikio"]
         if isinstance(use, str):
             use = {"auto": "auto", "true": True, "false": False}.get(use.lower(), use)
@@ -186,8 +187,26 @@ class GDSBackend(DiskBackend):
             )
 
     # ------------------------------------------------------------------ batches
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        return self._each(self.get_one, keys)
+    #: reads run on the ``concurrency`` threads; :meth:`get` hands each hit to ``on_ready`` there
+    streams_gets = True
+
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+        """Read ``keys`` on the backend's threads; ``on_ready(i, obj)`` is called on the
+        thread that read hit ``i``, once, before this returns (an error in it is logged)."""
+        if on_ready is None:
+            return self._each(self.get_one, keys)
+
+        def one(item: tuple[int, str]) -> MemoryObj | None:
+            i, key = item
+            obj = self.get_one(key)
+            if obj is not None:
+                try:
+                    on_ready(i, obj)
+                except Exception:
+                    log.exception("tier %s: on_ready for %s failed", self.context.tier, key)
+            return obj
+
+        return self._each(one, list(enumerate(keys)))
 
     def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
         return self._each(lambda item: self.put_one(*item), items)
