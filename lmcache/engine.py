@@ -231,6 +231,9 @@ class CacheEngine:
             if held < len(tiers):  # evicted between the lookup and its lease: promise what is held
                 tiers = tiers[:held]
                 n = min(held * self.tokens.chunk_size, len(prompt))
+            head = prompt.head(n) if 0 < n < len(prompt) else None
+            if head is not None:  # the retrieve of what was found follows: it finds the keys
+                self.prompts.put(head)
         return n, tiers
 
     def store(self, tokens: Any, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | KVGather, *,

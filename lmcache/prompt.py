@@ -97,6 +97,21 @@ class Prompt:
                 pass
             return self._keys[:n]
 
+    def head(self, num_tokens: int) -> Prompt | None:
+        """The prompt of ``tokens[:num_tokens]`` with the keys it shares with this one, or
+        ``None`` where its last chunk would be a partial one of its own (not a prefix of
+        these keys: it is hashed when built). A lookup that hit ``num_tokens`` leaves this
+        in the memo for the retrieve of exactly those tokens that follows."""
+        if num_tokens >= len(self.tokens):
+            return self
+        if num_tokens % self._cs:
+            return None
+        keys = self.keys_upto(num_tokens)
+        head = Prompt.__new__(Prompt)
+        head.tokens, head.extra, head.prefix, head._cs = self.tokens[:num_tokens], self.extra, self.prefix, self._cs
+        head.stop, head._keys, head._batches, head._lock = num_tokens, list(keys), None, threading.Lock()
+        return head
+
     @property
     def chunks(self) -> list[Chunk]:
         """Every chunk, in order (see :meth:`TokenProcessor.chunks`)."""
@@ -130,7 +145,7 @@ class PromptMemo:
         arr = as_token_array(tokens)
         if len(arr) > self.max_tokens:  # too long to keep: hashed for this call only
             return Prompt(self.processor, prefix, arr, extra)
-        key = (prefix, extra.to_bytes() if extra else b"", arr.tobytes())
+        key = self._key(prefix, extra, arr)
         with self._lock:
             found = self._items.get(key)
             if found is not None:
@@ -143,12 +158,29 @@ class PromptMemo:
             if found is not None:  # another thread built it meanwhile
                 return found
             self.built += 1
-            self._items[key] = prompt
-            self._tokens += len(arr)
-            while len(self._items) > self.max_prompts or self._tokens > self.max_tokens:
-                _, old = self._items.popitem(last=False)
-                self._tokens -= len(old.tokens)
+            self._keep(key, prompt)
         return prompt
+
+    def put(self, prompt: Prompt) -> None:
+        """Remember ``prompt`` (e.g. a :meth:`Prompt.head`), unless one of equal content is."""
+        if len(prompt.tokens) > self.max_tokens:
+            return
+        key = self._key(prompt.prefix, prompt.extra, prompt.tokens)
+        with self._lock:
+            if key not in self._items:
+                self._keep(key, prompt)
+
+    @staticmethod
+    def _key(prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> tuple[str, bytes, bytes]:
+        return prefix, extra.to_bytes() if extra else b"", arr.tobytes()
+
+    def _keep(self, key: tuple[str, bytes, bytes], prompt: Prompt) -> None:
+        """Add under the lock; the least recently used go beyond the bounds."""
+        self._items[key] = prompt
+        self._tokens += len(prompt.tokens)
+        while len(self._items) > self.max_prompts or self._tokens > self.max_tokens:
+            _, old = self._items.popitem(last=False)
+            self._tokens -= len(old.tokens)
 
     def clear(self) -> None:
         """Forget every prompt (a benchmark that times hashing calls this between calls)."""

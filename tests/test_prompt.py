@@ -14,20 +14,8 @@ from lmcache.errors import KVShapeError
 from lmcache.keys import KeyExtra, TokenProcessor
 from lmcache.prompt import PromptMemo
 
+from _digests import count_digests
 from test_engine import D, H, L, engine, kv_for
-
-
-def counting(e):
-    """Count the engine's chunk-hash calls (the real digest still runs)."""
-    calls = [0]
-    real = e.tokens._digest
-
-    def digest(data):
-        calls[0] += 1
-        return real(data)
-
-    e.tokens._digest = digest
-    return calls
 
 
 def test_one_request_hashes_its_chunks_once_per_process():
@@ -40,7 +28,7 @@ def test_one_request_hashes_its_chunks_once_per_process():
         e.store(toks, kv_for(toks))
         e.prompts.clear()
         built = e.prompts.built
-        calls = counting(e)
+        calls = count_digests(e)
         assert e.lookup(np.array(toks, dtype=np.uint32), pin=True) == 100  # the lookup channel's array
         out = torch.empty(L, 2, 100, H, D)
         assert e.retrieve(list(toks), out=out).num_tokens == 100
@@ -94,7 +82,7 @@ def test_a_prompt_hashes_only_as_far_as_a_lookup_reaches():
     toks = list(range(16 * 200))
     with engine() as e:
         e.store(toks[:32], kv_for(toks[:32]))
-        calls = counting(e)
+        calls = count_digests(e)
         assert e.lookup(toks) == 32
         assert calls[0] == 8  # the first batch of 8 chunks, not 200
         p = e.prompt(toks)
@@ -178,3 +166,22 @@ def test_a_leased_retrieve_is_guarded_by_the_lookups_leases_alone():
         assert not any(tier.is_pinned(k) for k in keys)
         assert e.retrieve(toks, into=sink).num_tokens == 64  # no lookup lease: pins (gone after the read)
         assert not tier._pins
+
+
+def test_the_retrieve_of_a_lookups_hit_finds_its_keys():
+    """vLLM's worker retrieves the tokens the scheduler's lookup hit (a prefix of the
+    prompt it looked up): their keys come from that lookup, not a second hashing."""
+    toks = list(range(100))
+    with engine() as e:
+        e.store(toks[:64], kv_for(toks[:64]))
+        e.prompts.clear()
+        calls = count_digests(e)
+        n = e.lookup(np.array(toks), pin=True)
+        assert n == 64 and calls[0] == 7  # the first batch: all 7 chunks
+        res = e.retrieve(toks[:n], leased=True)
+        e.release(toks[:n])
+        assert res.num_tokens == 64 and torch.equal(res.kv, kv_for(toks[:64]))
+        assert calls[0] == 7
+        assert not any(t.is_pinned(k) for t in e.hierarchy.tiers for k in e.prompt(toks).keys)
+        p = e.prompt(toks)
+        assert p.head(50) is None and p.head(100) is p and p.head(32).keys == p.keys[:2]

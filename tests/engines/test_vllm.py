@@ -23,6 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _digests import count_digests  # noqa: E402
 from _missing import missing  # noqa: E402
 
 INSTALL = "bash requirements/setup-vllm.sh .venv-vllm .venv  (vllm==0.33.0 with --no-deps, see requirements/vllm.txt)"
@@ -377,6 +378,50 @@ def test_a_load_scatters_from_the_pool_without_staging(model_config, layout):
         assert got.num_computed_tokens == 4 * CHUNK and invalid == set()
         assert same(a_layers, layout, slots_of(src, 4 * CHUNK), b_layers, layout, slots_of(got.block_ids[0], 4 * CHUNK))
         assert "load" not in _impl(wb).connector_worker._staging
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("layout", [k for k, mla in LAYOUTS.items() if not mla])
+def test_one_request_hashes_its_prompt_once_and_saves_without_staging(model_config, layout):
+    """Issue 31: in the worker's process each request's chunk keys are computed once (the
+    scheduler's lookup; the load's retrieve and release and the save's store find them),
+    and a save gathers each chunk not cached yet from the paged blocks straight into the
+    cache's memory (no staging buffer, no lookup before it). Digest calls, 5-chunk prompt:
+    a miss then its save 15 before, 5 after; a hit, its load and its save 27 before, 5 after."""
+    eng = Engine(make_config(model_config), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(6)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        engine = _impl(wa).engine
+        assert _impl(wb).engine is engine  # one engine per process and config
+        calls = count_digests(engine)
+        prompt = list(range(1, 4 * CHUNK + 9))  # 5 chunks, the last one partial
+        eng.submit("a", prompt)
+        out, _ = eng.step(wa, a_layers, layout, gen)
+        src = new_req(out, "a").block_ids[0]
+        assert out.kv_connector_metadata.saves[0].token_ids == prompt
+        assert calls[0] == 5
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        calls[0] = 0
+        eng.submit("b", prompt + [5, 6, 7])
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        got = new_req(out, "b")
+        assert got.num_computed_tokens == 4 * CHUNK and invalid == set()
+        assert calls[0] == 5  # the lookup's; the load, its release and the save found them
+        assert same(a_layers, layout, slots_of(src, 4 * CHUNK), b_layers, layout, slots_of(got.block_ids[0], 4 * CHUNK))
+        staging = {**_impl(wa).connector_worker._staging, **_impl(wb).connector_worker._staging}
+        assert not {"gather", "save", "load"} & set(staging)
+        # what the saves stored is the blocks' KV: b's whole prompt reads back as its blocks hold it
+        res = engine.retrieve(prompt + [5, 6, 7])
+        assert res.num_tokens == len(prompt) + 3
+        for i, slot in enumerate(slots_of(got.block_ids[0], res.num_tokens)):
+            for layer, t in enumerate(b_layers):
+                v = token(t, layout, slot)
+                want = v.reshape(HEADS, 2, HEAD).transpose(0, 1) if layout == "std_nhd" else v
+                assert torch.equal(res.kv[layer, :, i], want), (i, layer)
     finally:
         eng.close()
 

@@ -26,6 +26,7 @@ import torch
 from lmcache import kernels as K
 from lmcache.config import KVSpec
 from lmcache.engine import CacheEngine
+from lmcache.engine_io import KVGather
 from lmcache.keys import KeyExtra
 from lmcache.kernels import KVLayout
 
@@ -274,8 +275,8 @@ class ConnectorWorker(Side):
                       max(0, spec.skip - chunk.start))
 
         ids = spec.exact_ids
-        try:
-            return self.engine.retrieve(ids, into=sink, extra=spec.extra).num_tokens
+        try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
+            return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
             self.engine.release(ids, extra=spec.extra)
 
@@ -410,6 +411,34 @@ class ConnectorWorker(Side):
             for spec, dev_buf, slots, skip in saves:
                 self._finish_save(spec, dev_buf, skip)
 
+    def _save_direct(self, spec: SaveSpec) -> None:
+        """Store one save with no staging: the engine asks for each chunk it does not hold
+        yet, gathered from the paged blocks straight into the cache's memory pool
+        (:class:`~lmcache.engine_io.KVGather`; on a GPU through one chunk-sized device
+        buffer); no lookup before it, no leases."""
+        assert self.engine is not None and self._layout is not None
+        slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
+        layers, layout, device = self._layers, self._layout, self._device()
+
+        def fill(start: int, end: int, out: torch.Tensor) -> None:
+            shape = layout.chunk_shape(layers[0], len(layers), end - start)
+            if device.type == "cpu":
+                K.gather(layers, layout, slots[start:end], out.view(shape))
+            else:
+                out.view(shape).copy_(K.gather(layers, layout, slots[start:end],
+                                               torch.empty(shape, dtype=out.dtype, device=device)))
+
+        spec_kv = self.kv_spec
+        src = KVGather(fill, num_tokens=len(spec.token_ids), num_layers=spec_kv.num_layers,
+                       num_kv_heads=spec_kv.num_kv_heads, head_size=spec_kv.head_size, dtype=layers[0].dtype)
+        t0 = time.perf_counter()
+        try:
+            res = self.engine.store(spec.token_ids, src, extra=spec.extra)
+            self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
+            self.metrics.usage(self.engine.hierarchy.tiers)
+        except Exception:
+            log.exception("lmcache: storing %s failed", spec.req_id)
+
     def _prepare_save(self, spec: SaveSpec, role: str | None = None) -> tuple[SaveSpec, torch.Tensor, torch.Tensor, int] | None:
         """Pin what is cached already and set up the gather of the rest (``None``: nothing to
         do); the gather's buffer is on the engine's device, kept for ``role`` (see :meth:`_buffer`)."""
@@ -459,7 +488,7 @@ class ConnectorWorker(Side):
         except Exception:
             log.exception("lmcache: storing %s failed", spec.req_id)
         finally:
-            self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+            self.engine.release(spec.token_ids, extra=spec.extra, upto=skip)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata | None) -> None:
         """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk)."""
@@ -469,10 +498,15 @@ class ConnectorWorker(Side):
         if self.layerwise:
             if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
                 for spec, _, _, skip in self._layer_saves:
-                    self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+                    self.engine.release(spec.token_ids, extra=spec.extra, upto=skip)
                 self._layer_saves = []
             return
         for spec in meta.saves:  # one after another: they share the "gather" buffer
+            with self._async_lock:
+                shifted = spec.req_id in self._shifted_from
+            if not (self.is_mla or shifted):  # staging only where a layout or shifted reuse needs it
+                self._save_direct(spec)
+                continue
             prepared = self._prepare_save(spec, "gather")
             if prepared is None:
                 continue
@@ -481,7 +515,7 @@ class ConnectorWorker(Side):
                 K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
             except Exception:
                 log.exception("lmcache: gathering %s failed", spec.req_id)
-                self.engine.release(spec.token_ids[:skip], extra=spec.extra)
+                self.engine.release(spec.token_ids, extra=spec.extra, upto=skip)
                 continue
             self._finish_save(spec, dev_buf, skip)
 
