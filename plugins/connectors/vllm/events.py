@@ -135,7 +135,8 @@ class EventBridge:
         loaded); chunks some tier holds already are announced on their media now."""
         if info is None or not token_ids:
             return
-        chunks, keys = self.engine.chunk_keys(list(token_ids), extra)
+        prompt = self.engine.prompt(token_ids, extra)  # the keys the save or load uses, hashed once
+        chunks, keys = prompt.chunks, prompt.keys
         bs, hashes = info.block_size, info.hashes
         found = []
         for chunk, key in zip(chunks, keys):
