@@ -127,7 +127,7 @@ def validate(
                 "capacity": tcfg.capacity,
                 "codec": tcfg.codec,
                 "policy": tcfg.policy,
-                "persistent": not getattr(parts.backend_cls, "holds_memory_objects", False),
+                "persistent": not parts.backend_cls.holds_memory_objects,
             }
         )
     if as_json:

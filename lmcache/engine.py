@@ -259,8 +259,7 @@ class CacheEngine:
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         # a file-like top tier writes on the store's own I/O threads, so that the write of
         # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held)
-        pipelined = sum(1 for here in present if not here) > 1 and getattr(
-            self.hierarchy.tiers[0].backend, "streams_gets", False)
+        pipelined = sum(1 for here in present if not here) > 1 and self.hierarchy.tiers[0].backend.streams_gets
         return store_chunks(self.hierarchy, src, spec, chunks, keys, present,
                             self._put_pool() if pipelined else None, PUTS_IN_FLIGHT)
 

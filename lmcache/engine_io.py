@@ -236,7 +236,7 @@ def spec_in_tiers(tiers: Any, namespace: str, model: str) -> KVSpec | None:
 
     found: set[str] = set()
     for tier in tiers:
-        for key in tier.key_list():
+        for key, _ in tier.keys():
             try:
                 k = CacheKey.parse(key)
             except ValueError:

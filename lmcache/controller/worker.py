@@ -191,7 +191,7 @@ class ControllerWorker:
                 break
         if self.registrations:
             self.dropped_events += dropped
-        snapshot = [["admit", t.name, k] for t in self.engine.hierarchy.tiers for k in t.key_list()]
+        snapshot = [["admit", t.name, k] for t in self.engine.hierarchy.tiers for k, _ in t.keys()]
         r = self.client.register(self._info())
         session = r.get("session") if isinstance(r, dict) else None
         if not isinstance(session, str):

@@ -60,7 +60,7 @@ def main() -> None:
                     backend._write_file = write_file
                 print(f"OK {int(stored)}" if stored else f"ERR {tier.stats.last_error}", flush=True)
             elif cmd == "KEYS":
-                held = sorted(int(k.rsplit(":", 1)[1], 16) for k in tier.key_list() if f"tp{rank}of2" in k)
+                held = sorted(int(k.rsplit(":", 1)[1], 16) for k, _ in tier.keys() if f"tp{rank}of2" in k)
                 print("KEYS " + " ".join(map(str, held)), flush=True)
     finally:
         backend.close()

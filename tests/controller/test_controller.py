@@ -415,7 +415,7 @@ def test_hierarchy_listener_reports_admits_and_evictions():
         keys = keys_of(PROMPT[:48])
         assert [(op, k) for op, _, k in seen] == [("admit", keys[0]), ("admit", keys[1]), ("evict", keys[0]),
                                                  ("admit", keys[2])]
-        assert sorted(engine.hierarchy.tiers[0].key_list()) == sorted(keys[1:])
+        assert sorted(k for k, _ in engine.hierarchy.tiers[0].keys()) == sorted(keys[1:])
         engine.hierarchy.set_listener(None)
         engine.admin.clear(all=True)
         assert len(seen) == 4

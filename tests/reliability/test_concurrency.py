@@ -162,7 +162,7 @@ def assert_quiescent(engine) -> dict:
         assert not t._leases, f"tier {t.name}: leases left: {t._leases}"
         assert t.ledger.reserved == 0, f"tier {t.name}: reserved bytes left: {t.ledger.reserved}"
         assert t.used <= t.capacity and t.used == sum(t.ledger.sizes.values())
-        for k in t.key_list():
+        for k, _ in t.keys():
             assert not t.backend.in_use(k), f"tier {t.name}: {k} still held by a reader"
         if t.backend.holds_memory_objects:
             for obj in t.backend._objs.values():

@@ -183,7 +183,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         t = min(t, self.n - 1)
         self.h.flush()
         old = self.h.tiers[t]
-        before = {k: old.size_of(k) for k in old.key_list()}
+        before = {k: old.size_of(k) for k, _ in old.keys()}
         old.backend.close()
         new = self.h._build_tier(t, self.cfg.tiers[t])
         for key, n in self.pins.items():  # pins are process state: the operator keeps them
@@ -192,7 +192,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         new.ledger.listeners = old.ledger.listeners
         new.on_evict = old.on_evict
         self.h.tiers[t] = new
-        after = {k: new.size_of(k) for k in new.key_list()}
+        after = {k: new.size_of(k) for k, _ in new.keys()}
         assert after == before, f"disk tier {new.name} lost or changed entries across a restart"
         TOTALS["restarts"] += 1
 
@@ -224,7 +224,7 @@ class HierarchyMachine(RuleBasedStateMachine):
 
     def _check_after_flush(self):
         """(c) and (d), in a quiescent hierarchy."""
-        held = [set(t.key_list()) for t in self.h.tiers]
+        held = [{k for k, _ in t.keys()} for t in self.h.tiers]
         assert not self.violations, self.violations  # (c) from the event feed
         if not self.big_last:
             return

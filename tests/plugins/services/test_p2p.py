@@ -174,8 +174,8 @@ def test_move_between_instances(controller, tmp_path):
         r = client.command("move", src_instance="mv-src", src_tier="cpu", dst_instance="mv-dst", dst_tier="disk",
                            tokens=SPROMPT)
         assert r["result"]["pushed"] == keys and r["result"]["removed"] == []
-        assert sorted(dst.hierarchy.tier("disk").key_list()) == sorted(keys)
-        assert dst.hierarchy.tier("cpu").key_list() == []
+        assert sorted(k for k, _ in dst.hierarchy.tier("disk").keys()) == sorted(keys)
+        assert [k for k, _ in dst.hierarchy.tier("cpu").keys()] == []
         assert src.lookup(SPROMPT) == 128
         got = dst.retrieve(SPROMPT)
         assert got.num_tokens == 128 and torch.equal(got.kv, kv)
@@ -183,7 +183,7 @@ def test_move_between_instances(controller, tmp_path):
         r = client.command("move", src_instance="mv-src", src_tier="cpu", dst_instance="mv-dst", dst_tier="cpu",
                            keys=keys[:4], remove_source=True)
         assert r["result"]["removed"] == sorted(keys[:4])
-        assert sorted(src.hierarchy.tier("cpu").key_list()) == sorted(keys[4:])
+        assert sorted(k for k, _ in src.hierarchy.tier("cpu").keys()) == sorted(keys[4:])
         assert src.lookup(SPROMPT) == 0
         # a destination without an endpoint, or an unknown tier, is refused with a clear error
         from lmcache.errors import AdminError
