@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from .chunks import ChunkGateway
     from .config import Config, KVSpec
     from .engine import CacheEngine
     from .hierarchy import StorageHierarchy
@@ -41,11 +42,12 @@ class Service(Protocol):
 class EngineView:
     """What a service sees of its engine: the config, the hierarchy, the clock, the
     instance id, the KV spec (it may arrive with the first store), the admin operations,
-    lookups with leases, the other services, and the hook lists of the data path. Not the
+    lookups with leases, the other services, the hook lists of the data path, and
+    :attr:`chunks`, the one way chunks go into and out of the tiers. Not the
     engine itself: a service cannot store, retrieve or close it, so the engine's
     invariants stay its own."""
 
-    __slots__ = ("_engine", "clock", "config", "hierarchy", "instance_id")
+    __slots__ = ("_chunks", "_engine", "clock", "config", "hierarchy", "instance_id")
 
     def __init__(self, engine: CacheEngine):
         self._engine = engine
@@ -53,6 +55,17 @@ class EngineView:
         self.hierarchy: StorageHierarchy = engine.hierarchy
         self.clock: Callable[[], float] = engine.clock
         self.instance_id: str = engine.instance_id
+        self._chunks: ChunkGateway | None = None
+
+    @property
+    def chunks(self) -> ChunkGateway:
+        """:class:`lmcache.chunks.ChunkGateway` on this engine: chunks in and out of its
+        tiers with its one shape check, its store observers and the references released."""
+        if self._chunks is None:
+            from .chunks import ChunkGateway
+
+            self._chunks = ChunkGateway.of(self._engine)
+        return self._chunks
 
     @property
     def kv_spec(self) -> KVSpec | None:

@@ -34,8 +34,10 @@ Configuration (the ``extra_config`` mapping, besides SGLang's own keys):
   (``"lmcache.namespace": "tenant-a"``), which win over the file;
 - the lmcache ``model`` defaults to SGLang's served model name.
 
-A page that cannot be read (missing, from a tier that errors, failing its checksum, or of a
-shape or dtype other than this pool's) is a miss: SGLang recomputes it.
+Pages go in and out through the engine's :class:`~lmcache.chunks.ChunkGateway` with this
+pool's page layout. A page that cannot be read (missing, from a tier that errors, failing
+its checksum, or of a shape or dtype other than this pool's: then dropped and counted in its
+tier's ``corrupt``) is a miss: SGLang recomputes it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`pip install sglang` or build the test venv with requirements/setup-sglang.sh"
     ) from exc
 
+from lmcache.chunks import ChunkGateway, PageLayout
 from lmcache.config import KVSpec
 from lmcache.dtypes import dtype_name
 from lmcache.engine import CacheEngine
@@ -170,6 +173,8 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             engine = CacheEngine.from_config(extra.get("lmcache_config_file"), **overrides)
         self.engine = engine
         self.hierarchy = engine.hierarchy
+        self._gateway = ChunkGateway.of(engine)
+        self._pages: ChunkGateway | None = None  # the gateway for this pool's pages
         cfg = engine.config
         self.namespace = cfg.namespace
         model = cfg.model
@@ -191,6 +196,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self._fmt = _PageFormat(mem_pool_host, self.is_mla)
         self.signature = self._signature(self._fmt)
+        self._pages = self._gateway.with_layout(PageLayout(self._fmt.stored_shape, dtype_name(self._fmt.dtype)))
 
     def _signature(self, fmt: _PageFormat) -> str:
         sc = self.storage_config
@@ -227,52 +233,26 @@ class LMCacheHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ core
     def _store(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Store host-ordered page views (``host_shape``) under lmcache keys."""
-        fmt = self._fmt
-        assert fmt is not None
-        out = [False] * len(keys)
-        present = self.hierarchy.contains(keys)
-        self.hierarchy.touch([k for k, here in zip(keys, present) if here])
-        for i, (key, page, here) in enumerate(zip(keys, pages, present)):
-            if here:
-                out[i] = True
-                continue
-            obj = self.hierarchy.allocate(fmt.stored_shape, fmt.dtype)
-            if obj is None:
-                log.debug("lmcache memory pool exhausted: page %s not stored", key)
-                continue
-            try:
-                obj.tensor.copy_(fmt.stored_view(page))
-                out[i] = self.hierarchy.put_one(key, obj)  # False: the top tier did not take it
-            except Exception:
-                log.exception("storing page %s", key)
-            finally:
-                obj.unref()
-        return out
+        """Store host-ordered page views (``host_shape``) under lmcache keys; per key
+        whether it is held now."""
+        fmt, gateway = self._fmt, self._pages
+        assert fmt is not None and gateway is not None
+        return gateway.store(keys, [fmt.stored_view(p) for p in pages]).held
 
     def _load(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Read entries into host-ordered page views; a bad or missing entry is ``False``."""
-        fmt = self._fmt
-        assert fmt is not None
+        fmt, gateway = self._fmt, self._pages
+        assert fmt is not None and gateway is not None
         out = [False] * len(keys)
-        with self.hierarchy.pinned(keys):
-            results = self.hierarchy.get(keys)
-        for i, (key, page, r) in enumerate(zip(keys, pages, results)):
-            if r is None:
-                continue
-            obj, tier = r
-            try:
-                if tuple(obj.shape) != fmt.stored_shape or obj.dtype != fmt.dtype:
-                    log.error("tier %s returned %s for %s (expected %s %s); dropping it",
-                              tier.name, obj, key, fmt.stored_shape, fmt.dtype)
-                    tier.remove([key])
+        with gateway.read(keys, prefix=False) as got:
+            for i, (key, page, r) in enumerate(zip(keys, pages, got)):
+                if r is None:
                     continue
-                fmt.stored_view(page).copy_(obj.tensor)
-                out[i] = True
-            except Exception:
-                log.exception("loading page %s", key)
-            finally:
-                obj.unref()
+                try:
+                    fmt.stored_view(page).copy_(r[0].tensor)
+                    out[i] = True
+                except Exception:
+                    log.exception("loading page %s", key)
         return out
 
     def _page_indices(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
@@ -410,7 +390,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ lookups
     def exists(self, key: str) -> bool:
         try:
-            return self.hierarchy.contains([self.key_of(key)])[0]
+            return self._gateway.contains([self.key_of(key)])[0]
         except RuntimeError:
             raise
         except Exception:
@@ -422,7 +402,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return len(self.hierarchy.contains_prefix(self._keys(keys)))
+            return len(self._gateway.contains_prefix(self._keys(keys)))
         except RuntimeError:
             raise
         except Exception:

@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from lmcache import payload
 from lmcache import server as proto
-from lmcache.dtypes import dtype_name
-from lmcache.errors import AdminError, BackendError, CorruptPayloadError, NotFoundError
+from lmcache.errors import AdminError, BackendError, CorruptPayloadError, KVShapeError, NotFoundError
 from lmcache.keys import CacheKey, Chunk
 from lmcache.memory import MemoryObj, MemoryPool
 
@@ -93,6 +92,7 @@ class EngineStore:
 
     def __init__(self, engine: EngineView):
         self.engine = engine
+        self.chunks = engine.chunks
         self.hierarchy = engine.hierarchy
         self.raw = self.hierarchy.codec("raw")
         self.capacity = sum(t.capacity for t in self.hierarchy.tiers)
@@ -117,17 +117,13 @@ class EngineStore:
             return None
         if not self._own(key):
             return None
-        if tier is not None:
-            try:
-                objs = self.hierarchy.tier(tier).get([key])
-            except KeyError:
-                return None
-            obj = objs[0]
-        else:
-            r = self.hierarchy.get_one(key)
-            obj = r[0] if r is not None else None
-        if obj is None:
+        try:  # passed on as stored: the peer's own gateway checks it
+            r = self.chunks.fetch([key], tier=tier, prefix=False, raw=True)[0]
+        except KeyError:
             return None
+        if r is None:
+            return None
+        obj = r[0]
         try:
             out = _Held(payload.encode(key, obj, self.raw))
         except BaseException:
@@ -145,11 +141,9 @@ class EngineStore:
             tier, key = split_tier(key)
             if not self._own(key):
                 return False
-            if tier is not None:
-                return self.hierarchy.tier(tier).contains([key])[0]
+            return self.chunks.contains([key], tier)[0]
         except (ValueError, KeyError):
             return False
-        return self.hierarchy.contains([key])[0]
 
     def delete(self, key: str) -> bool:
         return False  # a peer never removes another instance's entries
@@ -196,35 +190,24 @@ class EngineStore:
             return self._refuse("this instance does not know its KV shape yet (no kv_spec)")
         if ck.signature != spec.signature:
             return self._refuse(f"kv signature {ck.signature} differs from this instance's {spec.signature}")
-        tier = None
-        if tier_name is not None:
-            try:
-                tier = self.hierarchy.tier(tier_name)
-            except KeyError as exc:
-                return self._refuse(str(exc.args[0]))
+        try:
+            into = self.hierarchy.tier(tier_name) if tier_name is not None else self.hierarchy.tiers[0]
+        except KeyError as exc:
+            return self._refuse(str(exc.args[0]))
 
         def allocate(shape: Sequence[int], dtype: Any) -> MemoryObj:
-            ok = len(shape) == 5 and 0 < shape[2] <= e.config.chunk_size and tuple(shape) == spec.chunk_shape(shape[2])
-            if not ok or dtype_name(dtype) != spec.dtype:
-                raise CorruptPayloadError(f"a chunk of {tuple(shape)} {dtype} is not KV of {spec.signature}")
-            obj = self.hierarchy.allocate(shape, dtype)
+            obj = self.chunks.allocate(shape, dtype)  # checked before a byte is allocated
             if obj is None:
                 raise MemoryError("no room in the memory pool")
             return obj
 
         try:
             obj = payload.decode(value, key, self.hierarchy.codec, allocate)
-        except (CorruptPayloadError, MemoryError) as exc:
+        except (CorruptPayloadError, KVShapeError, MemoryError) as exc:
             return self._refuse(str(exc))
-        try:
-            if tier is not None:
-                ok = tier.put_one(key, obj)
-            else:
-                ok = self.hierarchy.put_one(key, obj) or len(self.hierarchy.tiers) > 1  # else queued below
-        finally:
-            obj.unref()
-        if not ok:
-            return self._refuse(f"tier {tier.name if tier else self.hierarchy.tiers[0].name} did not take it (full or down)")
+        ok = self.chunks.put(key, obj, tier=tier_name)  # (takes over obj's reference)
+        if not ok and (tier_name is not None or len(self.hierarchy.tiers) == 1):  # else queued below
+            return self._refuse(f"tier {into.name} did not take it (full or down)")
         self.received += 1
         return True
 
@@ -404,8 +387,6 @@ class P2P:
         return 0
 
     def _fetch_from(self, url: str, chunks: Sequence[Chunk], keys: Sequence[str], peer_id: str | None = None) -> int:
-        spec = self.engine.kv_spec
-        assert spec is not None
         t0 = time.perf_counter()
         try:
             objs = self.peers.client(url, peer_id=peer_id).get(keys)
@@ -415,25 +396,24 @@ class P2P:
             return 0
         self.peers.ok(url)
         got = nbytes = 0
-        h = self.engine.hierarchy
-        stop = False
-        for chunk, key, obj in zip(chunks, keys, objs):
-            if obj is None:
-                stop = True
-                continue
-            try:
-                if stop:
-                    continue
-                if tuple(obj.shape) != spec.chunk_shape(chunk.num_tokens) or dtype_name(obj.dtype) != spec.dtype:
+        objs = list(objs)
+        try:  # the prefix up to the first chunk missing or not of this engine's shape
+            for j, (chunk, key) in enumerate(zip(chunks, keys)):
+                obj, objs[j] = objs[j], None
+                if obj is None:
+                    break
+                if not self.engine.chunks.fits(obj, chunk.num_tokens):
                     log.error("peer %s sent %s for %s; dropping it", url, obj, key)
                     self.stats.rejected_chunks += 1
-                    stop = True
-                    continue
-                h.put_one(key, obj)
-                got += 1
+                    obj.unref()
+                    break
                 nbytes += obj.nbytes
-            finally:
-                obj.unref()
+                self.engine.chunks.put(key, obj, num_tokens=chunk.num_tokens)  # (takes over obj's reference)
+                got += 1
+        finally:
+            for obj in objs:
+                if obj is not None:
+                    obj.unref()
         self.stats.fetched_chunks += got
         self.stats.fetched_bytes += nbytes
         self.stats.fetch_seconds += time.perf_counter() - t0
@@ -486,10 +466,8 @@ class P2P:
         url, peer_id = self.resolve(target, namespace)
         h = self.engine.hierarchy
         src = h.tier(tier) if tier is not None else None
-        if src is not None:
-            objs = src.get(list(keys))
-        else:
-            objs = [r[0] if r is not None else None for r in h.get(list(keys))]
+        # passed on as stored: the target's own gateway checks each chunk
+        objs = [r[0] if r is not None else None for r in self.engine.chunks.fetch(keys, tier=tier, prefix=False, raw=True)]
         items: list[tuple[str, MemoryObj]] = []
         missing: list[str] = []
         try:

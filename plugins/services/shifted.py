@@ -230,22 +230,14 @@ class ShiftedReuse:
 
     def fetch(self, matches: Sequence[Match]) -> list[Any]:
         """The KV ``(layers, 2, tokens, heads, head_size)`` of each match (a copy), or
-        ``None`` where its chunk is gone or is not of this engine's shape."""
+        ``None`` where its chunk is gone or is not a whole chunk of this engine's shape and
+        dtype (then dropped as corrupt, see :meth:`lmcache.chunks.ChunkGateway.fetch`)."""
         if not matches:
             return []
-        spec = self.engine.kv_spec
-        got = self.engine.hierarchy.get([m.key for m in matches])
-        out = []
-        for m, r in zip(matches, got):
-            if r is None:
-                out.append(None)
-                continue
-            obj, _tier = r
-            try:
-                ok = spec is not None and tuple(obj.shape) == tuple(spec.chunk_shape(self.chunk_size))
-                out.append(obj.tensor[:, :, m.offset : m.offset + m.length].clone() if ok else None)
-            finally:
-                obj.unref()
+        keys = [m.key for m in matches]
+        with self.engine.chunks.read(keys, sizes=[self.chunk_size] * len(keys), prefix=False) as got:
+            out = [r[0].tensor[:, :, m.offset : m.offset + m.length].clone() if r is not None else None
+                   for m, r in zip(matches, got)]
         n = sum(x is not None for x in out)
         self.matched_chunks += n
         self.missing_chunks += len(out) - n
@@ -255,22 +247,18 @@ class ShiftedReuse:
     def store_shifted(self, tokens: Any, kv: Any, first_chunk: int) -> int:
         """Store the chunks of ``tokens`` from chunk ``first_chunk`` on, whose KV was built
         on reused chunks, under their shifted keys (never the exact ones), and index them
-        by content. Returns the tokens stored."""
-        from lmcache.engine_io import _KV, store_chunks
-
-        spec = self.engine.kv_spec
-        if spec is None:
+        by content. Returns the tokens stored. KV not of this engine's shape and dtype is
+        a :class:`~lmcache.errors.KVShapeError`, nothing stored. The store observers are
+        not told: the tokens' exact KV is not what these keys hold."""
+        if self.engine.kv_spec is None:
             return 0
         chunks, keys = self.engine.chunk_keys(tokens)
         chunks, keys = chunks[first_chunk:], [shifted_key(k) for k in keys[first_chunk:]]
         if not chunks:
             return 0
-        h = self.engine.hierarchy
-        present = h.contains(keys)
-        src = _KV.wrap(kv)
-        res = store_chunks(h, src, spec, chunks, keys, present, None, 1)
+        res = self.engine.chunks.store(keys, kv, chunks=chunks)
         self._remember(as_token_array(tokens), chunks, keys, exact=False)
-        self.stored_chunks += sum(1 for here in present if not here)
+        self.stored_chunks += res.put_chunks
         return res.stored_tokens
 
     def info(self) -> dict[str, Any]:

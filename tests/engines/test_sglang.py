@@ -381,6 +381,8 @@ def test_entry_of_another_shape_is_dropped(sgl, engine):
     assert backend.batch_get_v1([key], dst) == [False]
     assert torch.all(pool.get_data_page(int(dst[0]), flat=False) == 3.0)
     assert not backend.exists(key)
+    assert engine.hierarchy.tiers[0].stats.corrupt == 1  # counted, like the engine's own check
+    assert engine.pool.live == 0  # nothing held after the drop
 
 
 class FlakyDisk(DiskBackend):
