@@ -45,7 +45,18 @@ from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
 from . import disk_dir
-from .file_io import BLOCK, _direct_views, _pread_all, _read_all, _write_all, read_payload
+from .file_io import (
+    BLOCK,
+    PIECE,
+    _direct_views,
+    _NotAFile,
+    _open_entry,
+    _pread_all,
+    _read_all,
+    _write_all,
+    read_payload,
+    write_raw_payload,
+)
 
 log = logging.getLogger(__name__)
 SUFFIX = ".lmc"
@@ -54,33 +65,6 @@ TMP_PREFIX = disk_dir.TMP_PREFIX
 
 def _file_name(key: str) -> str:
     return xxhash.xxh3_128_hexdigest(key.encode()) + SUFFIX
-
-
-class _NotAFile(OSError):
-    """Something other than a regular file where an entry's file should be."""
-
-
-def _open_entry(path: Path | str, extra: int = 0) -> int:
-    """A read descriptor of the regular file at ``path``. Never blocks on a FIFO (opened
-    non-blocking) and never follows a link; ``_NotAFile`` for a directory, FIFO, device,
-    socket or symlink, ``FileNotFoundError`` if nothing is there."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | extra)
-    except IsADirectoryError:
-        raise _NotAFile(f"{path} is a directory") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _NotAFile(f"{path} is a symbolic link") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _NotAFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _unlink_file(path: Path) -> None:
@@ -325,25 +309,34 @@ class DiskBackend(BytesBackend):
                 self._used -= size
 
     def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        total = sum(len(b) for b in buffers)
+        try:  # the payload's own codec: a re-encoded entry (lmcache compress) has another
+            codec = payload.parse_header(buffers[0]).codec
+        except CorruptPayloadError:
+            codec = self.context.codec.name
+        self._commit(key, total, codec, lambda tmp: self._write_file(tmp, buffers, total))
+
+    def _commit(self, key: str, total: int, codec: str, fill: Callable[[Path], None]) -> None:
+        """Store the ``total``-byte entry of ``key`` that ``fill(tmp)`` writes into the
+        new file ``tmp``: the file is renamed into place (and indexed) only once
+        ``fill`` returned; on any error it is removed and nothing changes."""
         final = self._path(key)
         try:
             final.parent.mkdir(exist_ok=True)
         except FileExistsError:  # a file where the 2-hex subdirectory should be
             raise EntryPathError(f"{final.parent} is not a directory; entry {final.name} cannot be written") from None
-        if final.is_dir() or (final.exists() and not final.is_file()):
-            raise EntryPathError(f"{final} is not a regular file; the entry cannot be written there")
-        tmp = final.parent / (self._dir.tmp_name() if self._dir else f"{TMP_PREFIX}{uuid.uuid4().hex}")
-        total = sum(len(b) for b in buffers)
         try:
-            self._write_file(tmp, buffers, total)
+            if not stat.S_ISREG(os.stat(final).st_mode):  # a directory, FIFO, ... (links followed)
+                raise EntryPathError(f"{final} is not a regular file; the entry cannot be written there")
+        except FileNotFoundError:
+            pass
+        tmp = final.parent / (self._dir.tmp_name() if self._dir else f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            fill(tmp)
             self._publish(tmp, final, total)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        try:  # the payload's own codec: a re-encoded entry (lmcache compress) has another
-            codec = payload.parse_header(buffers[0]).codec
-        except CorruptPayloadError:
-            codec = self.context.codec.name
         with self._lock:
             old = self._index.pop(key, None)  # re-inserted last: the newest entry
             self._index[key] = total
@@ -387,6 +380,10 @@ class DiskBackend(BytesBackend):
         return size
 
     def put_one(self, key: str, obj: MemoryObj) -> int:
+        if not self.o_direct and self._streams_raw():
+            size = payload.raw_header_len(key, obj) + obj.nbytes
+            self._commit(key, size, "raw", lambda tmp: self._write_raw(tmp, key, obj))
+            return size
         if not self.o_direct:
             return super().put_one(key, obj)
         # O_DIRECT: the header padded to a block, so that the body (pool memory, page
@@ -394,6 +391,22 @@ class DiskBackend(BytesBackend):
         bufs = payload.encode(key, obj, self.context.codec, header_align=BLOCK)
         self.write(key, bufs)
         return sum(len(b) for b in bufs)
+
+    def _streams_raw(self) -> bool:
+        """Whether a ``raw`` entry is written by :func:`write_raw_payload` (hashed as it
+        is written): with the ``raw`` codec, unless :meth:`_write_file` was replaced (a
+        subclass, or a hook on the instance, that moves bytes another way)."""
+        step = getattr(self._write_file, "__func__", None)
+        return self.context.codec.name == "raw" and step is DiskBackend._write_file
+
+    def _write_raw(self, tmp: Path, key: str, obj: MemoryObj) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_raw_payload(fd, key, obj)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write_file(self, tmp: Path, buffers: Sequence[bytes | memoryview], total: int) -> None:
         """Create ``tmp`` exclusively and fill it with the ``total`` bytes of ``buffers``.
@@ -444,6 +457,9 @@ class DiskBackend(BytesBackend):
 
     #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get`)
     streams_gets = True
+    #: ``put_one`` may run on several threads at once for distinct keys (the
+    #: hierarchy's writer then writes queued chunks together, see its ``WRITE_BATCH``)
+    parallel_puts = True
 
     def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
         """Read the files of ``keys`` on the I/O threads; ``on_ready(i, obj)`` is called
@@ -539,7 +555,8 @@ class DiskBackend(BytesBackend):
                 data = memoryview(buf)[:n]
                 return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
             ctx = self.context
-            return read_payload(lambda dst, off: _pread_all(fd, dst, off), size, key, ctx.codec_lookup, ctx.allocate)
+            return read_payload(lambda dst, off: _pread_all(fd, dst, off), size, key, ctx.codec_lookup, ctx.allocate,
+                                piece=PIECE)
         finally:
             os.close(fd)
 

@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 #: the longest the lower-tier writer holds a write back while stores copy (see
 #: :meth:`StorageHierarchy.storing`): a bound, so that no chain of stores starves it
 WRITER_YIELD_MAX = 0.25
+#: queued writes the writer takes at once; those for distinct keys of a tier whose
+#: backend says ``parallel_puts`` go out together on this many threads (as many as
+#: LMCache's disk workers: a file write is a kernel copy that another core can overlap)
+WRITE_BATCH = 4
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -131,6 +135,8 @@ class StorageHierarchy:
         self._stores_cv = threading.Condition(threading.Lock())
         self._stores_need_memory = False  # the writer's queued objects may free pool memory
         self._yield_backlog = max(1, config.write_queue_size // 2)
+        self._local = threading.local()  # .writer: a thread of the writer's batches
+        self._batch_pool = None  # the threads of parallel writes, made on first use
         self._worker = threading.Thread(target=self._run_writes, name="lmcache-tier-writer", daemon=True)
         self._worker.start()
 
@@ -297,7 +303,7 @@ class StorageHierarchy:
 
     def _demoter(self, target: int) -> Callable[[str, MemoryObj], None]:
         def demote(key: str, obj: MemoryObj) -> None:
-            if threading.current_thread() is self._worker:
+            if threading.current_thread() is self._worker or getattr(self._local, "writer", False):
                 # already off the engine's path: write down the chain directly
                 try:
                     self.tiers[target].put_one(key, obj)
@@ -415,13 +421,62 @@ class StorageHierarchy:
                 if isinstance(w, _Write):
                     if self._stores and not self._stores_need_memory:
                         self._yield_to_stores()
-                    self._write(w)  # done or parked: flush() waits for the queue, not for a tier's outage
+                    more = self._take_more()
+                    try:  # done or parked: flush() waits for the queue, not for a tier's outage
+                        self._write_batch([w, *(x for x in more if isinstance(x, _Write))])
+                    finally:
+                        for _ in more:
+                            self._queue.task_done()
+                    if more and more[-1] is None:
+                        return
                 self._retry()
             except Exception:  # never let the writer die
                 log.exception("lmcache tier writer: unexpected error")
             finally:
                 if got:
                     self._queue.task_done()
+
+    def _take_more(self) -> list[object]:
+        """Up to ``WRITE_BATCH - 1`` more queued items, without waiting; the last may be
+        a wake-up or the stop sentinel (the caller acts on it after the batch)."""
+        more: list[object] = []
+        while len(more) < WRITE_BATCH - 1:
+            try:
+                more.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+            if not isinstance(more[-1], _Write):
+                break
+        return more
+
+    def _write_batch(self, writes: list[_Write]) -> None:
+        """Write ``writes``: those for distinct keys of tiers whose backend takes
+        ``put_one`` from several threads at once (``parallel_puts``, e.g. the disk
+        backend) together, the others one by one in queue order."""
+        seen: set[tuple[int, str]] = set()
+        together, alone = [], []
+        for w in writes:
+            fast = getattr(self.tiers[w.tier].backend, "parallel_puts", False) and (w.tier, w.key) not in seen
+            (together if fast else alone).append(w)
+            seen.add((w.tier, w.key))
+        if len(together) > 1:
+            if self._batch_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._batch_pool = ThreadPoolExecutor(WRITE_BATCH, thread_name_prefix="lmcache-tier-writer",
+                                                      initializer=lambda: setattr(self._local, "writer", True))
+            for f in [self._batch_pool.submit(self._write_logged, w) for w in together]:
+                f.result()
+        else:
+            alone = together + alone
+        for w in alone:
+            self._write_logged(w)
+
+    def _write_logged(self, w: _Write) -> None:
+        try:
+            self._write(w)
+        except Exception:  # never let the writer die; the batch's other writes still go out
+            log.exception("lmcache tier writer: unexpected error")
 
     def _write(self, w: _Write) -> None:
         """Write ``w`` into its tier; if the tier is in backoff (or this write put it
@@ -574,6 +629,8 @@ class StorageHierarchy:
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
+        if self._batch_pool is not None:
+            self._batch_pool.shutdown(wait=True)
         self._retry()  # a last try of what waits for a tier; the rest is dropped, counted
         while self._parked:
             self._drop(self._parked.popleft(), "the engine closed")

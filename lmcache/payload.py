@@ -34,6 +34,8 @@ PREFIX_SIZE = _PREFIX.size  # 18
 MAX_HEADER = 64 << 10
 # enough to read the whole header of any payload in one small read
 HEADER_READ_HINT = 4096
+#: decimal digits of the largest xxh3-64 value (a header is sized before its body is hashed)
+_MAX_HASH_DIGITS = 20
 
 
 @dataclass(frozen=True)
@@ -70,22 +72,44 @@ def encode(key: str, obj: MemoryObj, codec: Codec, header_align: int | None = No
     else:
         body = codec.encode(memoryview(obj.byte_view().numpy()).cast("B"))
     body_mv = memoryview(body).cast("B") if not isinstance(body, memoryview) else body
-    hdr = json.dumps(
+    hdr = _header_json(key, codec.name, obj, len(body_mv), xxhash.xxh3_64_intdigest(body_mv))
+    if header_align:
+        hdr += b" " * ((-(PREFIX_SIZE + len(hdr))) % header_align)
+    return [_prefixed(hdr), body_mv]
+
+
+def _header_json(key: str, codec: str, obj: MemoryObj, body_len: int, body_xxh3: int) -> bytes:
+    return json.dumps(
         {
             "key": key,
-            "codec": codec.name,
+            "codec": codec,
             "dtype": dtype_name(obj.dtype),
             "shape": list(obj.shape),
             "nbytes": obj.nbytes,
-            "body_len": len(body_mv),
-            "body_xxh3": xxhash.xxh3_64_intdigest(body_mv),
+            "body_len": body_len,
+            "body_xxh3": body_xxh3,
         },
         separators=(",", ":"),
     ).encode()
-    if header_align:
-        hdr += b" " * ((-(PREFIX_SIZE + len(hdr))) % header_align)
-    prefix = _PREFIX.pack(MAGIC, VERSION, len(hdr), xxhash.xxh3_64_intdigest(hdr))
-    return [prefix + hdr, body_mv]
+
+
+def _prefixed(hdr: bytes) -> bytes:
+    return _PREFIX.pack(MAGIC, VERSION, len(hdr), xxhash.xxh3_64_intdigest(hdr)) + hdr
+
+
+def raw_header_len(key: str, obj: MemoryObj) -> int:
+    """The length of :func:`raw_header` for ``key`` and ``obj``, whatever the checksum:
+    known before the body is hashed, so that a writer can put the body in place first,
+    hashing it as it goes, and the header in front of it last."""
+    return PREFIX_SIZE + len(_header_json(key, "raw", obj, obj.nbytes, 0)) + _MAX_HASH_DIGITS - 1
+
+
+def raw_header(key: str, obj: MemoryObj, body_xxh3: int) -> bytes:
+    """The prefix and header of ``obj``'s ``raw`` payload (the body is its bytes as they
+    are) whose body hashes to ``body_xxh3``; exactly :func:`raw_header_len` bytes (the
+    JSON padded with spaces, which every reader skips, as ``header_align`` does)."""
+    hdr = _header_json(key, "raw", obj, obj.nbytes, body_xxh3)
+    return _prefixed(hdr + b" " * (raw_header_len(key, obj) - PREFIX_SIZE - len(hdr)))
 
 
 def parse_header(data: bytes | memoryview) -> Header:

@@ -1,0 +1,141 @@
+"""The disk tier's I/O paths: a ``raw`` entry hashed as it is written and as it is read
+(1 MiB at a time, from the CPU's cache), with every check of the payload kept; and the
+write-behind writing queued chunks for a disk tier on several threads at once."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache import payload
+from lmcache.backends.disk import DiskBackend
+from lmcache.backends.file_io import PIECE
+from lmcache.config import load_config
+from lmcache.hierarchy import WRITE_BATCH, StorageHierarchy
+from lmcache.hookspecs import hookimpl
+from lmcache.memory import MemoryPool
+from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
+from lmcache.storage import BackendContext
+from lmcache.testing import make_key
+
+REGS = get_registries()
+SHAPE = (8, 2, 256, 3, 64)  # 3 MiB of float32: the body spans several pieces
+NBYTES = 8 * 2 * 256 * 3 * 64 * 4
+
+
+def _disk(path: Path, **opts) -> DiskBackend:
+    ctx = BackendContext.standalone({"path": str(path), **opts}, codec=REGS.codecs.load("raw")())
+    return REGS.backends.load("disk")(ctx)
+
+
+def _obj(pool: MemoryPool, seed: int):
+    o = pool.allocate(SHAPE, torch.float32)
+    o.tensor.view(torch.int32).copy_(torch.randint(-(2**31), 2**31 - 1, SHAPE, dtype=torch.int32,
+                                                    generator=torch.Generator().manual_seed(seed)))
+    return o
+
+
+def _entry(root: Path) -> Path:
+    (f,) = [p for p in root.rglob("*.lmc")]
+    return f
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_raw_entry_is_the_payload_encode_describes_hashed_while_written(tmp_path, fsync):
+    assert NBYTES > 2 * PIECE
+    d = _disk(tmp_path, fsync=fsync)
+    pool = MemoryPool(4 * NBYTES)
+    o, k = _obj(pool, 1), make_key(1)
+    size = d.put_one(k, o)
+    data = _entry(tmp_path).read_bytes()
+    # exactly the announced size; a header of known length whatever the checksum
+    assert size == len(data) == payload.raw_header_len(k, o) + NBYTES
+    h = payload.parse_header(data)
+    enc = payload.parse_header(payload.encode(k, o, REGS.codecs.load("raw")())[0])
+    assert (h.key, h.codec, h.shape, h.body_len, h.body_xxh3) == (k, "raw", SHAPE, NBYTES, enc.body_xxh3)
+    got = payload.decode(data, k, lambda name: REGS.codecs.load(name)(), pool.allocate)  # any reader reads it
+    assert torch.equal(got.tensor.view(torch.int32), o.tensor.view(torch.int32))
+    back = d.get_one(k)
+    assert torch.equal(back.tensor.view(torch.int32), o.tensor.view(torch.int32))
+    for x in (got, back, o):
+        x.unref()
+    d.close()
+
+
+@pytest.mark.parametrize("damage", ["flip in the last piece", "flip in the first piece", "torn body"])
+def test_a_damaged_raw_entry_read_in_pieces_is_a_miss_and_removed(tmp_path, damage):
+    d = _disk(tmp_path)
+    pool = MemoryPool(4 * NBYTES)
+    o, k = _obj(pool, 2), make_key(2)
+    d.put_one(k, o)
+    f = _entry(tmp_path)
+    raw = bytearray(f.read_bytes())
+    if damage == "torn body":
+        raw = raw[: len(raw) - PIECE - 7]
+    else:
+        raw[-5 if "last" in damage else payload.raw_header_len(k, o) + 3] ^= 0x40
+    f.write_bytes(bytes(raw))
+    free = pool.free_bytes
+    assert d.get_one(k) is None and not f.exists() and d.integrity.corrupt == 1
+    assert pool.free_bytes == free  # the memory it was read into went back to the pool
+    o.unref()
+    d.close()
+
+
+class _Rendezvous(DiskBackend):
+    """A real disk backend whose ``put_one`` notes how many run at once: each waits a
+    little for a second one to start, so that writes handed out together overlap."""
+
+    OPTIONS = {**DiskBackend.OPTIONS}
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    two = threading.Event()
+
+    def put_one(self, key, obj):
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+            if cls.running >= 2:
+                cls.two.set()
+        try:
+            cls.two.wait(2.0)
+            return super().put_one(key, obj)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+
+class _Plugin:
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("rendezvous-disk", _Rendezvous)
+
+
+def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_Plugin(), name="tests")
+    cfg = load_config({"write_policy": "write-through", "tiers": [
+        {"backend": "cpu", "capacity": 8 * NBYTES},
+        {"backend": "rendezvous-disk", "path": str(tmp_path / "d"), "capacity": 8 * (NBYTES + 4096)}]}, environ={})
+    pool = MemoryPool(cfg.pool_size)
+    h = StorageHierarchy(cfg, pool, Registries(pm))
+    try:
+        objs = [_obj(pool, i) for i in range(WRITE_BATCH)]
+        with h.storing():  # the writer holds back while a store copies: the writes queue up
+            for i, o in enumerate(objs):
+                h.put_one(make_key(i), o)
+        h.flush()
+        assert _Rendezvous.most >= 2  # before: one write at a time (most == 1)
+        assert h.tiers[1].usage().entries == WRITE_BATCH and h.stats.dropped_writes == 0
+        for i, o in enumerate(objs):  # each chunk on disk, exact
+            back = h.tiers[1].backend.get_one(make_key(i))
+            assert torch.equal(back.tensor.view(torch.int32), o.tensor.view(torch.int32))
+            back.unref()
+            o.unref()
+    finally:
+        h.close()
