@@ -456,7 +456,7 @@ class StorageHierarchy:
         seen: set[tuple[int, str]] = set()
         together, alone = [], []
         for w in writes:
-            fast = getattr(self.tiers[w.tier].backend, "parallel_puts", False) and (w.tier, w.key) not in seen
+            fast = self.tiers[w.tier].backend.parallel_puts and (w.tier, w.key) not in seen
             (together if fast else alone).append(w)
             seen.add((w.tier, w.key))
         if len(together) > 1:

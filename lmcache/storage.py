@@ -163,6 +163,10 @@ class StorageBackend:
     #: passes its ``on_ready`` and the engine copies each chunk out as it arrives. False:
     #: the tier calls ``get(keys)`` without it and hands the results over after it returns.
     streams_gets: ClassVar[bool] = False
+    #: True if ``put_one`` may run on several threads at once for distinct keys (the
+    #: disk backend): the hierarchy's writer then writes queued chunks for this tier
+    #: together (``lmcache.hierarchy.WRITE_BATCH``). False: one at a time, in order.
+    parallel_puts: ClassVar[bool] = False
     #: The backend's payload check failures (:class:`IntegrityStats`, counted in the tier's
     #: ``corrupt``); ``None`` for a backend that stores no payload bytes (cpu).
     integrity: IntegrityStats | None = None
