@@ -465,12 +465,40 @@ class StorageHierarchy:
 
                 self._batch_pool = ThreadPoolExecutor(WRITE_BATCH, thread_name_prefix="lmcache-tier-writer",
                                                       initializer=lambda: setattr(self._local, "writer", True))
-            for f in [self._batch_pool.submit(self._write_logged, w) for w in together]:
-                f.result()
+            # each write's admits and evictions are held on its thread and told after the
+            # batch in queue order: a KV-event consumer hears a chunk after its parent
+            for f in [self._batch_pool.submit(self._write_held, w) for w in together]:
+                self._tell_all(f.result())
         else:
             alone = together + alone
         for w in alone:
             self._write_logged(w)
+
+    def _write_held(self, w: _Write) -> list[tuple[str, str, str]]:
+        """:meth:`_write_logged` on a batch thread; the listener calls it caused, in order."""
+        self._local.held = held = []
+        try:
+            self._write_logged(w)
+        finally:
+            self._local.held = None
+        return held
+
+    def _tell(self, op: str, tier: str, key: str) -> None:
+        """The ledgers' one listener: the listeners now, or held for the batch's order."""
+        held = getattr(self._local, "held", None)
+        if held is not None:
+            held.append((op, tier, key))
+            return
+        for f in self._listeners:
+            f(op, tier, key)
+
+    def _tell_all(self, events: list[tuple[str, str, str]]) -> None:
+        for op, tier, key in events:
+            for f in self._listeners:
+                try:
+                    f(op, tier, key)
+                except Exception:  # a listener's error must not stop the writer
+                    log.exception("lmcache tier writer: a tier listener failed")
 
     def _write_logged(self, w: _Write) -> None:
         try:
@@ -614,7 +642,7 @@ class StorageHierarchy:
     def _set_listeners(self, listeners: tuple[Listener, ...]) -> None:
         self._listeners = listeners
         for t in self.tiers:
-            t.ledger.listeners = listeners
+            t.ledger.listeners = (self._tell,) if listeners else ()
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

@@ -5,6 +5,7 @@ write-behind writing queued chunks for a disk tier on several threads at once.""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,7 @@ class _Rendezvous(DiskBackend):
     running = 0
     most = 0
     two = threading.Event()
+    slow_key: str | None = None  # its write ends last (after the rendezvous)
 
     def put_one(self, key, obj):
         cls = type(self)
@@ -104,6 +106,8 @@ class _Rendezvous(DiskBackend):
                 cls.two.set()
         try:
             cls.two.wait(2.0)
+            if key == cls.slow_key:
+                time.sleep(0.3)
             return super().put_one(key, obj)
         finally:
             with cls.lock:
@@ -124,6 +128,9 @@ def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
         {"backend": "rendezvous-disk", "path": str(tmp_path / "d"), "capacity": 8 * (NBYTES + 4096)}]}, environ={})
     pool = MemoryPool(cfg.pool_size)
     h = StorageHierarchy(cfg, pool, Registries(pm))
+    heard: list[tuple[str, str, str]] = []
+    h.add_listener(lambda *event: heard.append(event))
+    _Rendezvous.slow_key = make_key(0)
     try:
         objs = [_obj(pool, i) for i in range(WRITE_BATCH)]
         with h.storing():  # the writer holds back while a store copies: the writes queue up
@@ -132,6 +139,10 @@ def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
         h.flush()
         assert _Rendezvous.most >= 2  # before: one write at a time (most == 1)
         assert h.tiers[1].usage().entries == WRITE_BATCH and h.stats.dropped_writes == 0
+        # the disk tier's admits are told in queue order, the slow first write's too (a
+        # KV-event consumer hears a chunk after its parent); before: chunk 0 came last
+        disk = h.tiers[1].name
+        assert [k for op, t, k in heard if t == disk and op == "admit"] == [make_key(i) for i in range(WRITE_BATCH)]
         for i, o in enumerate(objs):  # each chunk on disk, exact
             back = h.tiers[1].backend.get_one(make_key(i))
             assert torch.equal(back.tensor.view(torch.int32), o.tensor.view(torch.int32))
