@@ -189,14 +189,15 @@ class ChunkGateway:
     # ------------------------------------------------------------ reads
     def fetch(self, keys: Sequence[str], *, sizes: Sequence[int] | None = None, prefix: bool = True,
               on_ready: Callable[[int, MemoryObj], None] | None = None, tier: str | None = None,
-              raw: bool = False) -> list[Hit | None]:
+              raw: bool = False, pin: bool = True) -> list[Hit | None]:
         """The objects of ``keys`` (pinned while read) and their tiers, one reference each
         for the caller (or use :meth:`read`). Each is checked as a chunk of ``sizes[j]``
         tokens (default: any count up to ``chunk_size``); one that fails is corrupt:
         removed from its tier, counted in its ``stats.corrupt``, never promoted, a miss.
         ``prefix``: the result ends before the first miss (else ``None`` per miss).
         ``tier``: that tier alone. ``raw``: unchecked (passed on to a peer, whose own
-        gateway checks them). ``on_ready``: see :meth:`lmcache.tier.Tier.get`."""
+        gateway checks them). ``on_ready``: see :meth:`lmcache.tier.Tier.get`. ``pin=False``:
+        the caller's lookup leases keep the keys from eviction (no pins taken here)."""
         keys = list(keys)
         if not raw and self.layout() is None:
             return [] if prefix else [None] * len(keys)
@@ -204,7 +205,7 @@ class ChunkGateway:
         def fits(j: int, obj: MemoryObj) -> bool:
             return raw or self.fits(obj, sizes[j] if sizes is not None else None)
 
-        with self.hierarchy.pinned(keys):
+        with self.hierarchy.pinned(keys) if pin else contextlib.nullcontext():
             if tier is not None:
                 t = self.hierarchy.tier(tier)
                 results: list[Hit | None] = [(o, t) if o is not None else None for o in t.get(keys, on_ready)]

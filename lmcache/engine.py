@@ -26,6 +26,7 @@ from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseR
     _KV, KVGather, LayerwiseRetrieval, RetrieveResult, StoreResult, _check_out, _check_out_dtype, _default_instance_id, _fits,
     spec_in_tiers, store_chunks,
 )
+from .chunks import ChunkGateway
 from .hierarchy import StorageHierarchy
 from .keys import Chunk, KeyExtra, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
@@ -74,6 +75,8 @@ class CacheEngine:
         self.store_observers: list[Callable[[Any, list[Chunk], list[str]], None]] = []
         #: the started services by registered name (:mod:`lmcache.services`), closed in reverse
         self.services: dict[str, Any] = {}
+        #: the one check and fetch of chunks (:mod:`lmcache.chunks`), shared with the services
+        self.chunks = ChunkGateway.of(self)
         self._stack = contextlib.ExitStack()
         self._stack.callback(self.pool.close)  # unwound last: the memory goes back at close
         self._stack.callback(self.hierarchy.close)
@@ -333,8 +336,7 @@ class CacheEngine:
                         out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
                     copied.add(j)
         try:
-            with contextlib.nullcontext() if leased else self.hierarchy.pinned(keys):
-                got = self._fetch(chunks, keys, spec, on_ready)
+            got = self._fetch(chunks, keys, on_ready, pin=not leased)
             n = got[-1][0].end if got else 0
             if into is not None:
                 for j, (chunk, obj, _) in enumerate(got):
@@ -381,8 +383,7 @@ class CacheEngine:
         spec = self.kv_spec
         _check_out_dtype(out, spec)
         chunks, keys = self._to_read(tokens, extra)
-        with self.hierarchy.pinned(keys):
-            got = self._fetch(chunks, keys, spec)
+        got = self._fetch(chunks, keys)
         n = got[-1][0].end if got else 0
         try:
             if n:
@@ -393,37 +394,13 @@ class CacheEngine:
             raise
         return LayerwiseRetrieval(got, n, out, spec.num_layers, None, timeout)
 
-    def _fetch(self, chunks: list[Chunk], keys: list[str], spec: KVSpec,
-               on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[tuple[Chunk, MemoryObj, Tier]]:
-        """Chunk objects of the longest cached prefix (the caller owns one reference each)."""
-        got: list[tuple[Chunk, MemoryObj, Tier]] = []
-
-        def fits(j: int, obj: MemoryObj) -> bool:
-            return obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype
-
-        # one batch per tier (pipelines for remote stores); a hit of the wrong shape is
-        # never promoted into the tiers above (then dropped below)
-        results = self.hierarchy.get(keys, on_ready, accept=fits)
-        try:
-            for j, (chunk, key, r) in enumerate(zip(chunks, keys, results)):
-                if r is None:
-                    break
-                obj, tier = r
-                if not fits(j, obj):
-                    log.error("tier %s returned %s for %s; dropping it", tier.name, obj, key)
-                    tier.stats.corrupt += 1
-                    tier.remove([key])
-                    break
-                got.append((chunk, obj, tier))
-        except BaseException:
-            for _, obj, _ in got:
-                obj.unref()
-            raise
-        finally:
-            for r in results[len(got):]:  # past the cached prefix, or dropped
-                if r is not None:
-                    r[0].unref()
-        return got
+    def _fetch(self, chunks: list[Chunk], keys: list[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
+               *, pin: bool = True) -> list[tuple[Chunk, MemoryObj, Tier]]:
+        """Chunk objects of the longest cached prefix (the caller owns one reference each),
+        through the chunk gateway: one batch per tier, each checked against the kv spec (a
+        wrong one is dropped from its tier, counted corrupt, never promoted)."""
+        hits = self.chunks.fetch(keys, sizes=[c.num_tokens for c in chunks], on_ready=on_ready, pin=pin)
+        return [(c, obj, tier) for c, (obj, tier) in zip(chunks, hits)]  # (a prefix: no None)
 
     def _to_read(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
         """The chunks and keys a retrieve reads: observers hear them (promotions are
