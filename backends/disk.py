@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import xxhash
 
@@ -82,8 +82,8 @@ class DiskBackend(BytesBackend):
     CLAIM_BACKEND = "disk"
 
     @classmethod
-    def check_options(cls, options):
-        opts = super().check_options(options)
+    def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
+        opts = super().check_options(options, capacity)
         path = opts["path"]
         if not path or not isinstance(path, (str, os.PathLike)):
             raise ConfigError("path", "the disk backend needs a directory, e.g. path: /var/cache/lmcache")

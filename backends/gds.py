@@ -80,8 +80,7 @@ class GDSBackend(DiskBackend):
             opts["path"] = from_url
         elif path is None:
             raise ConfigError("url", "the gds backend needs a directory, e.g. url: gds:///mnt/nvme/lmcache")
-        # DiskBackend.check_options still takes options only; pass capacity once it takes it
-        opts = super().check_options(opts)
+        opts = super().check_options(opts, capacity)
         use = opts["use_kvikio"]
         if isinstance(use, str):
             use = {"auto": "auto", "true": True, "false": False}.get(use.lower(), use)

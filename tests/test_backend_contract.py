@@ -134,10 +134,9 @@ def test_check_options_with_the_old_one_argument_signature_is_deprecated(regs):
         check_tier(0, cfg.tiers[0], registries=regs)
 
 
-@pytest.mark.parametrize("name", ["cpu", "redis", "valkey", "s3", "fs", "gds", "mooncake", "lm"])
+@pytest.mark.parametrize("name", ["cpu", "disk", "redis", "valkey", "s3", "fs", "gds", "mooncake", "lm"])
 def test_builtin_backends_take_options_and_capacity(name):
-    """The fixed signature: no builtin backend warns (``disk`` follows once its module
-    is edited; see docs/plugins.md)."""
+    """The fixed signature: no builtin backend warns (see docs/plugins.md)."""
     regs = Registries(create_plugin_manager(autoload=False))
     cls = regs.backends.load(name)
     with warnings.catch_warnings():
