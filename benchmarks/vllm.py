@@ -30,7 +30,10 @@ output is compared with the first mode's.
 Reported per mode: TTFT p50/p90 per round (at the client, streamed), total time, prompt
 tokens served by vLLM's prefix cache and by the connector (vLLM's own counters), and the
 goal ratios: a lower-tier hit in a live engine against vLLM's own prefix-cache hit of a
-prompt of the same length, and against a full prefill (both measured in this run).
+prompt of the same length, and against a full prefill (both measured in this run); and the
+extra time of the probe's tier hit over its prefix-cache hit (the median of the pairs)
+against one ``memcpy`` of the probe's KV bytes, measured in this process with the servers'
+thread count (the physical floor of a hit that copies the KV once).
 """
 
 from __future__ import annotations
@@ -253,7 +256,29 @@ def _why(log: Path) -> str:
 
 
 # --------------------------------------------------------------------------- report
-def summarize(results: list[ModeResult], reference: str) -> dict[str, Any]:
+def kv_bytes_per_token(model: Path) -> int:
+    """KV bytes per token of a checkpoint (keys and values of every layer, its dtype)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), 4)
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head * width
+
+
+def copy_seconds(nbytes: int, threads: int, repeats: int = 7) -> float:
+    """One host ``memcpy`` of ``nbytes`` with ``threads`` torch threads: the best of ``repeats``."""
+    import torch
+
+    from .harness import GB, memcpy_gbps
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return nbytes / (memcpy_gbps(nbytes, repeats) * GB)
+    finally:
+        torch.set_num_threads(before)
+
+
+def summarize(results: list[ModeResult], reference: str, memcpy_s: float | None = None) -> dict[str, Any]:
     ref = next((r for r in results if r.mode == reference and r.ok), None)
     modes = []
     for r in results:
@@ -293,6 +318,9 @@ def summarize(results: list[ModeResult], reference: str) -> dict[str, Any]:
             pairs = [t / h for t, h in zip(r.ttft.get("pair-tier", []), r.ttft.get("pair-hit", [])) if h]
             goals[row["mode"]]["pairs"] = len(pairs)
             goals[row["mode"]]["pair_tier_vs_hit_p50"] = _pct(pairs, 0.5)
+            extra = _pct([t - h for t, h in zip(r.ttft.get("pair-tier", []), r.ttft.get("pair-hit", []))], 0.5)
+            goals[row["mode"]]["pair_extra_s_p50"] = extra
+            goals[row["mode"]]["pair_extra_vs_memcpy"] = extra / memcpy_s if extra is not None and memcpy_s else None
         data["ratios"] = goals
     return data
 
@@ -333,7 +361,12 @@ def print_table(data: dict[str, Any]) -> None:
             say(f"  {mode:<18} later rounds: {_f(g['later_rounds_vs_vllm_prefix_hit'], '.2f')}x vLLM's prefix-cache hit, "
                 f"{_f(g['later_rounds_vs_full_prefill'], '.2f')}x the full prefill; the probe from the tier, same server: "
                 f"{_f(g['probe_tier_vs_probe_hit'], '.2f')}x its prefix-cache hit, {_f(g['probe_tier_vs_probe_cold'], '.3f')}x its prefill"
-                + (f"; over {g['pairs']} pairs, median {_f(g['pair_tier_vs_hit_p50'], '.2f')}x" if g.get("pairs") else ""))
+                + (f"; over {g['pairs']} pairs, median {_f(g['pair_tier_vs_hit_p50'], '.2f')}x, "
+                   f"{_f(g.get('pair_extra_s_p50'))} s more = {_f(g.get('pair_extra_vs_memcpy'), '.2f')}x one memcpy of its KV"
+                   if g.get("pairs") else ""))
+        if data.get("probe_kv_bytes"):
+            say(f"probe: {data['probe_tokens']} tokens, {data['probe_kv_bytes'] / 1e6:.1f} MB of KV; one memcpy of it "
+                f"{_f(data['memcpy_s'], '.4f')} s ({data['threads']} threads)")
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -410,7 +443,11 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
     finally:
         if redis_cm is not None:
             redis_cm.__exit__(None, None, None)
-    data = summarize(results, modes[0])
+    probe_tokens = len(tok(probe[2])["input_ids"])
+    probe_kv = probe_tokens * kv_bytes_per_token(model)
+    memcpy_s = copy_seconds(probe_kv, threads)
+    data = summarize(results, modes[0], memcpy_s)
+    data.update({"probe_tokens": probe_tokens, "probe_kv_bytes": probe_kv, "memcpy_s": memcpy_s})
     data["vllm_version"] = None
     import subprocess
 

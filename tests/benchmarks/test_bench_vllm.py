@@ -50,4 +50,7 @@ def test_bench_vllm_quick_json(tmp_path):
     assert set(data["ratios"]) == {"vllm", "lmcache-cpu"}
     assert data["ratios"]["lmcache-cpu"]["probe_tier_vs_probe_hit"] > 0
     assert data["ratios"]["lmcache-cpu"]["pairs"] == 1 and data["ratios"]["lmcache-cpu"]["pair_tier_vs_hit_p50"] > 0
+    # the extra time of a tier hit against one memcpy of the probe's KV, measured in the run
+    assert data["probe_kv_bytes"] == data["probe_tokens"] * 30 * 2 * 3 * 64 * 4 and data["memcpy_s"] > 0
+    assert data["ratios"]["lmcache-cpu"]["pair_extra_vs_memcpy"] is not None
     assert data["full_prefill_ttft_p50"] > 0 and data["vllm_prefix_hit_ttft"] > 0
