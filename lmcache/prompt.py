@@ -21,12 +21,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .keys import Chunk, KeyExtra, TokenProcessor, as_token_array
 
 #: prompts an engine remembers, and the tokens they may hold together (int64: 8 B each)
-MEMO_PROMPTS = 128
-MEMO_TOKENS = 1 << 21
+MEMO_PROMPTS = 64
+MEMO_TOKENS = 1 << 18
 
 
 class Prompt:
@@ -129,7 +130,7 @@ class PromptMemo:
         self.processor = processor
         self.max_prompts = max_prompts
         self.max_tokens = max_tokens
-        self._items: OrderedDict[tuple[str, bytes, bytes], Prompt] = OrderedDict()
+        self._items: OrderedDict[tuple[str, bytes, int, bytes], Prompt] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
         #: prompts built (their tokens hashed) and prompts found again
@@ -148,14 +149,14 @@ class PromptMemo:
         key = self._key(prefix, extra, arr)
         with self._lock:
             found = self._items.get(key)
-            if found is not None:
+            if found is not None and np.array_equal(found.tokens, arr):  # the digest's match checked in full
                 self._items.move_to_end(key)
                 self.found += 1
                 return found
         prompt = Prompt(self.processor, prefix, arr, extra)
         with self._lock:
             found = self._items.get(key)
-            if found is not None:  # another thread built it meanwhile
+            if found is not None and np.array_equal(found.tokens, arr):  # another thread built it meanwhile
                 return found
             self.built += 1
             self._keep(key, prompt)
@@ -167,15 +168,19 @@ class PromptMemo:
             return
         key = self._key(prompt.prefix, prompt.extra, prompt.tokens)
         with self._lock:
-            if key not in self._items:
-                self._keep(key, prompt)
+            self._keep(key, prompt)
 
     @staticmethod
-    def _key(prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> tuple[str, bytes, bytes]:
-        return prefix, extra.to_bytes() if extra else b"", arr.tobytes()
+    def _key(prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> tuple[str, bytes, int, bytes]:
+        """The memo's key: a 128-bit digest of the tokens (no copy of them); a hit is then
+        compared token by token."""
+        return prefix, extra.to_bytes() if extra else b"", len(arr), xxhash.xxh3_128_digest(memoryview(arr).cast("B"))
 
-    def _keep(self, key: tuple[str, bytes, bytes], prompt: Prompt) -> None:
-        """Add under the lock; the least recently used go beyond the bounds."""
+    def _keep(self, key: tuple[str, bytes, int, bytes], prompt: Prompt) -> None:
+        """Add (or replace) under the lock; the least recently used go beyond the bounds."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._tokens -= len(old.tokens)
         self._items[key] = prompt
         self._tokens += len(prompt.tokens)
         while len(self._items) > self.max_prompts or self._tokens > self.max_tokens:
