@@ -15,7 +15,8 @@ from lmcache import payload
 from lmcache.backends.disk import DiskBackend
 from lmcache.backends.file_io import PIECE
 from lmcache.config import load_config
-from lmcache.hierarchy import WRITE_BATCH, StorageHierarchy
+from lmcache import hierarchy
+from lmcache.hierarchy import StorageHierarchy
 from lmcache.hookspecs import hookimpl
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
@@ -120,7 +121,8 @@ class _Plugin:
         registry.add("rendezvous-disk", _Rendezvous)
 
 
-def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
+def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path, monkeypatch):
+    monkeypatch.setattr(hierarchy, "WRITE_BATCH", 4)  # off by default (see lmcache/hierarchy.py)
     pm = create_plugin_manager(autoload=False)
     pm.register(_Plugin(), name="tests")
     cfg = load_config({"write_policy": "write-through", "tiers": [
@@ -132,17 +134,17 @@ def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
     h.add_listener(lambda *event: heard.append(event))
     _Rendezvous.slow_key = make_key(0)
     try:
-        objs = [_obj(pool, i) for i in range(WRITE_BATCH)]
+        objs = [_obj(pool, i) for i in range(4)]
         with h.storing():  # the writer holds back while a store copies: the writes queue up
             for i, o in enumerate(objs):
                 h.put_one(make_key(i), o)
         h.flush()
         assert _Rendezvous.most >= 2  # before: one write at a time (most == 1)
-        assert h.tiers[1].usage().entries == WRITE_BATCH and h.stats.dropped_writes == 0
+        assert h.tiers[1].usage().entries == 4 and h.stats.dropped_writes == 0
         # the disk tier's admits are told in queue order, the slow first write's too (a
         # KV-event consumer hears a chunk after its parent); before: chunk 0 came last
         disk = h.tiers[1].name
-        assert [k for op, t, k in heard if t == disk and op == "admit"] == [make_key(i) for i in range(WRITE_BATCH)]
+        assert [k for op, t, k in heard if t == disk and op == "admit"] == [make_key(i) for i in range(4)]
         for i, o in enumerate(objs):  # each chunk on disk, exact
             back = h.tiers[1].backend.get_one(make_key(i))
             assert torch.equal(back.tensor.view(torch.int32), o.tensor.view(torch.int32))
