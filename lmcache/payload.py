@@ -72,6 +72,8 @@ def encode(key: str, obj: MemoryObj, codec: Codec, header_align: int | None = No
     else:
         body = codec.encode(memoryview(obj.byte_view().numpy()).cast("B"))
     body_mv = memoryview(body).cast("B") if not isinstance(body, memoryview) else body
+    if codec.name == "raw" and not header_align:  # one size for a raw entry, however written
+        return [raw_header(key, obj, xxhash.xxh3_64_intdigest(body_mv)), body_mv]
     hdr = _header_json(key, codec.name, obj, len(body_mv), xxhash.xxh3_64_intdigest(body_mv))
     if header_align:
         hdr += b" " * ((-(PREFIX_SIZE + len(hdr))) % header_align)
