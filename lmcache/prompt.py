@@ -34,13 +34,12 @@ class Prompt:
     """Tokens, their key extra and their chunk keys, computed as far as asked and kept.
 
     Thread-safe: the lookup service's thread and a worker's load may use one prompt at
-    once. ``tokens`` is a read-only int64 array.
+    once. ``tokens`` is an int64 array (read-only and the prompt's own when remembered).
     """
 
     __slots__ = ("tokens", "extra", "prefix", "stop", "_cs", "_keys", "_batches", "_lock")
 
     def __init__(self, processor: TokenProcessor, prefix: str, tokens: np.ndarray, extra: KeyExtra | None):
-        tokens.flags.writeable = False
         self.tokens = tokens
         self.extra = extra or None
         self.prefix = prefix
@@ -146,6 +145,9 @@ class PromptMemo:
         arr = as_token_array(tokens)
         if len(arr) > self.max_tokens:  # too long to keep: hashed for this call only
             return Prompt(self.processor, prefix, arr, extra)
+        if type(tokens) not in (list, tuple):  # the caller's array or tensor: a kept prompt owns its tokens
+            arr = arr.copy()
+        arr.flags.writeable = False
         key = self._key(prefix, extra, arr)
         with self._lock:
             found = self._items.get(key)
@@ -164,8 +166,8 @@ class PromptMemo:
 
     def put(self, prompt: Prompt) -> None:
         """Remember ``prompt`` (e.g. a :meth:`Prompt.head`), unless one of equal content is."""
-        if len(prompt.tokens) > self.max_tokens:
-            return
+        if len(prompt.tokens) > self.max_tokens or prompt.tokens.flags.writeable:
+            return  # too long, or tokens it does not own (a head of a prompt that was not kept)
         key = self._key(prompt.prefix, prompt.extra, prompt.tokens)
         with self._lock:
             self._keep(key, prompt)

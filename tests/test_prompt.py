@@ -185,3 +185,16 @@ def test_the_retrieve_of_a_lookups_hit_finds_its_keys():
         assert not any(t.is_pinned(k) for t in e.hierarchy.tiers for k in e.prompt(toks).keys)
         p = e.prompt(toks)
         assert p.head(50) is None and p.head(100) is p and p.head(32).keys == p.keys[:2]
+
+
+def test_a_prompt_owns_its_tokens():
+    """A caller's array is neither frozen nor aliased: changing it afterwards never
+    changes what a remembered prompt holds, so its keys stay the keys of its tokens."""
+    tp = TokenProcessor(16)
+    memo = PromptMemo(tp)
+    arr = np.arange(40, dtype=np.int64)
+    p = memo.get(arr, "p:")
+    arr[0] = 99  # the caller's array stays writable
+    assert p.tokens[0] == 0
+    q = memo.get(arr, "p:")
+    assert q is not p and q.keys[0] != p.keys[0] and q.keys == tp.chunk_keys(arr, "p:")[1]
