@@ -1,7 +1,10 @@
 """Built-in storage backends, registered through the same hook as third-party ones.
 
-Their raw-client baselines for ``lmcache bench tiers --backend`` (not part of the backend
-contract) are registered here too, through ``lmcache_register_bench_baselines``.
+Their raw-client baselines for ``lmcache bench tiers --backend`` and the launchers of their
+loopback servers (for tests and the benchmark; neither is part of the backend contract) are
+registered here too, through ``lmcache_register_bench_baselines`` and
+``lmcache_register_store_launchers`` (targets in :mod:`lmcache.testing.stores`, imported only
+when a store is started).
 
 Backends with an optional client library name the extra that installs it: loading one
 without its client fails with ``pip install 'lmcache[<extra>]'``.
@@ -33,3 +36,18 @@ def lmcache_register_backends(registry):
 def lmcache_register_bench_baselines(registry):
     for name in ("redis", "valkey", "s3", "fs", "mooncake", "lm"):
         registry.add(name, f"lmcache.benchmarks.raw_baselines:{name}")
+
+
+@hookimpl
+def lmcache_register_store_launchers(registry):
+    for name, target in (
+        ("redis", "redis:redis_store"),
+        ("redis-cluster", "redis:redis_cluster_store"),
+        ("redis-sentinel", "redis:redis_sentinel_store"),
+        ("valkey", "redis:valkey_store"),
+        ("valkey-cluster", "redis:valkey_cluster_store"),
+        ("s3", "s3:s3_store"),
+        ("mooncake", "mooncake:mooncake_store"),
+        ("lm", "lm:lm_store"),
+    ):
+        registry.add(name, f"lmcache.testing.stores.{target}")

@@ -110,3 +110,21 @@ def lmcache_register_bench_baselines(registry: Registry) -> None:
     part of the backend contract: the engine never calls it. Names are unique across all
     plugins. Returns nothing.
     """
+
+
+@hookspec
+def lmcache_register_store_launchers(registry: Registry) -> None:
+    """Register loopback store launchers: how to start a backend's own server on this
+    machine, for tests (``lmcache.testing.stores.start(name)``, the ``lmcache_store``
+    fixture of lmcache's pytest plugin) and for ``lmcache bench tiers --backend NAME``.
+
+    Called once per plugin manager. ``registry.add(name, "module:function")`` where
+    ``name`` is the backend's registered name (or a variant such as ``redis-cluster``) and
+    the function is a context-manager factory ``function(**kwargs)`` that starts the
+    server(s) on ``127.0.0.1`` (see :class:`lmcache.testing.stores.LocalServer`), yields a
+    running :class:`lmcache.testing.stores.Store` whose ``options`` are the backend options
+    that reach it, and stops everything on exit. A missing server binary raises
+    :class:`lmcache.testing.stores.ServerUnavailable` with a message saying what to install.
+    The target is imported only when that store is started. Not part of the backend
+    contract: the engine never calls it. Names are unique across all plugins. Returns nothing.
+    """

@@ -51,6 +51,7 @@ KINDS = {
     "layout": "lmcache_register_layouts",
     "service": "lmcache_register_services",
     "baseline": "lmcache_register_bench_baselines",
+    "launcher": "lmcache_register_store_launchers",
 }
 
 
@@ -356,6 +357,8 @@ class Registries:
         self.services = Registry("service")
         #: raw-client baselines of ``lmcache bench tiers --backend`` (:mod:`lmcache.benchmarks.raw_baselines`)
         self.baselines = Registry("baseline")
+        #: loopback store launchers of tests and ``lmcache bench tiers`` (:mod:`lmcache.testing.stores`)
+        self.launchers = Registry("launcher")
         by_kind = {
             "backend": self.backends,
             "codec": self.codecs,
@@ -364,6 +367,7 @@ class Registries:
             "layout": self.layouts,
             "service": self.services,
             "baseline": self.baselines,
+            "launcher": self.launchers,
         }
         _check_pending(pm)  # also for plugins registered on ``pm`` by hand
         dropped = getattr(pm, "_lmcache_dropped", set())

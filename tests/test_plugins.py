@@ -185,6 +185,10 @@ class _ThirdParty:
     def lmcache_register_bench_baselines(self, registry):
         registry.add("cpu2", "lmcache.benchmarks.raw_baselines:lm")
 
+    @hookimpl
+    def lmcache_register_store_launchers(self, registry):
+        registry.add("lm2", "lmcache.testing.stores.lm:lm_store")
+
 
 class CountingService:
     """A third-party service: counts the chunks the engine's tiers admit."""
@@ -219,6 +223,7 @@ def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     assert regs.connectors.load("echo") is EchoConnector
     assert regs.layouts.load("thirdparty_hnd") is THIRD_PARTY_LAYOUT
     assert regs.baselines.entry("cpu2").plugin == "thirdparty" and callable(regs.baselines.load("cpu2"))
+    assert regs.launchers.entry("lm2").plugin == "thirdparty" and callable(regs.launchers.load("lm2"))
     assert regs.connectors.entry("echo").plugin == "thirdparty"
     cfg = lmcache.load_config(
         {"chunk_size": 4, "tiers": [{"backend": "cpu2", "capacity": 3 * 4 * 2 * 4 * 4, "codec": "raw2", "policy": "mru"}]}

@@ -7,55 +7,34 @@ import pytest
 import torch
 
 from .conformance import make_key
+from .stores import wait_stopped
 
-
-def wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Wait until every thread of ``pid`` is stopped (after a SIGSTOP).
-
-    ``kill(pid, SIGSTOP)`` wakes one thread of the process, which then stops the others;
-    until it has run, the other threads go on (on a loaded machine, a connection thread of
-    a "stopped" server answered a request: 2 in 200 tries under 6 CPU burners)."""
-    import glob
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
-            try:
-                with open(path) as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):
-                continue  # a thread that exited meanwhile
-        if states and all(s in ("T", "t") for s in states):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} did not stop within {timeout}s (thread states {states})")
-        time.sleep(0.001)
+__all__ = ["assert_hang_times_out", "assert_survives_outage", "wait_stopped"]
 
 
 def assert_hang_times_out(backend, server, match: str) -> None:
-    """A networked backend whose ``server`` (a :class:`lmcache.testing.stores.LocalServer`)
-    hangs (SIGSTOP) fails ``get``/``contains`` with ``BackendError`` matching ``match``
-    within its timeout, and the same backend object serves again once the server
-    continues (key ``make_key(1)`` must be stored first)."""
-    import os
-    import signal
+    """A networked backend whose ``server`` hangs fails fast and recovers.
+
+    ``backend`` is an open backend object, ``server`` the :class:`~lmcache.testing.stores.Store`
+    (or one :class:`~lmcache.testing.stores.LocalServer` of it) it talks to, and key
+    ``make_key(1)`` must be stored in it first. The server is frozen (SIGSTOP); then
+    ``backend.get`` and ``backend.contains`` must each raise ``BackendError`` whose message
+    matches the regular expression ``match`` within the backend's timeout (a 5 s hang
+    guard); the server is thawed (SIGCONT) and the same backend object must find the key
+    again (it reconnects)."""
     import time
 
     from ..errors import BackendError
 
-    pid = server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    server.freeze()
     try:
-        wait_stopped(pid)
         for call in (lambda: backend.get([make_key(1)]), lambda: backend.contains([make_key(1)])):
             t0 = time.monotonic()
             with pytest.raises(BackendError, match=match):
                 call()
             assert time.monotonic() - t0 < 5  # a hang guard, not a performance bound
     finally:
-        os.kill(pid, signal.SIGCONT)
+        server.thaw()
     assert backend.contains([make_key(1)]) == [True]  # the same backend, reconnected
 
 

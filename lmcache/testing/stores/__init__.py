@@ -13,14 +13,18 @@ backend name and returns what the backend needs to reach it::
     with loopback.start("redis") as store:
         backend = RedisBackend(BackendContext.standalone(store.options))
 
-Backend-specific launchers live in this package's modules (``redis``, ``s3``,
-``mooncake``) and are looked up by name in :data:`LAUNCHERS`.
+Launchers are found by name in the plugin registry: the built-in ones (in this package's
+modules ``redis``, ``s3``, ``mooncake``, ``lm``) and any a third-party plugin registers through
+the hook ``lmcache_register_store_launchers``, so a plugin's own server starts here too (and in
+``lmcache bench tiers --backend NAME`` and the ``lmcache_store`` fixture of
+:mod:`lmcache.testing.pytest_plugin`). A :class:`Store`'s servers can be killed (SIGKILL),
+frozen (SIGSTOP: a hung server), thawed and restarted, for fault tests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import glob
 import logging
 import os
 import shutil
@@ -32,24 +36,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from lmcache.errors import LMCacheError
+from lmcache.errors import LMCacheError, UnknownPluginError
+
+if TYPE_CHECKING:
+    from lmcache.plugin_manager import Registries
 
 log = logging.getLogger(__name__)
-
-#: backend name -> "module:function" of a context manager yielding a :class:`Store`
-LAUNCHERS: dict[str, str] = {
-    "redis": "lmcache.testing.stores.redis:redis_store",
-    "redis-cluster": "lmcache.testing.stores.redis:redis_cluster_store",
-    "redis-sentinel": "lmcache.testing.stores.redis:redis_sentinel_store",
-    "valkey": "lmcache.testing.stores.redis:valkey_store",
-    "valkey-cluster": "lmcache.testing.stores.redis:valkey_cluster_store",
-    "s3": "lmcache.testing.stores.s3:s3_store",
-    "mooncake": "lmcache.testing.stores.mooncake:mooncake_store",
-    "lm": "lmcache.testing.stores.lm:lm_store",
-}
-
 
 class ServerUnavailable(LMCacheError):
     """A store's server could not be found, installed or started (the message says which
@@ -66,10 +60,23 @@ class Store:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def kill(self) -> None:
+        """SIGKILL every server (a crash); :meth:`restart` brings them back."""
         for s in self.servers:
             s.kill()
 
+    def freeze(self) -> None:
+        """SIGSTOP every server (a hung store: connections stay open, nothing answers);
+        returns once all their threads are stopped."""
+        for s in self.servers:
+            s.freeze()
+
+    def thaw(self) -> None:
+        """SIGCONT every server: a frozen store answers again, with its data."""
+        for s in self.servers:
+            s.thaw()
+
     def restart(self) -> None:
+        """Start every server again, on the same ports (killed, frozen or running)."""
         for s in self.servers:
             s.restart()
 
@@ -206,12 +213,25 @@ class LocalServer:
         while port_open(self.port) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def freeze(self) -> None:
+        """SIGSTOP the server (and anything it started): it hangs with its connections
+        open. Returns once every thread of the server is stopped."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise ServerUnavailable(f"{self.name} is not running; nothing to freeze")
+        self._signal_group(signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
+
+    def thaw(self) -> None:
+        """SIGCONT the server after :meth:`freeze` (nothing happens to a running one)."""
+        self._signal_group(signal.SIGCONT)
+
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 5 s."""
+        """SIGTERM, then SIGKILL after 5 s (a frozen server is thawed to take the SIGTERM)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -234,18 +254,54 @@ class LocalServer:
         self.close()
 
 
-def launcher(backend: str) -> Callable[..., contextlib.AbstractContextManager[Store]]:
-    try:
-        target = LAUNCHERS[backend]
-    except KeyError:
-        known = ", ".join(sorted(LAUNCHERS))
-        raise ServerUnavailable(f"no loopback launcher for backend {backend!r}; known: {known}") from None
-    module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (after a SIGSTOP).
+
+    ``kill(pid, SIGSTOP)`` wakes one thread of the process, which then stops the others;
+    until it has run, the other threads go on (on a loaded machine, a connection thread of
+    a "stopped" server answered a request: 2 in 200 tries under 6 CPU burners)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(path) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that exited meanwhile
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout}s (thread states {states})")
+        time.sleep(0.001)
+
+
+def launchers(registries: Registries | None = None) -> list[str]:
+    """The names of every registered launcher (built-in and from plugins)."""
+    from lmcache.plugin_manager import get_registries
+
+    return (registries or get_registries()).launchers.names()
+
+
+def launcher(backend: str, registries: Registries | None = None) -> Callable[..., contextlib.AbstractContextManager[Store]]:
+    """The launcher registered as ``backend`` through ``lmcache_register_store_launchers``
+    (``registries``: the process-wide ones unless given); an unknown name is an
+    :class:`~lmcache.errors.UnknownPluginError` listing the known launchers."""
+    from lmcache.plugin_manager import get_registries
+
+    regs = registries or get_registries()
+    if backend not in regs.launchers:
+        known = ", ".join(regs.launchers.names()) or "none"
+        raise UnknownPluginError(
+            f"no loopback launcher for backend {backend!r}; known launchers: {known} "
+            "(a plugin adds one through the hook lmcache_register_store_launchers)"
+        )
+    return regs.launchers.load(backend)
 
 
 @contextlib.contextmanager
-def start(backend: str, **kwargs: Any) -> Iterator[Store]:
-    """Start the loopback store for ``backend`` (see :data:`LAUNCHERS`); stop it on exit."""
-    with launcher(backend)(**kwargs) as store:
+def start(backend: str, registries: Registries | None = None, **kwargs: Any) -> Iterator[Store]:
+    """Start the loopback store of launcher ``backend`` (see :func:`launcher`) with the
+    launcher's keyword arguments ``kwargs``; stop it on exit."""
+    with launcher(backend, registries)(**kwargs) as store:
         yield store
