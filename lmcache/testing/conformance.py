@@ -16,7 +16,8 @@ Plain pytest classes: a plugin's test module subclasses one and provides a fixtu
             b.close()
 
 ``BackendTests`` needs a ``backend`` fixture (a fresh, empty backend); ``CodecTests`` a
-``codec`` fixture; ``PolicyTests`` a ``policy`` fixture (a fresh policy).
+``codec`` fixture; ``PolicyTests`` a ``policy`` fixture (a fresh policy);
+``PolicyTraceTests`` also a ``reference`` fixture (a reference model of the algorithm).
 
 Backends that store bytes, or keep entries across processes, run more of the contract:
 
@@ -412,14 +413,20 @@ class PolicyTests:
         assert policy.victim(lambda k: False) is None
 
     def test_victim_is_a_member_and_not_skipped(self, policy):
+        from ..policies import eviction_order
+
         for k in "abcde":
             policy.on_insert(k)
         assert len(policy) == 5
         v = policy.victim(lambda k: False)
         assert v in set("abcde")
-        v2 = policy.victim(lambda k: k == v)
-        assert v2 in set("abcde") and v2 != v
+        policy.on_remove(v)  # the handshake: every victim is removed before the next call
+        first = next(eviction_order(policy))
+        v2 = policy.victim(lambda k: k == first)
+        assert v2 in set("abcde") - {v, first}
+        policy.on_remove(v2)
         assert policy.victim(lambda k: True) is None
+        assert len(policy) == 3
 
     def test_eviction_order_starts_with_the_victim_and_lists_every_key_once(self, policy):
         from ..policies import eviction_order
@@ -432,12 +439,23 @@ class PolicyTests:
         assert order[0] == policy.victim(lambda k: False)
         assert len(policy) == 6
 
-    def test_victim_does_not_change_state(self, policy):
-        for k in "abc":
+    def test_victim_or_planning_does_not_change_state(self, policy):
+        """``victim`` changes nothing unless the policy declares ``victim_changes_state``;
+        planning (``eviction_order``) never does, and such a policy has one."""
+        from ..policies import eviction_order, victim_changes_state
+
+        for k in "abcd":
             policy.on_insert(k)
-        first = policy.victim(lambda k: False)
-        assert policy.victim(lambda k: False) == first
-        assert len(policy) == 3
+        policy.on_access("c")
+        if victim_changes_state(policy):
+            assert callable(getattr(policy, "eviction_order", None))
+        else:
+            first = policy.victim(lambda k: False)
+            assert policy.victim(lambda k: False) == first
+        plan = list(eviction_order(policy))
+        assert list(eviction_order(policy)) == plan
+        assert policy.victim(lambda k: False) == plan[0]
+        assert len(policy) == 4
 
     def test_remove_and_drain(self, policy):
         keys = [f"k{i}" for i in range(50)]
@@ -456,3 +474,18 @@ class PolicyTests:
     def test_access_unknown_is_ignored(self, policy):
         policy.on_access("nope")
         assert len(policy) == 0
+
+
+class PolicyTraceTests(PolicyTests):
+    """:class:`PolicyTests`, and seeded random traces (inserts, reads, removes, re-sizes,
+    evictions with keys skipped, planning) replayed on the policy and on ``reference``, a
+    fixture giving a fresh, obviously-correct model of the same algorithm built like
+    ``policy`` (see :mod:`lmcache.testing.policy_refs`): after every step both agree on
+    the victim, the eviction order and the length, each victim followed by its
+    ``on_remove`` as the core does."""
+
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_trace_matches_the_reference(self, policy, reference, seed):
+        from .policy_refs import replay
+
+        replay(policy, reference, seed)

@@ -8,7 +8,8 @@ from lmcache.codecs import load_codec
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
-from lmcache.testing import BackendTests, BytesBackendTests, CodecTests, FileBackendTests, PolicyTests
+from lmcache.testing import BackendTests, BytesBackendTests, CodecTests, FileBackendTests, PolicyTraceTests
+from lmcache.testing import policy_refs
 
 REGS = get_registries()
 
@@ -57,11 +58,33 @@ class TestBuiltinCodecs(CodecTests):
         return load_codec(REGS.codecs.load, name)
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "fifo"])
-class TestBuiltinPolicies(PolicyTests):
+REFERENCES = {"lru": policy_refs.LRURef, "lfu": policy_refs.LFURef, "fifo": policy_refs.FIFORef,
+              "s3fifo": policy_refs.S3FIFORef}
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "fifo", "s3fifo"])
+class TestBuiltinPolicies(PolicyTraceTests):
     @pytest.fixture
     def policy(self, name):
         return REGS.policies.load(name)()
+
+    @pytest.fixture
+    def reference(self, name):
+        return REFERENCES[name]()
+
+
+@pytest.mark.parametrize("options", [{"small_ratio": 0.3, "ghost_ratio": 0.5, "capacity": 20000},
+                                     {"small_ratio": 0.05, "capacity": 4096}])
+class TestS3FIFOOptions(PolicyTraceTests):
+    """S3-FIFO with options and a byte capacity (the trace's entries are 1-4096 bytes)."""
+
+    @pytest.fixture
+    def policy(self, options):
+        return REGS.policies.load("s3fifo")(**options)
+
+    @pytest.fixture
+    def reference(self, options):
+        return policy_refs.S3FIFORef(**options)
 
 
 @pytest.mark.parametrize(
