@@ -127,9 +127,14 @@ def _codec_spec(key: str, v: Any, src: str | None) -> str:
     return check.name(key, v, src)
 
 
+_POLICY_OPTIONS = check.rule(lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+                             "expected a mapping of option names to values, got {}")
+
+
 @dataclass
 class TierConfig:
-    """One storage tier: a backend, its capacity, codec and eviction policy.
+    """One storage tier: a backend, its capacity, codec and eviction policy (with its
+    ``policy_options``).
 
     ``options`` holds the backend-specific keys (``path`` for disk, ``url`` for redis,
     ...); the backend validates them when the tier is built.
@@ -140,6 +145,8 @@ class TierConfig:
     #: a codec name, or a chain of them joined by ``+`` (``codec: [int8, zstd]`` in YAML)
     codec: str = option("raw", _codec_spec)
     policy: str = option("lru", check.name)
+    #: the policy's own options (its ``__init__`` keywords), checked when the tier is built
+    policy_options: dict[str, Any] = option({}, _POLICY_OPTIONS)
     name: str = option("", check.name)
     options: dict[str, Any] = option({}, rest=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from .policies import EvictionPolicy, eviction_order
+from .policies import EvictionPolicy, eviction_order, takes_sizes
 
 #: ``listener(op, tier name, key)``, op ``"admit"`` or ``"evict"``; called under the
 #: tier's lock, so it must not block
@@ -25,6 +25,7 @@ class Ledger:
         self.name = name
         self.capacity = capacity
         self.policy = policy
+        self._sized = takes_sizes(policy)
         self.sizes: dict[str, int] = {}  # key -> stored bytes
         self.used = 0
         self.reserved = 0  # bytes held for puts under way (an upper bound each)
@@ -42,8 +43,13 @@ class Ledger:
         self._admits += 1
         self.born[key] = self._admits
         if old is None:
-            self.policy.on_insert(key)
+            if self._sized:
+                self.policy.on_insert(key, size)  # type: ignore[call-arg]
+            else:
+                self.policy.on_insert(key)
             self._tell("admit", key)
+        elif self._sized and size != old:
+            self.policy.on_resize(key, size)  # type: ignore[attr-defined]
 
     def forget(self, key: str) -> int | None:
         """Drop ``key`` from the books; its size, or ``None`` if it was not there."""
@@ -72,7 +78,16 @@ class Ledger:
         return self.used + self.reserved + need > self.capacity
 
     def victim(self, skip: Callable[[str], bool]) -> str | None:
-        return self.policy.victim(skip)  # type: ignore[return-value]
+        """The policy's next victim, which the caller evicts at once (then :meth:`forget`
+        completes the handshake with ``on_remove``). A victim this ledger does not hold
+        (a policy that drifted) gets its ``on_remove`` here and the policy is asked again,
+        at most once per key it tracks, so a tier never loops on a ghost."""
+        for _ in range(len(self.policy) + 1):
+            k = self.policy.victim(skip)
+            if k is None or k in self.sizes:
+                return k  # type: ignore[return-value]
+            self.policy.on_remove(k)
+        return None
 
     def eviction_order(self) -> Iterator[str]:
         return (k for k in eviction_order(self.policy) if k in self.sizes)  # type: ignore[misc]

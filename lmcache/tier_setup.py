@@ -15,11 +15,11 @@ import torch
 
 from .codecs import ChainError, chain_names, load_codec
 from .config import TierConfig
-from .errors import ConfigError
+from .errors import ConfigError, PluginError
 from .ledger import Ledger
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
-from .policies import EvictionPolicy
+from .policies import EvictionPolicy, build_policy
 from .storage import BackendContext, StorageBackend, check_backend_options
 from .tier import Tier
 
@@ -66,9 +66,15 @@ def check_tier(
     except Exception as exc:
         raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
     try:
-        policy = regs.policies.load(tcfg.policy)()
+        policy_cls = regs.policies.load(tcfg.policy)
     except Exception as exc:
         raise ConfigError(f"{prefix}.policy", str(exc), source) from exc
+    try:
+        policy = build_policy(policy_cls, tcfg.policy, tcfg.policy_options, tcfg.capacity)
+    except PluginError as exc:
+        raise ConfigError(f"{prefix}.policy", str(exc), source) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix}.policy_options", str(exc), source) from None
     try:
         check_backend_options(backend_cls, options, tcfg.capacity)
     except ConfigError as exc:
