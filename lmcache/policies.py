@@ -36,6 +36,8 @@ import difflib
 import inspect
 from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, runtime_checkable
 
+from .errors import PluginError
+
 Key = Hashable
 
 
@@ -107,7 +109,7 @@ def build_policy(cls: type, name: str, options: Mapping[str, Any] | None = None,
     An unknown option is a ``ValueError`` naming the policy and the key (with a "did you
     mean"); a bad value whatever the policy raises (``ValueError``/``TypeError``); a
     policy declaring ``victim_changes_state`` without ``eviction_order()`` a
-    ``TypeError``."""
+    :class:`~lmcache.errors.PluginError`."""
     opts = dict(options or {})
     if "capacity" in opts:
         raise ValueError(f"policy {name!r}: 'capacity' is the tier's capacity, not an option")
@@ -123,5 +125,5 @@ def build_policy(cls: type, name: str, options: Mapping[str, Any] | None = None,
     if capacity is not None and "capacity" in params:
         opts["capacity"] = capacity
     if victim_changes_state(cls) and not hasattr(cls, "eviction_order"):
-        raise TypeError(f"policy {name!r} declares victim_changes_state but has no eviction_order()")
+        raise PluginError(f"policy {name!r} declares victim_changes_state but has no eviction_order()")
     return cls(**opts)
