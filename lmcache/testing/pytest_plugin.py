@@ -62,8 +62,9 @@ def lmcache_store() -> Iterator[Callable[..., Store]]:
             try:
                 return stack.enter_context(launch(**launcher_kwargs))
             except stores.ServerUnavailable as exc:
-                _missing(f"the {backend} store is unavailable: {exc}")
-                raise  # pragma: no cover - _missing always raises
+                problem = str(exc)
+            _missing(f"the {backend} store is unavailable: {problem}")  # outside the except: no chained traceback
+            raise AssertionError("unreachable")  # pragma: no cover - _missing always raises
 
         yield start
 
