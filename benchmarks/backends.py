@@ -25,9 +25,11 @@ chunk's KV plus a header of a few hundred bytes; the raw client moves exactly as
   same rule for both). Dirty page cache is written back (``sync``) before each timed
   phase, so that one side's file writes do not throttle the other's.
 
-Without ``--option url=...`` the store is started on loopback for the run
-(:mod:`lmcache.testing.stores`; ``--store redis-cluster`` picks a cluster), or, for ``fs`` and
-``gds``, a temporary directory is used.
+Without ``--option url=...`` the store is started on loopback for the run by the launcher
+registered under the backend's name through ``lmcache_register_store_launchers`` (the
+built-ins' in :mod:`lmcache.testing.stores`; a third-party plugin registers its own, so its
+backend is benchmarked the same way; ``--store redis-cluster`` picks another launcher), or,
+for ``fs`` and ``gds``, a temporary directory is used.
 """
 
 from __future__ import annotations
