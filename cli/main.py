@@ -12,8 +12,8 @@ from typing import Annotated
 
 import typer
 
-from . import (bench, compress_cmd, config_cmd, controller_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugins_cmd,
-               server_cmd, stats_cmd, tiers_cmd)
+from . import (bench, compress_cmd, config_cmd, controller_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugin_cmd,
+               plugins_cmd, server_cmd, stats_cmd, tiers_cmd)
 from ._util import LMCacheGroup, print_json
 
 app = typer.Typer(
@@ -27,6 +27,7 @@ app = typer.Typer(
 app.add_typer(demo.app)
 app.add_typer(bench.app, name="bench")
 app.add_typer(plugins_cmd.app)
+app.add_typer(plugin_cmd.app, name="plugin")
 app.add_typer(tiers_cmd.app)
 app.add_typer(ls_cmd.app)
 app.add_typer(evict_cmd.app)

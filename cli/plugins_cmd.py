@@ -40,6 +40,7 @@ def plugin_rows() -> list[dict[str, Any]]:
                     "version": version,
                     "hooks": regs.hooks_of(e.plugin),
                     "extra": e.extra,
+                    "requires": e.requires,
                     "description": e.description,
                 }
             )
@@ -55,7 +56,7 @@ def plugins(
 ) -> None:
     """List every registered backend, codec, connector and eviction policy.
 
-    Each with the package (and version) that provides it and the hooks it registered through. In --json, 'kind' is the type and 'distribution' the package.
+    Each with the package (and version) that provides it and the hooks it registered through. In --json, 'kind' is the type, 'distribution' the package, 'version' its version, and 'requires' the pip requirement named when the plugin's module is missing.
     """
     if kind is not None and kind not in KINDS:
         raise typer.BadParameter(f"must be one of {', '.join(KINDS)}; got {kind!r}", param_hint="'--kind'")
