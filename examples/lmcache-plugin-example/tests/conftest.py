@@ -1,3 +1,7 @@
+"""The example's test settings. lmcache's pytest plugin (installed with lmcache, the ``pytest11``
+entry point ``lmcache``) provides the fixtures ``lmcache_store``, ``lmcache_engine`` and
+``lmcache_key_prefix``; nothing here re-implements them."""
+
 import os
 
 import pytest

@@ -3,6 +3,9 @@
 1. the shipped conformance suites (``lmcache.testing``) for the backend and the codec;
 2. discovery through the entry point, and the environment switches that hide it;
 3. a real cache engine using the plugin as a tier.
+
+The fixtures ``lmcache_engine`` and ``lmcache_key_prefix`` come from lmcache's pytest plugin
+(``lmcache.testing.pytest_plugin``), which pytest loads wherever lmcache is installed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import threading
 import pytest
 import torch
 
-import lmcache
 from lmcache import hookimpl, payload
 from lmcache.errors import ConfigError, PluginError
 from lmcache.plugin_manager import Registries, create_plugin_manager, plugin_source
@@ -318,42 +320,33 @@ def test_blocked_argument_hides_the_plugin():
 # ------------------------------------------------------------------- 3. in a tier
 
 
-def test_sqlite_tier_with_zlib_codec_round_trips_kv(tmp_path):
+def test_sqlite_tier_with_zlib_codec_round_trips_kv(tmp_path, lmcache_engine, lmcache_key_prefix):
+    """``lmcache_engine`` (lmcache's pytest plugin) builds each engine in this test's own
+    namespace (``lmcache_key_prefix``) and closes it at teardown."""
     db = str(tmp_path / "kv.db")
     layers, heads, head_size, n = 2, 4, 64, 600
     tokens = torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(1))
     kv = torch.randn(layers, 2, n, heads, head_size, generator=torch.Generator().manual_seed(2))
     kv = kv.to(torch.float16)
 
-    first = lmcache.CacheEngine.from_config(
-        {
-            "tiers": [
-                {"backend": "cpu", "capacity": "8MiB"},
-                {"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"},
-            ]
-        }
-    )
-    try:
-        assert first.store(tokens, kv).stored_tokens == n
-        first.flush()
-        assert first.stats()["tiers"]["sqlite"]["entries"] == 3  # 256 + 256 + 88 tokens
-        spec = first.kv_spec
-    finally:
-        first.close()
+    first = lmcache_engine([
+        {"backend": "cpu", "capacity": "8MiB"},
+        {"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"},
+    ])
+    assert first.store(tokens, kv).stored_tokens == n
+    first.flush()
+    assert first.stats()["tiers"]["sqlite"]["entries"] == 3  # 256 + 256 + 88 tokens
+    spec = first.kv_spec
+    first.close()  # the second engine reads what the first one wrote to the file
     raw = sqlite3.connect(db)
-    rows = raw.execute("SELECT data FROM lmcache_payloads").fetchall()
+    rows = raw.execute("SELECT key, data FROM lmcache_payloads").fetchall()
     raw.close()
-    assert [payload.parse_header(r[0]).codec for r in rows] == ["zlib"] * 3
+    assert [payload.parse_header(r[1]).codec for r in rows] == ["zlib"] * 3
+    assert all(f":{lmcache_key_prefix}:" in r[0] for r in rows)  # the test's own namespace
 
-    second = lmcache.CacheEngine.from_config(
-        {"tiers": [{"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"}]},
-        kv_spec=spec,
-    )
-    try:
-        assert second.lookup(tokens) == n
-        res = second.retrieve(tokens)
-        assert res.num_tokens == n
-        assert torch.equal(res.kv, kv)
-        assert res.tiers == ["sqlite"] * 3
-    finally:
-        second.close()
+    second = lmcache_engine({"backend": "sqlite", "path": db, "capacity": "64MiB", "codec": "zlib"}, kv_spec=spec)
+    assert second.lookup(tokens) == n
+    res = second.retrieve(tokens)
+    assert res.num_tokens == n
+    assert torch.equal(res.kv, kv)
+    assert res.tiers == ["sqlite"] * 3
