@@ -409,7 +409,7 @@ KINDS: dict[str, Kind] = {
         "  - {backend: disk, path: /var/cache/lmcache, capacity: 100GiB, codec: $name}\n```",
         CODEC_MODULE, CODEC_TESTS),
     "policy": Kind(
-        "policies", "policies", "policy", "Policy", "PolicyTests",
+        "policies", "policies", "policy", "Policy", "PolicyTraceTests",
         "An lmcache eviction policy: most recently used first (MRU).",
         "most recently used first (MRU)",
         "A tier uses it by name:\n\n```yaml\ntiers:\n  - {backend: cpu, capacity: 4GiB, policy: $name}\n```",

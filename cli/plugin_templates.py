@@ -300,14 +300,44 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache.testing import PolicyTests
+from lmcache.testing import PolicyTraceTests
 from $module.policy import ${cls}Policy
 
 
-class Test${cls}Policy(PolicyTests):
+class MRUReference:
+    """MRU written to be obviously right, not fast: a list, most recent use last. The
+    trace suite replays random traces on the policy and on this and compares them."""
+
+    def __init__(self):
+        self.keys = []
+
+    def on_insert(self, key):
+        self.keys.append(key)
+
+    def on_access(self, key):
+        if key in self.keys:
+            self.keys.remove(key)
+            self.keys.append(key)
+
+    def on_remove(self, key):
+        if key in self.keys:
+            self.keys.remove(key)
+
+    def victim(self, skip):
+        return next((k for k in reversed(self.keys) if not skip(k)), None)
+
+    def __len__(self):
+        return len(self.keys)
+
+
+class Test${cls}Policy(PolicyTraceTests):
     @pytest.fixture
     def policy(self):
         return ${cls}Policy()
+
+    @pytest.fixture
+    def reference(self):
+        return MRUReference()
 
 
 def test_the_most_recently_used_goes_first():
