@@ -225,9 +225,12 @@ def test_bad_options_name_the_key(tmp_path):
     from lmcache.errors import ConfigError
 
     (tmp_path / "a-file").write_text("x")
-    for options in ({}, {"path": ""}, {"path": str(tmp_path / "a-file")}, {"path": str(tmp_path), "size": 1}):
-        with pytest.raises(ConfigError):
+    cases = [({}, "path"), ({"path": ""}, "path"), ({"path": str(tmp_path / "a-file")}, "path"),
+             ({"path": str(tmp_path), "size": 1}, "size")]
+    for options, key in cases:
+        with pytest.raises(ConfigError) as info:
             ${cls}Backend.check_options(options, None)
+        assert info.value.key == key, options
 
 
 # ----------------------------------------------------------------- in an engine
