@@ -233,6 +233,10 @@ class LMBackend(BytesBackend):
         self.timeout = float(self.options["timeout"])
         self.prefix: str = self.options["prefix"]
         self.batch: int = self.options["batch"]
+        #: the wire bounds a key (prefix included) to proto.MAX_KEY bytes; a value to what
+        #: this client accepts back (the server's own max_value_size may be lower)
+        self.max_key_length = proto.MAX_KEY - len(self.prefix.encode())
+        self.max_value_size = int(self.options["max_value_size"])
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.options["max_connections"])

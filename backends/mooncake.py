@@ -326,6 +326,8 @@ class MooncakeBackend(BytesBackend):
         self.prefix: str = self.options["prefix"]
         self.timeout = float(self.options["timeout"])
         self.local_buffer = parse_size(self.options["local_buffer_size"])
+        #: every transfer is staged in the local buffer: a larger value cannot be put or read
+        self.max_value_size = self.local_buffer
         admin = self.options["admin_url"] or f"http://{_url_host(self.host)}:{DEFAULT_ADMIN_PORT}"
         self.admin_url = admin.rstrip("/")
         self._calls = BoundedCalls(self.timeout, name=f"lmcache-mooncake-{id(self):x}")

@@ -180,6 +180,9 @@ class RedisBackend(BytesBackend):
         "ssl_check_hostname": True,
     }
     shared = True
+    #: Redis and Valkey refuse a bulk string over proto-max-bulk-len, 512 MiB by default;
+    #: keys are bounded only by that too
+    max_value_size = 512 << 20
     #: the client package and the names of its classes; :class:`ValkeyBackend` swaps them
     CLIENT: ClassVar[Mapping[str, str]] = {
         "package": "redis",

@@ -296,6 +296,11 @@ class S3Backend(BytesBackend):
         o = self.options
         self.bucket, self.prefix = self.location(o)
         self._obj_prefix = f"{self.prefix}/" if self.prefix else ""
+        #: S3 object names are at most 1024 bytes of UTF-8, the prefix included, and stores
+        #: that keep objects as files (MinIO, rclone serve s3) refuse a /-separated segment
+        #: over 255 bytes: a key (no '/' in it) is one segment. Values, written in multipart
+        #: uploads, are bounded only by S3's 5 TiB.
+        self.max_key_length = min(255, 1024 - len(self._obj_prefix.encode()))
         self.concurrency: int = o["concurrency"]
         self.threshold: int = o["multipart_threshold"]
         self.chunksize: int = o["multipart_chunksize"]

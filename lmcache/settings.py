@@ -85,6 +85,13 @@ def touched(cls: type, raw: Any) -> list[str]:
     return [k for k in raw if k in keys(cls)] if isinstance(raw, Mapping) else list(keys(cls))
 
 
+def near_miss(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""``
+    when none is close: the hint every "unknown key" message gives."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
 def parse(cls: type, raw: Any, key: str = "", source: str | None = None, base: Any = None) -> Any:
     """``raw`` validated into a ``cls`` named ``key`` (``""`` for the top level); the keys
     it does not set keep their value in ``base`` (a nested section is merged the same way),
@@ -105,9 +112,8 @@ def parse(cls: type, raw: Any, key: str = "", source: str | None = None, base: A
                 raise ConfigError(f"{key}.{k!r}", "keys must be strings", source)
             extra[k] = v
         elif f is None:
-            hint = difflib.get_close_matches(str(k), known, n=1)
-            raise ConfigError(name, "unknown key" + (f"; did you mean '{hint[0]}'?" if hint else
-                                                      f"; known keys: {', '.join(known)}"), source)
+            hint = near_miss(str(k), known)
+            raise ConfigError(name, "unknown key" + (hint or f"; known keys: {', '.join(known)}"), source)
         elif section_type(f):
             values[k] = parse(section_type(f), v, name, source, getattr(base, k, None))
         else:

@@ -30,6 +30,7 @@ from . import payload
 from .codecs import Codec, load_codec
 from .errors import ConfigError, CorruptPayloadError
 from .memory import MemoryObj, MemoryPool
+from .settings import near_miss
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,22 @@ def check_backend_options(backend_cls: type, options: Mapping[str, Any], capacit
     return fn(options, capacity)
 
 
+def registered_name(backend_cls: type) -> str:
+    """The name ``backend_cls`` is registered under (``"redis"``, a plugin's
+    ``"memcached"``), as a tier's config names it; its class name if it is not registered."""
+    from .plugin_manager import get_registries
+
+    target = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
+    try:
+        entries = get_registries().backends.entries()
+    except Exception:  # noqa: BLE001 - a message's detail, never a reason to fail
+        return backend_cls.__name__
+    for e in entries:
+        if e.target is backend_cls or e.target == target:
+            return e.name
+    return backend_cls.__name__
+
+
 @dataclass
 class IntegrityStats:
     """A byte backend's payload check failures: ``corrupt`` entries dropped so far, and the
@@ -167,6 +184,16 @@ class StorageBackend:
     #: disk backend): the hierarchy's writer then writes queued chunks for this tier
     #: together (``lmcache.hierarchy.WRITE_BATCH``). False: one at a time, in order.
     parallel_puts: ClassVar[bool] = False
+    #: The largest value, in bytes, the backend accepts in one ``write`` (a
+    #: :class:`BytesBackend`'s encoded payload); ``None``: unbounded. A tier splits larger
+    #: payloads into parts of at most this size (:mod:`lmcache.fit`), so ``put_one`` and
+    #: ``write`` are never handed more; the backend must accept any value up to it.
+    max_value_size: ClassVar[int | None] = None
+    #: The longest key, in UTF-8 bytes, the backend accepts (after any prefix of its own
+    #: is added, so a backend with a configurable prefix sets it per instance); ``None``:
+    #: unbounded. A tier stores an entry with a longer key under a fixed-length digest
+    #: key, checking the full key on every read (:mod:`lmcache.fit`).
+    max_key_length: ClassVar[int | None] = None
     #: The backend's payload check failures (:class:`IntegrityStats`, counted in the tier's
     #: ``corrupt``); ``None`` for a backend that stores no payload bytes (cpu).
     integrity: IntegrityStats | None = None
@@ -188,8 +215,10 @@ class StorageBackend:
         :class:`DeprecationWarning` (see :func:`check_backend_options`)."""
         unknown = set(options) - set(cls.OPTIONS)
         if unknown:
+            key = sorted(unknown)[0]
             known = ", ".join(sorted(cls.OPTIONS)) or "none"
-            raise ConfigError(sorted(unknown)[0], f"unknown key for backend {cls.__name__}; its keys: {known}")
+            hint = near_miss(str(key), list(cls.OPTIONS))
+            raise ConfigError(key, f"unknown key for backend {registered_name(cls)!r}{hint or ';'} its keys: {known}")
         return {**cls.OPTIONS, **options}
 
     # -- single-key methods: implement these

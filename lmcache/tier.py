@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 from .config import TierConfig
 from .errors import EntryPathError
+from .fit import fit
 from .leases import Leases
 from .ledger import Ledger
 from .memory import MemoryObj
@@ -82,7 +83,10 @@ class Tier:
         self.cfg = cfg
         self.name = cfg.name
         self.capacity = ledger.capacity
-        self.backend = backend
+        #: the backend as the tier uses it: one that declares ``max_value_size`` or
+        #: ``max_key_length`` is seen through :func:`lmcache.fit.fit` (larger values split,
+        #: longer keys hashed), so the tier and its callers never meet those limits
+        self.backend = fit(backend)
         self.ledger = ledger
         self.clock = clock
         self.stats = TierStats()

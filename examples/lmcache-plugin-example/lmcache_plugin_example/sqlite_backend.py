@@ -41,6 +41,9 @@ _BATCH = 500
 
 class SQLiteBackend(BytesBackend):
     OPTIONS = {"path": None, "timeout": 5.0}
+    #: a BLOB is at most SQLITE_MAX_LENGTH bytes (10**9 as SQLite is built by default); the
+    #: tier splits larger payloads. Keys (TEXT) are bounded only by that too.
+    max_value_size = 1_000_000_000
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:

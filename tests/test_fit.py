@@ -1,0 +1,177 @@
+"""A backend's declared ``max_value_size``/``max_key_length`` (:mod:`lmcache.fit`): a tier
+splits larger values and hashes longer keys, so a store with memcached-like limits holds
+real chunks under long model names; and an unknown backend option names the backend."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+import pytest
+import torch
+
+from lmcache import CacheEngine, hookimpl
+from lmcache.config import load_config
+from lmcache.errors import BackendError, ConfigError, PluginError
+from lmcache.fit import FittedBackend, fit
+from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
+from lmcache.storage import BackendContext, BytesBackend, StorageBackend, check_backend_options
+from lmcache.testing import BytesBackendTests
+from lmcache.testing.conformance import LONG_MODEL
+
+VALUE_LIMIT = 1 << 20  # memcached's default item size
+KEY_LIMIT = 250  # memcached's key length
+
+
+class LimitedBackend(BytesBackend):
+    """An in-process store that refuses what memcached refuses: values over 1 MiB and keys
+    over 250 bytes (it raises, as a client library does)."""
+
+    OPTIONS = {"servers": "127.0.0.1:11211"}
+    max_value_size = VALUE_LIMIT
+    max_key_length = KEY_LIMIT
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.largest_write = 0
+
+    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+        value = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        if len(key.encode()) > KEY_LIMIT:
+            raise BackendError(f"CLIENT_ERROR key of {len(key.encode())} bytes")
+        if len(value) > VALUE_LIMIT:
+            raise BackendError(f"SERVER_ERROR object too large for cache ({len(value)} bytes)")
+        with self.lock:
+            self.data[key] = value
+            self.largest_write = max(self.largest_write, len(value))
+
+    def read(self, key: str) -> bytes | None:
+        with self.lock:
+            return self.data.get(key)
+
+    def delete(self, key: str) -> bool:
+        with self.lock:
+            return self.data.pop(key, None) is not None
+
+    def exists(self, key: str) -> bool:
+        with self.lock:
+            return key in self.data
+
+    def list(self) -> Iterator[tuple[str, int]]:
+        with self.lock:
+            return iter([(k, len(v)) for k, v in self.data.items()])
+
+
+class _Plugin:
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("memlimited", LimitedBackend)
+
+
+class TestLimitedBackend(BytesBackendTests):
+    """The whole backend suite, real sizes included, over a store with memcached's limits."""
+
+    @pytest.fixture
+    def backend(self):
+        b = LimitedBackend(BackendContext.standalone())
+        yield b
+        b.close()
+
+
+def _registries() -> Registries:
+    pm = create_plugin_manager(environ={})
+    pm.register(_Plugin(), name="memlimited-test")
+    return Registries(pm)
+
+
+def test_an_engine_stores_real_chunks_under_a_long_model_name_in_a_limited_store():
+    """A Llama-3.2-1B-shaped KV (8 MiB chunks) for a model named with 200 characters, stored
+    by a real engine into a tier whose backend refuses values over 1 MiB and keys over 250
+    bytes, comes back exact; the tier counts each chunk once. Before: every put raised
+    "object too large" and nothing was stored."""
+    from lmcache.config import KVSpec
+
+    regs = _registries()
+    cfg = load_config({"model": LONG_MODEL, "tiers": [{"backend": "memlimited", "capacity": "1GiB"}]})
+    spec = KVSpec(num_layers=16, num_kv_heads=8, head_size=64)
+    n = 512
+    tokens = torch.randint(0, 32000, (n,), generator=torch.Generator().manual_seed(1))
+    kv = torch.randn(16, 2, n, 8, 64, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    eng = CacheEngine(cfg, kv_spec=spec, registries=regs)
+    try:
+        assert eng.store(tokens, kv).stored_tokens == n
+        eng.flush()
+        tier = eng.hierarchy.tiers[0]
+        assert isinstance(tier.backend, FittedBackend)
+        raw = tier.backend.inner
+        assert raw.largest_write <= VALUE_LIMIT and all(len(k.encode()) <= KEY_LIMIT for k in raw.data)
+        stats = eng.stats()["tiers"]["memlimited"]
+        assert stats["entries"] == 2 and stats["skipped_puts"] == 0 and stats["errors"] == 0
+        assert stats["used_bytes"] == sum(len(v) for v in raw.data.values())
+        assert eng.lookup(tokens) == n
+        res = eng.retrieve(tokens)
+        assert res.num_tokens == n and torch.equal(res.kv, kv)
+    finally:
+        eng.close()
+
+
+def test_fit_leaves_an_unbounded_backend_as_it_is_and_checks_limits():
+    """No limit declared: the tier uses the backend itself (its layout and speed unchanged).
+    A limit below the minimum, or declared by a backend that stores no bytes, is refused."""
+    b = get_registries().backends.load("cpu")(BackendContext.standalone())
+    assert fit(b) is b
+    limited = LimitedBackend(BackendContext.standalone())
+    view = fit(limited)
+    assert isinstance(view, FittedBackend) and fit(view) is view
+    assert fit(view, max_value_size=8192).max_value_size == 8192 and fit(limited, max_value_size=1 << 30).max_value_size == VALUE_LIMIT
+    with pytest.raises(PluginError, match="max_key_length must be None or an integer of at least 80"):
+        fit(limited, max_key_length=10)
+
+    class ObjectsWithLimit(StorageBackend):
+        max_value_size = 1 << 20
+
+    with pytest.raises(PluginError, match="is not a BytesBackend"):
+        fit(ObjectsWithLimit(BackendContext.standalone()))
+
+
+@pytest.mark.parametrize(
+    "name, options, limits",
+    [("redis", {"url": "redis://127.0.0.1:1/0"}, (512 << 20, None)),
+     ("valkey", {"url": "valkey://127.0.0.1:1/0"}, (512 << 20, None)),
+     ("lm", {"url": "lm://127.0.0.1:1", "prefix": "p:"}, (1 << 30, 4094))],
+)
+def test_built_ins_declare_their_limits(name, options, limits):
+    """What the stores refuse, declared (opening connects lazily: no server needed)."""
+    try:
+        b = get_registries().backends.load(name)(BackendContext.standalone(options))
+    except ImportError as exc:
+        from tests._missing import missing
+
+        missing(f"{name}'s client library: {exc}")
+    try:
+        assert (b.max_value_size, b.max_key_length) == limits
+    finally:
+        b.close()
+
+
+def test_an_unknown_backend_option_names_the_backend_and_the_near_miss():
+    """Named as the config names it (a third-party plugin's too), with a "did you mean" as
+    top-level keys have. Before: "unknown key for backend SQLiteBackend; its keys: path,
+    timeout" (the class, no hint)."""
+    regs = get_registries()
+    if "sqlite" not in regs.backends:
+        from tests._missing import missing
+
+        missing("the example plugin (pip install -e examples/lmcache-plugin-example)")
+    with pytest.raises(ConfigError) as info:
+        check_backend_options(regs.backends.load("sqlite"), {"paht": "/tmp/x.db"}, None)
+    assert info.value.key == "paht"
+    assert "unknown key for backend 'sqlite'; did you mean 'path'? its keys: path, timeout" in str(info.value)
+    disk = regs.backends.load("disk")
+    with pytest.raises(ConfigError, match=r"unknown key for backend 'disk'; its keys: "):
+        check_backend_options(disk, {"zzzz": 1}, None)
+    # a class registered nowhere is named by its class
+    with pytest.raises(ConfigError, match=r"unknown key for backend 'LimitedBackend'; did you mean 'servers'\?"):
+        check_backend_options(LimitedBackend, {"server": "x"}, None)
