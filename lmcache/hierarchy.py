@@ -47,9 +47,26 @@ WRITER_YIELD_MAX = 0.25
 #: queued writes the writer takes at once; those for distinct keys of a tier whose
 #: backend says ``parallel_puts`` go out together on this many threads (as many as
 #: LMCache's disk workers: a file write is a kernel copy that another core can overlap)
-#: 1 for now: with 4, the write order of concurrent puts varies from run to run and the
-#: model-based tests (tests/reliability/test_model_based.py) cannot replay their cases
-WRITE_BATCH = 1
+#: Their keys are admitted (and the listeners told) in queue order (:class:`_Turns`).
+WRITE_BATCH = 4
+
+
+class _Turns:
+    """Turns in a batch of writes: :meth:`wait` for turn ``j`` returns once turns
+    ``0 .. j-1`` are :meth:`done`."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._cv = threading.Condition()
+
+    def wait(self, j: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._next >= j)
+
+    def done(self, j: int) -> None:
+        with self._cv:
+            self._next = max(self._next, j + 1)
+            self._cv.notify_all()
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -467,40 +484,31 @@ class StorageHierarchy:
 
                 self._batch_pool = ThreadPoolExecutor(WRITE_BATCH, thread_name_prefix="lmcache-tier-writer",
                                                       initializer=lambda: setattr(self._local, "writer", True))
-            # each write's admits and evictions are held on its thread and told after the
-            # batch in queue order: a KV-event consumer hears a chunk after its parent
-            for f in [self._batch_pool.submit(self._write_held, w) for w in together]:
-                self._tell_all(f.result())
+            # the writes run side by side, but each admits its key (and tells the listeners,
+            # under its tier's lock, as a lone write does) in queue order: a KV-event
+            # consumer hears a chunk after its parent, and events are never told late
+            turns = _Turns()
+            for f in [self._batch_pool.submit(self._write_in_turn, w, j, turns) for j, w in enumerate(together)]:
+                f.result()
         else:
             alone = together + alone
         for w in alone:
             self._write_logged(w)
 
-    def _write_held(self, w: _Write) -> list[tuple[str, str, str]]:
-        """:meth:`_write_logged` on a batch thread; the listener calls it caused, in order."""
-        self._local.held = held = []
+    def _write_in_turn(self, w: _Write, j: int, turns: _Turns) -> None:
+        """:meth:`_write_logged` on a batch thread, admitting only after write ``j - 1``."""
+        self._local.turn = lambda: turns.wait(j)
         try:
             self._write_logged(w)
         finally:
-            self._local.held = None
-        return held
+            self._local.turn = None
+            turns.wait(j)
+            turns.done(j)
 
     def _tell(self, op: str, tier: str, key: str) -> None:
-        """The ledgers' one listener: the listeners now, or held for the batch's order."""
-        held = getattr(self._local, "held", None)
-        if held is not None:
-            held.append((op, tier, key))
-            return
+        """The ledgers' one listener."""
         for f in self._listeners:
             f(op, tier, key)
-
-    def _tell_all(self, events: list[tuple[str, str, str]]) -> None:
-        for op, tier, key in events:
-            for f in self._listeners:
-                try:
-                    f(op, tier, key)
-                except Exception:  # a listener's error must not stop the writer
-                    log.exception("lmcache tier writer: a tier listener failed")
 
     def _write_logged(self, w: _Write) -> None:
         try:
@@ -513,7 +521,7 @@ class StorageHierarchy:
         there), park it until the tier recovers instead of losing the chunk."""
         tier = self.tiers[w.tier]
         try:
-            done = tier.available and tier.put_one(w.key, w.obj)
+            done = tier.available and tier.put_one(w.key, w.obj, before_admit=getattr(self._local, "turn", None))
         except BaseException:
             self._release(w)
             raise

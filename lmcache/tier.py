@@ -325,8 +325,11 @@ class Tier:
             self._evict_until(lambda: before - self.ledger.used >= nbytes)
             return before - self.ledger.used
 
-    def put_one(self, key: str, obj: MemoryObj) -> bool:
-        """Store ``obj`` unless present; the caller keeps its reference. True if stored."""
+    def put_one(self, key: str, obj: MemoryObj, *, before_admit: Callable[[], None] | None = None) -> bool:
+        """Store ``obj`` unless present; the caller keeps its reference. True if stored.
+
+        ``before_admit`` is called once the backend stored it, before the key is admitted
+        (outside the tier's lock): the hierarchy's batch writer admits in queue order."""
         if not self.available:
             self.stats.skipped_puts += 1
             return False
@@ -350,6 +353,8 @@ class Tier:
         self._ok()
         self._writes_ok()
         dt = time.perf_counter() - t0
+        if before_admit is not None:
+            before_admit()
         with self._lock:
             self.ledger.reserved -= need
             self.ledger.admit(key, stored)
