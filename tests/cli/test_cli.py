@@ -41,7 +41,8 @@ def test_plugins_json_lists_builtins():
     assert cpu["target"] == "lmcache.backends.cpu:CPUBackend"
     assert cpu["plugin"] == "lmcache.backends.builtin"
     assert cpu["distribution"] == "lmcache" and cpu["version"]
-    assert cpu["hooks"] == ["lmcache_register_backends", "lmcache_register_bench_baselines"]
+    assert cpu["hooks"] == ["lmcache_register_backends", "lmcache_register_bench_baselines",
+                            "lmcache_register_store_launchers"]
     redis = next(r for r in rows if r["name"] == "redis" and r["kind"] == "baseline")  # the bench's raw client
     assert redis["plugin"] == "lmcache.backends.builtin"
 
