@@ -64,9 +64,11 @@ def lmcache_register_policies(registry: Registry) -> None:
     """Register eviction policies.
 
     Called once per plugin manager. ``registry.add(name, "module:Class")``; the class is
-    built with no arguments and implements :class:`lmcache.policies.EvictionPolicy`:
-    it records accesses and proposes victims, while the core accounts bytes and skips
-    pinned entries. Returns nothing.
+    built with the tier's ``policy_options`` as keyword arguments (plus ``capacity=``, the
+    tier's bytes, if its ``__init__`` takes it) and implements
+    :class:`lmcache.policies.EvictionPolicy`: it records accesses and proposes victims
+    (each victim is evicted and followed by ``on_remove``), while the core accounts bytes
+    and skips pinned entries. Returns nothing.
     """
 
 
