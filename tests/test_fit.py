@@ -17,7 +17,7 @@ from lmcache.fit import FittedBackend, fit
 from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
 from lmcache.storage import BackendContext, BytesBackend, StorageBackend, check_backend_options
 from lmcache.testing import BytesBackendTests
-from lmcache.testing.conformance import LONG_MODEL
+from lmcache.testing.objects import LONG_MODEL
 
 VALUE_LIMIT = 1 << 20  # memcached's default item size
 KEY_LIMIT = 250  # memcached's key length
