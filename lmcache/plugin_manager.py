@@ -154,6 +154,13 @@ class Registry:
                 e._loaded = _import_target(e)
             return e._loaded
 
+    def missing(self, name: str, exc: ModuleNotFoundError) -> MissingDependencyError:
+        """The error for a module missing while ``name``'s class is built (a client
+        library the plugin imports lazily, in ``__init__``): the same one-line
+        :class:`MissingDependencyError`, with its ``requires``/``extra`` hint, as for one
+        missing when the target is imported."""
+        return _missing(self.entry(name), exc)
+
 
 def _describe(target: str | type) -> str:
     return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
@@ -173,6 +180,21 @@ def _install_hint(e: Entry) -> str | None:
     return f"pip install {shlex.quote(f'{dist}[{e.extra}]')}"
 
 
+def _missing(e: Entry, exc: ModuleNotFoundError, *, hint: bool = True) -> MissingDependencyError:
+    """The one-line error for ``e`` missing the module ``exc`` names, with the install
+    hint of its ``requires``/``extra`` when there is one."""
+    missing = exc.name or "?"
+    how = _install_hint(e) if hint else None
+    if how is not None:
+        return MissingDependencyError(
+            f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) needs the Python package {missing!r}, "
+            f"which is not installed; install it with: {how}"
+        )
+    return MissingDependencyError(
+        f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) cannot be imported: no module named {missing!r}"
+    )
+
+
 def _import_target(e: Entry) -> Any:
     if not isinstance(e.target, str):
         return e.target
@@ -180,19 +202,10 @@ def _import_target(e: Entry) -> Any:
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
-        missing = exc.name or "?"
         # the target module itself missing inside a package that exists: a wrong path in
         # the plugin, not a missing optional dependency
-        own = missing == mod_name and "." in mod_name
-        hint = None if own else _install_hint(e)
-        if hint is not None:
-            raise MissingDependencyError(
-                f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) needs the Python package {missing!r}, "
-                f"which is not installed; install it with: {hint}"
-            ) from exc
-        raise MissingDependencyError(
-            f"{e.kind} {e.name!r} (from plugin {e.plugin!r}) cannot be imported: no module named {missing!r}"
-        ) from exc
+        own = exc.name == mod_name and "." in mod_name
+        raise _missing(e, exc, hint=not own) from exc
     try:
         obj: Any = mod
         for part in attr.split("."):

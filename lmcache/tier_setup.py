@@ -63,6 +63,10 @@ def check_tier(
         raise ConfigError(f"{prefix}.codec", str(exc), source) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{prefix}.codec_options", str(exc), source) from None
+    except ModuleNotFoundError as exc:  # imported lazily by a codec of the chain
+        names = [n for n in chain_names(tcfg.codec) if n in regs.codecs]
+        why = regs.codecs.missing(names[0], exc) if len(names) == 1 else exc
+        raise ConfigError(f"{prefix}.codec", str(why), source) from exc
     except Exception as exc:
         raise ConfigError(f"{prefix}.codec", str(exc), source) from exc
     try:
@@ -118,6 +122,8 @@ def build_tier(
         backend = parts.backend_cls(ctx)
     except ConfigError as exc:
         raise ConfigError(f"tiers[{i}].{exc.key}", exc.problem, source) from None
+    except ModuleNotFoundError as exc:  # a client library imported lazily: the same hint as at import
+        raise ConfigError(f"tiers[{i}].backend", str(regs.backends.missing(tcfg.backend, exc)), source) from exc
     return Tier(tcfg, backend, Ledger(tcfg.name, tcfg.capacity, parts.policy), clock, trim=trim)
 
 

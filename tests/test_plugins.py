@@ -10,6 +10,7 @@ import pytest
 from lmcache import hookimpl, hookspecs
 from lmcache.errors import MissingDependencyError, PluginError, UnknownPluginError
 from lmcache.plugin_manager import DEFAULT_PLUGINS, Registries, Registry, create_plugin_manager
+from lmcache.storage import BytesBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("lmcache_"))
@@ -425,3 +426,35 @@ def test_builtin_layouts_come_through_the_hook():
     assert regs.layouts.entry("mla").plugin == "lmcache.kernels.builtin"
     assert get_layout("flashinfer_hnd") is regs.layouts.load("flashinfer_hnd")
     assert {"vllm_flash_attn", "blocks_first", "contiguous"} <= set(regs.layouts.names())
+
+
+class _LazyClientBackend(BytesBackend):
+    """A backend that imports its client library in ``__init__`` (lazily), as many do."""
+
+    def __init__(self, context):
+        import lmcache_client_missing_for_tests  # noqa: F401
+
+
+class _LazyPlugin:
+    @hookimpl
+    def lmcache_register_backends(self, registry):
+        registry.add("lazy", _LazyClientBackend, requires="lazy-kv>=2.0")
+
+
+def test_a_client_imported_lazily_still_gets_the_install_hint(tmp_path):
+    """Before: ``requires=`` fired only when the target module's import failed; a backend
+    importing its client in ``__init__`` surfaced a bare "No module named ..." with no hint."""
+    from lmcache.config import load_config
+    from lmcache.errors import ConfigError
+    from lmcache.tier_setup import build_tier
+
+    pm = create_plugin_manager(autoload=False)
+    pm.register(_LazyPlugin(), name="lazy-kv-plugin")
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": 1 << 20}, {"backend": "lazy", "capacity": 1 << 20}]},
+                      environ={})
+    with pytest.raises(ConfigError) as info:
+        build_tier(1, cfg.tiers[1], registries=Registries(pm))
+    msg = str(info.value)
+    assert "tiers[1].backend" in msg and "lmcache_client_missing_for_tests" in msg, msg
+    assert msg.endswith("install it with: pip install 'lazy-kv>=2.0'"), msg
+    assert len(msg.splitlines()) == 1
