@@ -21,8 +21,9 @@ Reading a bounded entry joins its parts and decodes them with the backend's own 
 missing, short or damaged part is a miss, counted in ``integrity`` like any corrupt payload,
 and the entry is removed; a partial or foreign value is never handed on. ``keys``,
 ``entries`` and ``usage`` list each entry once under its full key with the bytes of its
-head and parts (part keys are never listed). A miss of a key that fits costs one more
-(batched) ``contains`` for its head, only on backends that declare a limit.
+head and parts (part keys are never listed). On a backend that declares a value limit, a
+miss of a key that fits costs one more (batched) ``contains`` for its head; with a key
+limit alone, only keys over it are looked up as heads.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ class FittedBackend(BytesBackend):
     def _value_fits(self, size: int) -> bool:
         return self.max_value_size is None or size <= self.max_value_size
 
+    def _may_be_bounded(self, key: str) -> bool:
+        """Whether ``key`` can have a head: a key that fits is stored bounded only when
+        a value limit is declared (a store with a key limit alone costs no extra lookup)."""
+        return self.max_value_size is not None or not self._key_fits(key)
+
     def _part_size(self) -> int:
         return self.max_value_size or (1 << 62)
 
@@ -247,7 +253,7 @@ class FittedBackend(BytesBackend):
         size = sum(len(memoryview(b).cast("B")) for b in buffers)
         if self._key_fits(key) and self._value_fits(size):
             self.inner.write(key, buffers)
-            if stale:
+            if stale and self._may_be_bounded(key):
                 self._drop_bounded(key)
             return size
         return self._write_bounded(key, buffers, codec)
@@ -255,7 +261,7 @@ class FittedBackend(BytesBackend):
     # ------------------------------------------------------------ bytes
     def read(self, key: str) -> bytes | bytearray | memoryview | None:
         data = self.inner.read(key) if self._key_fits(key) else None
-        return data if data is not None else self._read_bounded(key)
+        return data if data is not None or not self._may_be_bounded(key) else self._read_bounded(key)
 
     def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
         """Store a payload's bytes (an operator's re-encoding), stored as it is if it fits
@@ -269,7 +275,7 @@ class FittedBackend(BytesBackend):
 
     def delete(self, key: str) -> bool:
         removed = bool(self._key_fits(key) and self.inner.delete(key))
-        return self._drop_bounded(key) or removed
+        return (self._may_be_bounded(key) and self._drop_bounded(key)) or removed
 
     def exists(self, key: str) -> bool:
         return self.contains([key])[0]
@@ -306,7 +312,7 @@ class FittedBackend(BytesBackend):
         fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
         for i, here in zip(fitting, self.inner.contains([keys[i] for i in fitting]) if fitting else []):
             out[i] = here
-        rest = [i for i in range(len(keys)) if not out[i]]
+        rest = [i for i in range(len(keys)) if not out[i] and self._may_be_bounded(keys[i])]
         if rest:
             for i, here in zip(rest, self.inner.contains([head_key(keys[i]) for i in rest])):
                 out[i] = here
@@ -318,7 +324,7 @@ class FittedBackend(BytesBackend):
         try:
             for i, obj in zip(fitting, self.inner.get([keys[i] for i in fitting]) if fitting else []):
                 out[i] = obj
-            rest = [i for i in range(len(keys)) if out[i] is None]
+            rest = [i for i in range(len(keys)) if out[i] is None and self._may_be_bounded(keys[i])]
             heads = self.inner.contains([head_key(keys[i]) for i in rest]) if rest else []
             for i, here in zip(rest, heads):
                 if here:
@@ -353,6 +359,7 @@ class FittedBackend(BytesBackend):
         fitting = [k for k in keys if self._key_fits(k)]
         if fitting:
             self.inner.remove(fitting)
+        keys = [k for k in keys if self._may_be_bounded(k)]
         for k, here in zip(keys, self.inner.contains([head_key(k) for k in keys]) if keys else []):
             if here:
                 self._drop_bounded(k)

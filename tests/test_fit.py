@@ -175,3 +175,35 @@ def test_an_unknown_backend_option_names_the_backend_and_the_near_miss():
     # a class registered nowhere is named by its class
     with pytest.raises(ConfigError, match=r"unknown key for backend 'LimitedBackend'; did you mean 'servers'\?"):
         check_backend_options(LimitedBackend, {"server": "x"}, None)
+
+
+class _KeyLimitedBackend(LimitedBackend):
+    """Keys limited as S3's object names are, values not: it counts the keys it is asked about."""
+
+    max_value_size = None
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.asked: list[str] = []
+
+    def exists(self, key: str) -> bool:
+        self.asked.append(key)
+        return super().exists(key)
+
+    def read(self, key: str) -> bytes | None:
+        self.asked.append(key)
+        return super().read(key)
+
+
+def test_a_key_limit_alone_costs_a_fitting_key_no_head_lookup():
+    """Before: every miss of a key that fits was looked up a second time as a head, also on
+    a store that declares only a key limit (S3), where a key that fits is never split."""
+    inner = _KeyLimitedBackend(BackendContext.standalone())
+    view = fit(inner)
+    short = "lmc1:test:org%2Fmodel:float16-L2-H2-D8-lt2hd-tp0of1:" + "0" * 32
+    assert view.contains([short]) == [False] and view.get([short]) == [None] and view.read(short) is None
+    assert set(inner.asked) == {short}, inner.asked
+    long_key = short.replace("org%2Fmodel", "x" * 300)  # over the key limit: only its head is asked for
+    inner.asked.clear()
+    assert view.contains([long_key]) == [False]
+    assert inner.asked and all(k.startswith("lmc1:lmcache.head:") for k in inner.asked), inner.asked
