@@ -21,9 +21,11 @@ Reading a bounded entry joins its parts and decodes them with the backend's own 
 missing, short or damaged part is a miss, counted in ``integrity`` like any corrupt payload,
 and the entry is removed; a partial or foreign value is never handed on. ``keys``,
 ``entries`` and ``usage`` list each entry once under its full key with the bytes of its
-head and parts (part keys are never listed). On a backend that declares a value limit, a
-miss of a key that fits costs one more (batched) ``contains`` for its head; with a key
-limit alone, only keys over it are looked up as heads.
+head and parts (part keys are never listed). A key that fits is looked up as a head only
+where it can have one: on a store with a value limit that holds entries in parts, which
+the first such write says with a small :data:`MARK` entry; a view checks for it at most
+every :data:`MARK_RECHECK` seconds. Until then (and always on a store with a key limit
+alone) a miss costs one lookup, as on any backend.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 from . import payload
@@ -47,6 +51,11 @@ HEAD_MAGIC = b"LMCB\x01"
 #: key of a few hundred bytes with tens of parts is under 4 KiB)
 MIN_KEY_LENGTH = 80
 MIN_VALUE_SIZE = 4096
+#: written once into a store before its first entry stored in parts: while a view has not
+#: seen it, a miss of a key that fits costs no lookup of a head (a peer's first split entry
+#: can then read as a miss for up to MARK_RECHECK seconds, never as another value)
+MARK = PART + "bounded.0:" + "0" * 32
+MARK_RECHECK = 2.0
 #: a head lists at most this many parts (bounds what a damaged head can make a reader do)
 MAX_PARTS = 1 << 16
 
@@ -152,6 +161,9 @@ class FittedBackend(BytesBackend):
         self.parallel_puts = inner.parallel_puts
         self.holds_memory_objects = inner.holds_memory_objects
         self.streams_gets = False  # bounded entries are read whole; the tier then never passes on_ready
+        self._marked = False  # the store holds MARK (it never goes away)
+        self._mark_checked = float("-inf")
+        self._mark_lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (copying, unpickling): no recursion
@@ -169,9 +181,27 @@ class FittedBackend(BytesBackend):
         return self.max_value_size is None or size <= self.max_value_size
 
     def _may_be_bounded(self, key: str) -> bool:
-        """Whether ``key`` can have a head: a key that fits is stored bounded only when
-        a value limit is declared (a store with a key limit alone costs no extra lookup)."""
-        return self.max_value_size is not None or not self._key_fits(key)
+        """Whether ``key`` can have a head: a key over the limit always; one that fits only
+        on a store with a value limit that holds entries in parts (:data:`MARK`)."""
+        if not self._key_fits(key):
+            return True
+        return self.max_value_size is not None and self._store_marked()
+
+    def _store_marked(self) -> bool:
+        if self._marked:
+            return True
+        now = time.monotonic()
+        with self._mark_lock:
+            if not self._marked and now - self._mark_checked >= MARK_RECHECK:
+                self._mark_checked = now
+                self._marked = bool(self.inner.exists(MARK))
+            return self._marked
+
+    def _mark(self) -> None:
+        """Say in the store that it holds entries in parts (before the first one)."""
+        if not self._marked:
+            self.inner.write(MARK, [HEAD_MAGIC])
+            self._marked = True
 
     def _part_size(self) -> int:
         return self.max_value_size or (1 << 62)
@@ -201,6 +231,7 @@ class FittedBackend(BytesBackend):
 
     def _write_bounded(self, key: str, buffers: Sequence[bytes | memoryview], codec: str | None) -> int:
         """Store ``buffers`` as parts and a head; return the bytes they take."""
+        self._mark()
         old = self._head(key)
         gen = secrets.token_hex(4)
         sizes: list[int] = []

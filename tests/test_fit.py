@@ -13,7 +13,7 @@ import torch
 from lmcache import CacheEngine, hookimpl
 from lmcache.config import load_config
 from lmcache.errors import BackendError, ConfigError, PluginError
-from lmcache.fit import FittedBackend, fit
+from lmcache.fit import MARK, FittedBackend, fit
 from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
 from lmcache.storage import BackendContext, BytesBackend, StorageBackend, check_backend_options
 from lmcache.testing import BytesBackendTests
@@ -109,7 +109,7 @@ def test_an_engine_stores_real_chunks_under_a_long_model_name_in_a_limited_store
         assert raw.largest_write <= VALUE_LIMIT and all(len(k.encode()) <= KEY_LIMIT for k in raw.data)
         stats = eng.stats()["tiers"]["memlimited"]
         assert stats["entries"] == 2 and stats["skipped_puts"] == 0 and stats["errors"] == 0
-        assert stats["used_bytes"] == sum(len(v) for v in raw.data.values())
+        assert stats["used_bytes"] == sum(len(v) for k, v in raw.data.items() if k != MARK)
         assert eng.lookup(tokens) == n
         res = eng.retrieve(tokens)
         assert res.num_tokens == n and torch.equal(res.kv, kv)
@@ -207,3 +207,39 @@ def test_a_key_limit_alone_costs_a_fitting_key_no_head_lookup():
     inner.asked.clear()
     assert view.contains([long_key]) == [False]
     assert inner.asked and all(k.startswith("lmc1:lmcache.head:") for k in inner.asked), inner.asked
+
+
+class _CountingLimitedBackend(LimitedBackend):
+    """memcached's limits, counting the keys it is asked about."""
+
+    def __init__(self, context: BackendContext):
+        super().__init__(context)
+        self.asked: list[str] = []
+
+    def exists(self, key: str) -> bool:
+        self.asked.append(key)
+        return super().exists(key)
+
+
+def test_a_value_limit_costs_a_miss_a_head_lookup_only_once_entries_are_split(monkeypatch):
+    """Before: on a store with a value limit (redis, lm, mooncake) every miss of a key that
+    fits was asked for again as a head. Now only once the store holds an entry in parts
+    (a peer's mark, seen within MARK_RECHECK seconds; 0 here)."""
+    import lmcache.fit as fitmod
+    from lmcache.testing import make_key
+    from lmcache.testing.sizes import make_chunk
+
+    monkeypatch.setattr(fitmod, "MARK_RECHECK", 0.0)
+    inner = _CountingLimitedBackend(BackendContext.standalone())
+    reader, writer = fit(inner), fit(inner)  # two instances over one store
+    short = make_key(7)
+    assert reader.contains([short]) == [False]
+    assert [k for k in inner.asked if k.startswith("lmc1:lmcache.head:")] == [], inner.asked
+    big = make_key(8)
+    writer.put_one(big, make_chunk(8, (2, 2, 256, 8, 64)))  # 2 MiB: stored in parts, the store marked
+    inner.asked.clear()
+    assert reader.contains([short, big]) == [False, True]
+    assert any(k.startswith("lmc1:lmcache.head:") for k in inner.asked)
+    (got,) = reader.get([big])
+    assert got is not None
+    got.unref()
