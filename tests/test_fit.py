@@ -177,10 +177,8 @@ def test_an_unknown_backend_option_names_the_backend_and_the_near_miss():
         check_backend_options(LimitedBackend, {"server": "x"}, None)
 
 
-class _KeyLimitedBackend(LimitedBackend):
-    """Keys limited as S3's object names are, values not: it counts the keys it is asked about."""
-
-    max_value_size = None
+class _CountingLimitedBackend(LimitedBackend):
+    """memcached's limits, counting the keys it is asked about."""
 
     def __init__(self, context: BackendContext):
         super().__init__(context)
@@ -195,6 +193,12 @@ class _KeyLimitedBackend(LimitedBackend):
         return super().read(key)
 
 
+class _KeyLimitedBackend(_CountingLimitedBackend):
+    """Keys limited as S3's object names are, values not."""
+
+    max_value_size = None
+
+
 def test_a_key_limit_alone_costs_a_fitting_key_no_head_lookup():
     """Before: every miss of a key that fits was looked up a second time as a head, also on
     a store that declares only a key limit (S3), where a key that fits is never split."""
@@ -207,18 +211,6 @@ def test_a_key_limit_alone_costs_a_fitting_key_no_head_lookup():
     inner.asked.clear()
     assert view.contains([long_key]) == [False]
     assert inner.asked and all(k.startswith("lmc1:lmcache.head:") for k in inner.asked), inner.asked
-
-
-class _CountingLimitedBackend(LimitedBackend):
-    """memcached's limits, counting the keys it is asked about."""
-
-    def __init__(self, context: BackendContext):
-        super().__init__(context)
-        self.asked: list[str] = []
-
-    def exists(self, key: str) -> bool:
-        self.asked.append(key)
-        return super().exists(key)
 
 
 def test_a_value_limit_costs_a_miss_a_head_lookup_only_once_entries_are_split(monkeypatch):
