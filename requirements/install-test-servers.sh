@@ -8,6 +8,8 @@
 #   openssl                              self-signed certificates for the TLS tests
 #   libibverbs1                          the Mooncake client loads it even for protocol tcp
 #   libcuda1 (contrib non-free)          lets kvikio import for the gds tests (no GPU needed)
+#   chromium, chromium-driver            headless Chromium and its WebDriver for the operator
+#                                        page's browser tests (tests/web, driven with selenium)
 #
 #   bash requirements/install-test-servers.sh [PACKAGE...]
 #
@@ -23,6 +25,8 @@ command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v openssl >/dev/null || need+=(openssl)
 libs=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
 [[ $libs == *"libibverbs.so.1 "* ]] || need+=(libibverbs1)
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 backports=()
 command -v valkey-server >/dev/null || backports+=(valkey-server)
 command -v valkey-cli >/dev/null || backports+=(valkey-tools)
