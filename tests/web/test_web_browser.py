@@ -18,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from _missing import missing
 from _procs import until
 from _web import ADMIN, DOC, MODEL, ROOT, TENANT_TOKENS, Browser, Cluster
 
 # read at import: the suite's autouse fixture clears LMCACHE_* variables while a test runs
 WRITE_SCREENSHOTS = os.environ.get("LMCACHE_WRITE_SCREENSHOTS") == "1"
+TEXT = "Where does this document live? The operator page asks the controller, which asks an instance to tokenize it. " * 2
 DOCS_SHOT = ROOT / "docs" / "images" / "operator-page.png"
 #: tier cell class -> the field of /v1/instances' tier_stats it shows (data-value)
 CELLS = {"entries": "entries", "used-bytes": "used_bytes", "capacity-bytes": "capacity_bytes", "hit-rate": "hit_rate",
@@ -165,6 +167,20 @@ def no_alert(browser: Browser) -> None:
     raise AssertionError(f"an alert opened: {text!r}")
 
 
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer (the model file the suite installs), or ``missing()``."""
+    from lmcache.errors import MissingDependencyError
+
+    try:
+        from transformers import AutoTokenizer
+
+        from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
+
+        return AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
+    except (MissingDependencyError, ImportError) as exc:
+        missing(f"the text lookup needs SmolLM2's tokenizer: {exc} (make test installs it)")
+
+
 # ---------------------------------------------------------------- tests, in order
 def test_the_cluster_view_shows_what_the_api_reports(cluster: Cluster, browser: Browser, tmp_path):
     """The admin's page lists the three instances (health, version, model, tiers) and each
@@ -263,6 +279,39 @@ def test_an_evict_through_the_page_empties_the_tier(cluster: Cluster, browser: B
     until(lambda: page_numbers(browser).get(("web-a1", "cpu"), {}).get("entries") == 0, "the page shows 0 entries")
     until(lambda: one(browser, "#status").text == "evicted 5 entries", "the outcome in the status line")
     shot(browser, tmp_path, "evicted")
+    browser.drain()
+
+
+def test_a_lookup_by_text_is_tokenized_by_an_instance(cluster: Cluster, browser: Browser, tmp_path):
+    """A text typed into the lookup: the controller has web-a1 tokenize it (the real
+    SmolLM2 tokenizer, as a transformers connector gives the engine) and finds it where
+    web-a1 stored its tokens: the page's rows are POST /v1/lookup {text}'s."""
+    import torch
+
+    a1 = cluster.engines["web-a1"]
+    tok = smollm2_tokenizer()
+    a1.tokenize = lambda text: list(tok(text)["input_ids"])
+    tokens = a1.tokenize(TEXT)
+    a1.store(tokens, torch.randn(2, 2, len(tokens), 2, 8))
+    a1.flush()
+    until(lambda: [(r["instance_id"], r["hit_tokens"]) for r in cluster.ctl().lookup(tokens)["results"]]
+          == [("web-a1", len(tokens))], "the text's tokens indexed on web-a1")
+    one(browser, "input#lookup-tokens").clear()  # token ids, when given, take precedence
+    field = one(browser, "textarea#lookup-text")
+    field.clear()
+    field.send_keys(TEXT)
+    click(browser, "button#lookup-go")
+
+    def shown():
+        rows = snapshot(browser, "return [...document.querySelectorAll('table#lookup-results tr[data-instance]')]"
+                                 ".map(tr => [tr.dataset.instance, tr.querySelector('td.tokens').dataset.value])")
+        return {iid: int(n) for iid, n in rows} if rows and rows[0][0] == "web-a1" else None
+
+    got = until(shown, "the text's lookup results shown")
+    api = cluster.ctl().request("POST", "/v1/lookup", body={"text": TEXT})
+    assert got == {r["instance_id"]: r["hit_tokens"] for r in api["results"]} == {"web-a1": len(tokens)}
+    assert api["num_tokens"] == len(tokens) > 2 * 16
+    shot(browser, tmp_path, "lookup-text")
     browser.drain()
 
 
