@@ -65,6 +65,9 @@ class CacheEngine:
         self._admin = None
         #: this instance's name in the controller (``controller.instance_id`` or a generated one)
         self.instance_id: str = config.controller.instance_id or _default_instance_id()
+        #: ``text -> token ids`` with the tokenizer of the model cached here, set by a connector
+        #: that has one (the transformers connector); the instance API's ``/v1/tokenize`` uses it
+        self.tokenize: Callable[[str], list[int]] | None = None
         #: hooks of the data path that services add to (see :mod:`lmcache.services`):
         #: ``filler(chunks, keys, have) -> fetched`` asked when a lookup misses after
         #: ``have`` chunks; ``observer(tokens, chunks, keys)`` told before chunks are stored

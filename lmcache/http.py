@@ -256,8 +256,16 @@ class JSONHandler(BaseHTTPRequestHandler):
         return line
 
     def _body(self, fields: dict[str, tuple[type, ...]], required: tuple[str, ...]) -> dict[str, Any]:
-        raw = self._raw_body()
+        """The request's JSON object, checked field by field. Only ``application/json``
+        is accepted (415 otherwise, nothing parsed): an HTML form or a cross-site
+        ``fetch`` without a CORS preflight can send only form or text types, so no other
+        site can make a visitor's browser change anything here. A body that is framed
+        wrongly or too large is refused as such first."""
+        raw = self._raw_body()  # framing errors first (bounded: at most MAX_BODY bytes read)
         self._arrived()
+        ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if ctype != JSON_TYPE:
+            raise HTTPError(415, f"send the body as Content-Type: application/json, not {ctype[:80] or 'no content type'}")
         if not raw.strip():
             body: Any = {}
         else:

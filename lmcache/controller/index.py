@@ -63,6 +63,7 @@ class Instance:
     dropped_events: int = 0
     refused_events: int = 0  # events of batches refused by the key cap
     peer_url: str | None = None  # lm://host:port of its peer endpoint (p2p), if it runs one
+    tier_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tier -> TIER_STATS, last reported
     keys: dict[str, set[str]] = field(default_factory=dict)  # key -> tiers holding it
 
     def key_prefix(self) -> str | None:
@@ -86,6 +87,7 @@ class Instance:
             "chunk_size": self.chunk_size,
             "hash_algorithm": self.hash_algorithm,
             "tiers": list(self.tiers),
+            "tier_stats": {t: dict(self.tier_stats[t]) for t in self.tiers if t in self.tier_stats},
             "keys": len(self.keys),
             "events": self.events,
             "dropped_events": self.dropped_events,
@@ -151,6 +153,7 @@ class Index:
             hash_algorithm=algo, save_unfull_chunk=body.get("save_unfull_chunk", True), tiers=list(tiers),
             heartbeat_interval=body.get("heartbeat_interval"), pid=body.get("pid"), version=body.get("version"),
             registered_at=wall, last_seen=now, last_seen_wall=wall, peer_url=peer,
+            tier_stats=tier_stats(body.get("tier_stats"), tiers),
         )
         with self.lock:
             old = self.instances.get(iid)
@@ -221,6 +224,8 @@ class Index:
             _check_name("kv_signature", sig)
         with self.lock:
             inst = self._session(body, tenant)
+            if body.get("tier_stats") is not None:
+                inst.tier_stats = tier_stats(body["tier_stats"], inst.tiers)
             if sig is not None:
                 inst.kv_signature = sig
             if body.get("dropped_events") is not None:
@@ -438,6 +443,43 @@ def own_keys(tenant: str, keys: list) -> None:
             raise HTTPError(400, f"field 'keys'[{i}] is not an lmcache key: {json.dumps(k)[:100]}")
         if ns != tenant:
             raise HTTPError(403, f"field 'keys'[{i}]: a key of namespace {ns!r}; this token is scoped to namespace {tenant!r}")
+
+
+#: what a worker reports of each tier (``tier_stats`` of register and heartbeat, shown by
+#: ``/v1/instances``): field -> JSON types; counts and bytes are integers >= 0
+TIER_STATS: dict[str, tuple[type, ...]] = {
+    "entries": (int,), "used_bytes": (int,), "capacity_bytes": (int,), "pinned": (int,), "hits": (int,),
+    "misses": (int,), "evictions": (int,), "errors": (int,), "refused_writes": (int,), "skipped_puts": (int,),
+    "hit_rate": (float, int), "retry_in_s": (float, int), "available": (bool,), "write_refused": (str,),
+    "backend": (str,),
+}
+
+
+def tier_stats(raw: Any, tiers: list[str]) -> dict[str, dict[str, Any]]:
+    """A worker's ``tier_stats`` (a list of ``{name, <TIER_STATS fields>}``, one per
+    registered tier) checked: 400 for a tier it did not register, a field of the wrong
+    type or a negative number; fields not in :data:`TIER_STATS` are dropped."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list) or len(raw) > len(tiers):
+        raise HTTPError(400, f"field 'tier_stats' must be a list of at most {len(tiers)} objects, one per tier")
+    out: dict[str, dict[str, Any]] = {}
+    for i, row in enumerate(raw):
+        if not isinstance(row, dict) or row.get("name") not in tiers:
+            raise HTTPError(400, f"field 'tier_stats'[{i}] must be an object whose 'name' is a registered tier")
+        kept: dict[str, Any] = {}
+        for k, types in TIER_STATS.items():
+            v = row.get(k)
+            if v is None:
+                kept[k] = None
+                continue
+            ok = any(isinstance(v, t) and not (isinstance(v, bool) and t is not bool) for t in types)
+            if not ok or (isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v < 1 << 63) \
+                    or (isinstance(v, str) and len(v) > 200):
+                raise HTTPError(400, f"field 'tier_stats'[{i}].{k} has a bad value: {json.dumps(v)[:50]}")
+            kept[k] = v
+        out[row["name"]] = kept
+    return out
 
 
 def _check_name(name: str, v: str) -> None:

@@ -38,6 +38,7 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
+from .. import web
 from ..http import BoundedHTTPServer, HTTPError, JSONHandler
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
@@ -55,17 +56,17 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/register": (
         {"instance_id": _S, "api_url": _S, "api_token": _S, "namespace": _S, "model": _S, "kv_signature": _S,
          "chunk_size": _I, "hash_algorithm": _S, "save_unfull_chunk": _B, "tiers": _L,
-         "heartbeat_interval": (int, float), "pid": _I, "version": _S, "peer_url": _S},
+         "heartbeat_interval": (int, float), "pid": _I, "version": _S, "peer_url": _S, "tier_stats": _L},
         ("instance_id", "namespace", "model", "chunk_size", "tiers"),
     ),
     "/v1/heartbeat": (
-        {"instance_id": _S, "session": _S, "kv_signature": _S, "dropped_events": _I},
+        {"instance_id": _S, "session": _S, "kv_signature": _S, "dropped_events": _I, "tier_stats": _L},
         ("instance_id", "session"),
     ),
     "/v1/events": ({"instance_id": _S, "session": _S, "events": _L}, ("instance_id", "session", "events")),
     "/v1/deregister": ({"instance_id": _S, "session": _S}, ("instance_id", "session")),
     "/v1/lookup": (
-        {"tokens": _L, "chunk_hashes": _L, "keys": _L, "num_tokens": _I, "namespace": _S, "model": _S},
+        {"tokens": _L, "chunk_hashes": _L, "keys": _L, "text": _S, "num_tokens": _I, "namespace": _S, "model": _S},
         (),
     ),
     "/v1/move": (
@@ -80,6 +81,10 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/decompress": ({"instance": _S, "tier": _S, "tokens": _L, "keys": _L}, ("instance", "tier")),
 }
 _GETS = ("/v1/health", "/v1/instances", "/openapi.json")
+#: GET paths with query parameters: path -> the parameters
+_QUERIES = {"/v1/entries": ("instance", "tier", "offset", "limit")}
+#: the longest text /v1/lookup tokenizes (characters)
+MAX_TEXT = 256 * 1024
 
 
 # ---------------------------------------------------------------- the server
@@ -162,7 +167,7 @@ class ControllerServer:
             from .. import __version__
 
             inst = self.index.list(tenant)
-            out = {"status": "ok", "version": __version__, "instances": len(inst),
+            out = {"status": "ok", "service": "controller", "version": __version__, "instances": len(inst),
                    "healthy_instances": sum(1 for i in inst if i["healthy"])}
             if tenant is ADMIN:  # counts over every namespace
                 out.update(refused_events=self.index.refused_events,
@@ -183,10 +188,86 @@ class ControllerServer:
         if path == "/v1/deregister":
             return ix.deregister(body, tenant)
         if path == "/v1/lookup":
-            return ix.lookup(body, tenant)
+            return self.lookup_text(body, tenant) if body.get("text") is not None else ix.lookup(body, tenant)
         if path == "/v1/move":
             return self.move(body, tenant)
         return self.command(path[len("/v1/"):], body, tenant)
+
+    def entries(self, query: dict[str, str], tenant: str | None = ADMIN) -> dict[str, Any]:
+        """One page of an instance's entries (``GET /v1/entries``), asked of its API: a
+        tenant's page holds its own namespace's entries only."""
+        inst = self.index.target(query.get("instance") or "", "instance", tenant)
+        tier = query.get("tier")
+        if tier is not None and tier not in inst.tiers:
+            raise HTTPError(404, f"instance {inst.instance_id!r} has no tier {tier!r}; tiers: {', '.join(inst.tiers)}")
+        page = {}
+        for name in ("offset", "limit"):
+            raw = query.get(name)
+            if raw is not None:
+                if not raw.isdigit() or len(raw) > 9:
+                    raise HTTPError(400, f"query parameter {name!r} must be an integer >= 0, got {raw[:20]!r}")
+                page[name] = int(raw)
+        page["limit"] = min(page.get("limit", 100), 1000)
+        result = self._ask(inst, lambda api: api.keys(tier, namespace=tenant, **page))
+        return {"instance": inst.instance_id, "tier": tier, **result}
+
+    def lookup_text(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
+        """``/v1/lookup`` of a text: tokenized by the instances themselves (their API's
+        ``/v1/tokenize``, one healthy instance per model among the candidates), then
+        looked up as tokens among the instances of that model; rows of every model merged."""
+        text = body["text"]
+        if len(text) > MAX_TEXT:
+            raise HTTPError(413, f"field 'text' is longer than {MAX_TEXT} characters")
+        others = [f for f in ("tokens", "chunk_hashes", "keys") if body.get(f) is not None]
+        if others:
+            raise HTTPError(400, f"give the field 'text' or {others[0]!r}, not both")
+        ns, model = body.get("namespace"), body.get("model")
+        if tenant is not ADMIN and ns is not None and ns != tenant:
+            raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; namespace {ns!r} is out of its reach")
+        by_model: dict[str, list[str]] = {}
+        for i in self.index.list(tenant if tenant is not ADMIN else ns):
+            if i["healthy"] and i["api_url"] and (model is None or i["model"] == model):
+                by_model.setdefault(i["model"], []).append(i["instance_id"])
+        rows: list[dict[str, Any]] = []
+        considered, tokenized, why = 0, 0, "no healthy instance with an API"
+        for m, ids in sorted(by_model.items()):
+            tokens = None
+            for iid in ids[:3]:  # a few tries per model, each bounded by the dispatch timeout
+                try:
+                    inst = self.index.target(iid, "instance", tenant)
+                    tokens = self._ask(inst, lambda api: api.request("POST", "/v1/tokenize", body={"text": text}))["tokens"]
+                    break
+                except (HTTPError, KeyError, TypeError) as exc:
+                    why = getattr(exc, "message", str(exc))
+            if tokens is None:
+                continue
+            tokenized += 1
+            r = self.index.lookup({"tokens": tokens, "model": m, "namespace": ns}, tenant)
+            considered += r["instances_considered"]
+            rows.extend(dict(row, model=m, num_tokens=len(tokens)) for row in r["results"])
+        if not tokenized:
+            raise HTTPError(409, f"no instance could tokenize the text (last: {why}); give 'tokens' instead")
+        rows.sort(key=lambda r: (-r["hit_tokens"], r["instance_id"]))
+        return {"num_tokens": rows[0]["num_tokens"] if rows else None, "best": rows[0]["instance_id"] if rows else None,
+                "results": rows, "instances_considered": considered}
+
+    def _ask(self, inst: Instance, call: Any, passed: tuple[int, ...] = (400, 403, 404, 409, 501)) -> Any:
+        """``call(api)`` on ``inst``'s API with the token it registered; its errors as
+        the controller's (502 for an instance that does not answer or refuses us)."""
+        from lmcache.plugins.services.api_client import ApiClient
+
+        if inst.api_url is None:
+            raise HTTPError(409, f"instance {inst.instance_id!r} has no instance API: enable it with api: {{enabled: true}}")
+        try:
+            with ApiClient(inst.api_url, inst.api_token, self.dispatch_timeout) as api:
+                return call(api)
+        except UnreachableError as exc:
+            raise HTTPError(502, f"instance {inst.instance_id!r} did not answer: {exc}") from None
+        except AdminError as exc:
+            status = getattr(exc, "status", 400)
+            if status == 401:
+                raise HTTPError(502, f"instance {inst.instance_id!r} refused the controller: {exc}") from None
+            raise HTTPError(status if status in passed else 502, f"instance {inst.instance_id!r}: {exc}") from None
 
     def move(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         if body.get("tokens") is None and body.get("keys") is None:
@@ -211,22 +292,11 @@ class ControllerServer:
                 own_keys(tenant, keys)
         else:
             keys = self.index.keys_for(src, body["tokens"])
-        from lmcache.plugins.services.api_client import ApiClient
-
         # the destination by id, not by the URL it registered: the source resolves it through its own
         # controller and the endpoint must prove the peer token and announce that id (lmcache.auth)
         req = {"target": dst.instance_id, "keys": keys, "tier": body["src_tier"], "target_tier": body["dst_tier"],
                "remove_source": bool(body.get("remove_source"))}
-        try:
-            with ApiClient(src.api_url, src.api_token, self.dispatch_timeout) as api:
-                result = api.request("POST", "/v1/push", body=req)
-        except UnreachableError as exc:
-            raise HTTPError(502, f"instance {src.instance_id!r} did not answer: {exc}") from None
-        except AdminError as exc:
-            status = getattr(exc, "status", 400)
-            if status == 401:
-                raise HTTPError(502, f"instance {src.instance_id!r} refused the controller: {exc}") from None
-            raise HTTPError(status if status in (400, 404, 409) else 502, f"instance {src.instance_id!r}: {exc}") from None
+        result = self._ask(src, lambda api: api.request("POST", "/v1/push", body=req), (400, 404, 409))
         return {"src_instance": src.instance_id, "src_tier": body["src_tier"], "dst_instance": dst.instance_id,
                 "dst_tier": body["dst_tier"], "command": "move", "result": result}
 
@@ -255,17 +325,15 @@ class ControllerServer:
             raise HTTPError(400, "say what to clear: tier, tokens, keys or all: true (an empty selection clears nothing)")
         if name in ("pin", "unpin") and not keys:
             raise HTTPError(400, f"{name} needs the field 'tokens' or 'keys'")
-        from lmcache.plugins.services.api_client import ApiClient
 
-        api = ApiClient(inst.api_url, inst.api_token, self.dispatch_timeout)
-        try:
+        def run(api: Any) -> Any:
             if name == "clear":
                 if keys is None:  # a tenant clears its own namespace's entries only
-                    result: Any = api.clear(tier, namespace=tenant, all=tier is None)
+                    return api.clear(tier, namespace=tenant, all=tier is None)
                 elif not keys:
-                    result = {"evicted": [], "skipped": [], "bytes": 0, "dry_run": False}
+                    return {"evicted": [], "skipped": [], "bytes": 0, "dry_run": False}
                 else:
-                    result = api.evict(tier, keys=keys)
+                    return api.evict(tier, keys=keys)
             elif name in ("pin", "unpin"):
                 done, skipped = [], []
                 for k in keys or ():
@@ -275,21 +343,17 @@ class ControllerServer:
                         skipped.append({"key": k, "reason": str(exc).split(": ", 1)[-1]})
                         continue
                     done.append({"key": k, "tiers": r.get("pinned" if name == "pin" else "unpinned", [])})
-                result = {name + "ned": done, "skipped": skipped}
+                return {name + "ned": done, "skipped": skipped}
             else:  # compress / decompress
                 codec = body["codec"] if name == "compress" else "raw"
                 if keys is not None and not keys:  # tokens with no whole chunk, or keys: []: nothing
-                    result = {"tier": tier, "codec": codec, "recoded": [], "skipped": [], "bytes_before": 0,
-                              "bytes_after": 0, "dry_run": False}
+                    return {"tier": tier, "codec": codec, "recoded": [], "skipped": [], "bytes_before": 0,
+                            "bytes_after": 0, "dry_run": False}
                 else:  # a tenant's selection, keys or not, stays in its namespace
-                    result = api.recode(tier, codec, keys=keys, namespace=tenant)
-        except UnreachableError as exc:
-            raise HTTPError(502, f"instance {inst.instance_id!r} did not answer: {exc}") from None
-        except AdminError as exc:
-            status = getattr(exc, "status", 400)
-            if status == 401:  # the token it registered is not the one its API wants
-                raise HTTPError(502, f"instance {inst.instance_id!r} refused the controller: {exc}") from None
-            raise HTTPError(status if status in (400, 404, 409) else 502, f"instance {inst.instance_id!r}: {exc}") from None
+                    return api.recode(tier, codec, keys=keys, namespace=tenant)
+
+        # the token it registered not being the one its API wants is a 502 too
+        result = self._ask(inst, run, (400, 404, 409))
         return {"instance": inst.instance_id, "command": name, "tier": tier, "result": result}
 
 
@@ -302,6 +366,8 @@ class _ControllerHandler(JSONHandler):
     def _dispatch(self, method: str) -> None:
         try:
             path = urlsplit(self.path).path.rstrip("/") or "/"
+            if web.serve(self, method, path):  # the page: public, it holds no data
+                return
             tenant = self.ctl.scope(self.headers.get("Authorization"))
             if path in _GETS:
                 if method != "GET":
@@ -309,6 +375,10 @@ class _ControllerHandler(JSONHandler):
                 if urlsplit(self.path).query:
                     raise HTTPError(400, f"{path} takes no query parameters")
                 self._send(200, self.ctl.get(path, tenant))
+            elif path in _QUERIES:
+                if method != "GET":
+                    raise HTTPError(405, f"{path} takes GET, not {method}", {"Allow": "GET"})
+                self._send(200, self.ctl.entries(self._query(urlsplit(self.path).query, _QUERIES[path]), tenant))
             elif path in _BODIES:
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST, not {method}", {"Allow": "POST"})
@@ -331,7 +401,8 @@ _DOCS = {
     "/v1/heartbeat": "A worker's heartbeat; 404 means: register again.",
     "/v1/events": "A worker's batch of [op, tier, key] events, op 'admit' or 'evict'; 404 means: register again.",
     "/v1/deregister": "A worker leaves (its instance drops out of lookups at once).",
-    "/v1/lookup": "Which healthy instances hold the longest cached prefix of tokens (or chunk hashes, or keys).",
+    "/v1/lookup": "Which healthy instances hold the longest cached prefix of tokens (or chunk hashes, or keys, or a text: "
+                  "tokenized by an instance of each model through its API's /v1/tokenize).",
     "/v1/move": "Copy (or, with remove_source, move) chunks from an instance's tier into another instance's tier "
                  "over the peer protocol; answered when the destination stored them.",
     "/v1/clear": "Evict an instance's entries (of a tier; of tokens' chunks; every entry only with all: true) "
@@ -352,9 +423,21 @@ def openapi() -> dict[str, Any]:
     err = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     paths: dict[str, Any] = {
         "/v1/health": {"get": {"summary": "Liveness and instance counts", "responses": {"200": {"description": "ok"}}}},
-        "/v1/instances": {"get": {"summary": "Registered instances: healthy, last heartbeat, tiers, keys",
+        "/v1/instances": {"get": {"summary": "Registered instances: healthy, last heartbeat, tiers, keys, and "
+                                             "tier_stats (per tier: the usage and counters its worker last reported)",
                                   "responses": {"200": {"description": "a list of instances"}}}},
+        "/v1/entries": {"get": {
+            "summary": "One page of an instance's entries (of a tier), asked of its API; a tenant token sees its "
+                       "namespace's entries only",
+            "parameters": [{"name": n, "in": "query", "required": n == "instance", "schema": {"type": t}}
+                           for n, t in (("instance", "string"), ("tier", "string"), ("offset", "integer"),
+                                        ("limit", "integer"))],
+            "responses": {"200": {"description": "{instance, tier, entries: [{key, size, ...}], total, next_offset}"},
+                          "404": err, "409": err, "502": err}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
+        "/": {"get": {"summary": "The operator page (HTML; its files at /static/app.js and /static/app.css): public, "
+                                 "it holds no data and reads the endpoints here with the token typed into it",
+                      "security": [], "responses": {"200": {"description": "text/html"}}}},
     }
     for path, (fields, required) in _BODIES.items():
         props = {}
@@ -366,7 +449,7 @@ def openapi() -> dict[str, Any]:
             "summary": _DOCS[path],
             "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
             "responses": {"200": {"description": "done"}, "400": err, "401": err, "403": err, "404": err, "409": err,
-                          "413": err, "501": err, "502": err},
+                          "413": err, "415": err, "501": err, "502": err},
         }}
     return {
         "openapi": "3.1.0",

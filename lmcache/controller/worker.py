@@ -127,6 +127,7 @@ class ControllerWorker:
             "hash_algorithm": c.hash_algorithm,
             "save_unfull_chunk": c.save_unfull_chunk,
             "tiers": [t.name for t in e.hierarchy.tiers],
+            "tier_stats": self._tier_stats(),
             "heartbeat_interval": self.cfg.heartbeat_interval,
             "pid": os.getpid(),
             "version": __version__,
@@ -243,6 +244,21 @@ class ControllerWorker:
                         self.cfg.url, self.instance_id, exc)
         return True
 
+    def _tier_stats(self) -> list[dict[str, Any]]:
+        """Per tier what the controller shows of it (``TIER_STATS`` of
+        :mod:`lmcache.controller.index`): usage, counters, hit rate, backoff."""
+        from .index import TIER_STATS
+
+        out = []
+        for t in self.engine.hierarchy.tiers:
+            info = t.info()
+            row = {k: info.get(k) for k in TIER_STATS if k in info}
+            row.update(name=t.name, retry_in_s=round(t.retry_in(), 3))
+            if row.get("write_refused") is not None:
+                row["write_refused"] = str(row["write_refused"])[:200]
+            out.append(row)
+        return out
+
     def _heartbeat(self) -> None:
         assert self._session is not None
         spec = self.engine.kv_spec
@@ -250,7 +266,7 @@ class ControllerWorker:
             self.client.heartbeat(
                 self.instance_id, self._session,
                 kv_signature=spec.signature if spec is not None else None,
-                dropped_events=self.dropped_events,
+                dropped_events=self.dropped_events, tier_stats=self._tier_stats(),
             )
         except NotFoundError:  # the controller restarted or expired us: register again
             self._session = None

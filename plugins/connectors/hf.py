@@ -89,6 +89,8 @@ class TransformersConnector:
         elif engine.kv_spec != self.spec:
             raise ValueError(f"the engine is set up for KV {engine.kv_spec.signature}, the model has {self.spec.signature}")
         self.engine = engine
+        if tokenizer is not None and engine.tokenize is None:  # the instance API's /v1/tokenize
+            engine.tokenize = self.encode
         self.layerwise = layerwise
         self.device = next(model.parameters()).device
         self._buf: torch.Tensor | None = None

@@ -28,6 +28,8 @@ POST     /v1/pin           ``{key, tier}``
 POST     /v1/unpin         ``{key, tier}``
 POST     /v1/recode        ``{tier, codec, keys, namespace, model, dry_run}``: re-encode in place
 POST     /v1/push          ``{target, tokens | keys, tier, target_tier, remove_source}``: send entries to a peer
+POST     /v1/tokenize      ``{text}``: ``{tokens, model}`` with the model's tokenizer (501 when no connector gave one)
+GET      /                 the operator page (:mod:`lmcache.web`; public, it holds no data), ``/static/app.{js,css}``
 GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 =======  ================  ==================================================
 
@@ -47,6 +49,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
+from lmcache import web
 from lmcache.auth import ADMIN, Credentials, Unauthorized, foreign
 from lmcache.config import ApiConfig
 from lmcache.errors import AdminError, ConfigError
@@ -85,7 +88,10 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
          "remove_source": (bool,)},
         ("target",),
     ),
+    "/v1/tokenize": ({"text": (str,)}, ("text",)),
 }
+#: the longest text ``/v1/tokenize`` takes (characters)
+MAX_TEXT = 256 * 1024
 _QUERIES = {
     "/v1/keys": ("tier", "namespace", "model", "offset", "limit"),
     "/v1/tiers": (),
@@ -159,13 +165,29 @@ class ApiServer:
             registry, generate, ctype = self._metrics
         return generate(registry), ctype
 
+    def tokenize(self, text: str) -> dict[str, Any]:
+        """``{"tokens": [...], "model": ...}``: ``text`` tokenized as the engine's connector
+        does it (501 when the connector gave no tokenizer; 413 over :data:`MAX_TEXT`)."""
+        if len(text) > MAX_TEXT:
+            raise HTTPError(413, f"field 'text' is longer than {MAX_TEXT} characters")
+        e = self.admin.engine
+        encode = e.tokenize if e is not None else None
+        if encode is None:
+            raise HTTPError(501, "this instance has no tokenizer (its connector gave none); look up token ids instead")
+        tokens = [int(t) for t in encode(text)]
+        return {"tokens": tokens, "model": self.admin.config.model if self.admin.config is not None else None}
+
     # ------------------------------------------------------------ routes
     def get(self, path: str, query: dict[str, str], tenant: str | None = ADMIN) -> Any:
         a = self.admin
         if path == "/v1/health":
             from lmcache import __version__
 
-            return {"status": "ok", "version": __version__, "live": a.live}
+            e = a.engine
+            return {"status": "ok", "service": "instance", "version": __version__, "live": a.live,
+                    "instance_id": e.instance_id if e is not None else None,
+                    "model": a.config.model if a.config is not None else None,
+                    "namespace": a.config.namespace if a.config is not None else None}
         if path == "/v1/tiers":
             return a.tiers() if tenant is ADMIN else a.tiers(namespace=tenant)
         if path in ("/v1/stats", "/v1/config", "/metrics"):
@@ -189,6 +211,8 @@ class ApiServer:
 
     def post(self, path: str, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         a = self.admin
+        if path == "/v1/tokenize":  # no entry is read or named: any token may
+            return self.tokenize(body["text"])
         if tenant is not ADMIN:
             body = _scoped_body(path, body, tenant, a)
         if path == "/v1/evict":
@@ -320,6 +344,8 @@ class _Handler(JSONHandler):
         try:
             parts = urlsplit(self.path)
             path = parts.path.rstrip("/") or "/"
+            if web.serve(self, method, path):  # the page: public, it holds no data
+                return
             tenant = self.api.scope(self.headers.get("Authorization"))
             if path in _QUERIES:
                 if method != "GET":

@@ -53,6 +53,8 @@ def engine(tmp_path):
 def call(url, path, body=None, *, token=TOKEN, method=None, raw=None, headers=None):
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     h = dict(headers or {})
+    if data is not None:
+        h.setdefault("Content-Type", "application/json")  # the API reads JSON bodies only (415 otherwise)
     if token:
         h["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url + path, data=data, method=method, headers=h)
