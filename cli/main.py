@@ -12,8 +12,8 @@ from typing import Annotated
 
 import typer
 
-from . import (bench, compress_cmd, config_cmd, controller_cmd, demo, evict_cmd, ls_cmd, pin_cmd, plugin_cmd,
-               plugins_cmd, server_cmd, stats_cmd, tiers_cmd)
+from . import (bench, compress_cmd, config_cmd, controller_cmd, dashboard_cmd, demo, evict_cmd, ls_cmd, pin_cmd,
+               plugin_cmd, plugins_cmd, server_cmd, stats_cmd, tiers_cmd)
 from ._util import LMCacheGroup, print_json
 
 app = typer.Typer(
@@ -37,6 +37,7 @@ app.add_typer(compress_cmd.app)
 app.add_typer(config_cmd.app, name="config")
 app.command("server")(server_cmd.server_cmd)
 app.add_typer(controller_cmd.app)
+app.add_typer(dashboard_cmd.app)
 
 
 def _print_version(value: bool) -> None:
