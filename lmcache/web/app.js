@@ -373,6 +373,8 @@ async function lookup() {
     else if (text.trim()) body = { text };
     else { setStatus("lookup: give a text or token ids"); return; }
   } catch (e) { setStatus(e.message); return; }
+  $("#lookup-results tbody").replaceChildren();  // no stale rows while the answer is on its way
+  setStatus("looking up ...");
   try {
     const r = await api("POST", "/v1/lookup", body);
     const rows = r.results.map((x) => el("tr", { "data-instance": x.instance_id },
