@@ -22,7 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _missing import missing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ("cpu-only", "gpu")
+OVERLAYS = ("cpu-only", "gpu", "ha-controller")
+#: what the ha-controller overlay adds to the others' objects
+HA_KINDS = ["ConfigMap/lmcache-index-scripts", "NetworkPolicy/lmcache-index", "PodDisruptionBudget/lmcache-controller",
+            "Service/lmcache-index", "Service/lmcache-index-sentinel", "StatefulSet/lmcache-index",
+            "StatefulSet/lmcache-index-sentinel"]
 
 
 def _tool(name: str, install: str) -> str:
@@ -62,10 +66,10 @@ def objects(path: Path) -> list[dict]:
 def test_every_rendered_object_passes_strict_schema_validation(rendered, overlay):
     docs = objects(rendered[overlay])
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
-    assert kinds == ["ConfigMap/lmcache-config", "Deployment/lmcache-controller", "Deployment/vllm-lmcache",
-                     "NetworkPolicy/lmcache-valkey", "PersistentVolumeClaim/vllm-models",
-                     "Service/lmcache-controller", "Service/lmcache-valkey", "Service/vllm-lmcache",
-                     "StatefulSet/lmcache-valkey"]
+    assert kinds == sorted(["ConfigMap/lmcache-config", "Deployment/lmcache-controller", "Deployment/vllm-lmcache",
+                            "NetworkPolicy/lmcache-valkey", "PersistentVolumeClaim/vllm-models",
+                            "Service/lmcache-controller", "Service/lmcache-valkey", "Service/vllm-lmcache",
+                            "StatefulSet/lmcache-valkey"] + (HA_KINDS if overlay == "ha-controller" else []))
     p = validate(rendered[overlay])
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count(" passed for resource ") == len(docs), p.stdout
@@ -124,3 +128,39 @@ def test_the_configmaps_lmcache_config_is_valid(rendered, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "tiers: cpu (cpu, 4.0 GiB), valkey (valkey, 12.0 GiB)" in p.stdout, p.stdout
+
+
+def test_the_ha_overlay_runs_two_controllers_on_a_sentinel_watched_index(rendered, tmp_path):
+    """ha-controller: two controller replicas (spread over nodes, one kept through a drain)
+    reading the index from Valkey through the three Sentinels; a primary and a replica;
+    only the controllers and the index's own pods may reach the index; the start scripts
+    are valid sh and ask the Sentinels for the primary before assuming pod 0."""
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d for d in objects(rendered["ha-controller"])}
+    ctl = docs["Deployment/lmcache-controller"]
+    assert ctl["spec"]["replicas"] == 2
+    c = ctl["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    url = env["LMCACHE_CONTROLLER_INDEX"]
+    sentinels = [f"lmcache-index-sentinel-{i}.lmcache-index-sentinel:26379" for i in range(3)]
+    assert url == f"valkey+sentinel://{','.join(sentinels)}/lmcache-index"
+    assert env["LMCACHE_CONTROLLER_TOKEN"] == {"secretKeyRef": {"name": "lmcache-secrets", "key": "controller-token"}}
+    spread = ctl["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert docs["PodDisruptionBudget/lmcache-controller"]["spec"]["minAvailable"] == 1
+    assert docs["StatefulSet/lmcache-index"]["spec"]["replicas"] == 2
+    assert docs["StatefulSet/lmcache-index-sentinel"]["spec"]["replicas"] == 3
+    for svc in ("lmcache-index", "lmcache-index-sentinel"):  # per-pod names resolve before readiness
+        assert docs[f"Service/{svc}"]["spec"]["clusterIP"] == "None"
+        assert docs[f"Service/{svc}"]["spec"]["publishNotReadyAddresses"] is True
+    ingress = docs["NetworkPolicy/lmcache-index"]["spec"]["ingress"][0]
+    allowed = [p["podSelector"]["matchLabels"] for p in ingress["from"]]
+    assert allowed == [{"app.kubernetes.io/name": "lmcache-controller"}, {"app.kubernetes.io/component": "lmcache-index"}]
+    scripts = docs["ConfigMap/lmcache-index-scripts"]["data"]
+    for name, text in scripts.items():
+        f = tmp_path / name
+        f.write_text(text)
+        p = subprocess.run(["sh", "-n", str(f)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, f"{name}: {p.stderr}"
+    assert "sentinel get-master-addr-by-name lmcache-index" in scripts["primary.sh"]
+    assert "sentinel monitor lmcache-index $primary 6379 2" in scripts["sentinel.sh"]
+    assert "--replicaof" in scripts["valkey.sh"]
