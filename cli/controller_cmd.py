@@ -2,7 +2,7 @@
 
 ``serve`` runs the service in the foreground (its URL on stdout, logs on stderr); the
 other commands call a running controller (``--url``, default ``$LMCACHE_CONTROLLER_URL``
-or ``http://127.0.0.1:9000``) with ``--token`` (default ``$LMCACHE_CONTROLLER_TOKEN``).
+or ``http://127.0.0.1:9000``; several replicas as ``--url http://a:9000,http://b:9000``) with ``--token`` (default ``$LMCACHE_CONTROLLER_TOKEN``).
 Tokens are given as ``--tokens 1,2,3`` or ``--tokens-file FILE`` (a JSON list, or ids
 separated by commas or spaces; ``-`` reads stdin).
 """
@@ -30,7 +30,8 @@ DEFAULT_URL = "http://127.0.0.1:9000"
 
 CtlUrlOpt = Annotated[
     str, typer.Option("--url", envvar="LMCACHE_CONTROLLER_URL", metavar="URL", show_envvar=False,
-                      help="The controller (default: $LMCACHE_CONTROLLER_URL or http://127.0.0.1:9000).")
+                      help="The controller, or several replicas comma-separated (tried in turn when one does not "
+                           "answer or answers 502/503) (default: $LMCACHE_CONTROLLER_URL or http://127.0.0.1:9000).")
 ]
 CtlTokenOpt = Annotated[
     str | None, typer.Option("--token", envvar="LMCACHE_CONTROLLER_TOKEN", metavar="TOKEN", show_default=False,
