@@ -201,10 +201,28 @@ def _http_url(key: str, url: Any, src: str | None) -> str:
     return url.rstrip("/")
 
 
+_MAX_CONTROLLER_URLS = 16
+
+
+def _controller_urls(key: str, v: Any, src: str | None) -> str:
+    """One controller URL, a comma-separated string or a YAML list of them (replicas, tried
+    in turn by :class:`~lmcache.controller.client.ControllerClient`): kept as one
+    comma-separated string; an entry that is not ``http(s)://HOST:PORT`` is named."""
+    items = v.split(",") if isinstance(v, str) else v if isinstance(v, list) else None
+    if not items or len(items) > _MAX_CONTROLLER_URLS:
+        raise ConfigError(key, f"expected http://HOST:PORT, or a list of 1-{_MAX_CONTROLLER_URLS} of them "
+                               f"(comma-separated or a YAML list), got {show(v)}", src)
+    urls = [_http_url(key, u.strip() if isinstance(u, str) else u, src) for u in items]
+    return ",".join(dict.fromkeys(urls))
+
+
 @dataclass
 class ControllerConfig:
     """The controller worker (see :mod:`lmcache.controller.worker`): off unless ``url``
-    is set (``controller: http://...`` is short for ``{url: ...}``).
+    is set (``controller: http://...`` is short for ``{url: ...}``). ``url`` may name
+    several controller replicas, comma-separated or as a YAML list: every call goes to
+    the one that answered last and fails over to the next when it does not answer or
+    answers 502/503 (kept as one comma-separated string).
 
     The worker registers this instance with the controller at ``url``, heartbeats every
     ``heartbeat_interval`` seconds and reports admit/evict events in batches of at most
@@ -213,7 +231,7 @@ class ControllerConfig:
     ``timeout`` bounds every call. ``instance_id`` defaults to ``<host>-<pid>-<random>``.
     """
 
-    url: str | None = option(None, check.optional(_http_url), shorthand=str)
+    url: str | None = option(None, check.optional(_controller_urls), shorthand=str)
     token: str | None = option(None, check.token, secret=True, env=True)
     instance_id: str | None = option(None, check.optional(check.name))
     heartbeat_interval: float = option(2.0, check.seconds(minimum=0.05))  # a tiny one is a busy loop

@@ -1,28 +1,114 @@
-"""The controller's HTTP client, used by ``lmcache controller ...`` and by the worker.
+"""The controller's HTTP client, used by ``lmcache controller ...``, the worker and P2P.
 
 It shares the instance API client's transport (:class:`lmcache.plugins.services.api_client.ApiClient`:
 stdlib only, a timeout on every call, no proxies, no redirects, the bearer token when
 given), so errors are the same: an answer of 4xx/5xx raises the matching
 :class:`~lmcache.errors.AdminError` (``AuthError`` for 401, ``NotFoundError`` for 404),
 no answer raises :class:`~lmcache.errors.UnreachableError`.
+
+Several controller URLs (replicas of one controller, e.g. over the ``valkey`` index):
+the client sticks to the URL that last answered; when it does not answer (refused,
+timed out, reset) or answers 502/503, the same call is tried on the next URL, each try
+bounded by ``timeout`` (so a call takes at most ``len(urls) * timeout``). Any other
+answer, 4xx included, is final: a refused token or a bad request is not retried
+elsewhere. The URLs all come from the caller's configuration, so the token goes only
+to addresses it chose.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient
+from lmcache.errors import AdminError
+from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient, check_url
+
+#: at most this many controller URLs in one list
+MAX_URLS = 16
+#: answers that mean "this replica cannot serve now, another may" (besides no answer)
+FAILOVER_STATUS = (502, 503)
+
+
+def split_urls(url_or_urls: str | Sequence[str]) -> list[str]:
+    """The controller URLs of ``url_or_urls``: one URL, a comma-separated string or a
+    sequence of URLs; duplicates dropped, order kept. :class:`AdminError` (one line naming
+    the bad entry) for an entry that is not ``http(s)://HOST[:PORT]``, an empty list or
+    more than :data:`MAX_URLS`."""
+    items = url_or_urls.split(",") if isinstance(url_or_urls, str) else list(url_or_urls)
+    urls: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise AdminError(f"not a controller URL: {item!r} in {url_or_urls!r} (expected http://HOST:PORT[,http://HOST:PORT...])")
+        try:
+            u = check_url(item.strip())
+        except AdminError:
+            raise AdminError(f"not a controller URL: {item.strip()!r} (expected http://HOST:PORT)") from None
+        if u not in urls:
+            urls.append(u)
+    if not urls:
+        raise AdminError("no controller URL given")
+    if len(urls) > MAX_URLS:
+        raise AdminError(f"{len(urls)} controller URLs given; at most {MAX_URLS}")
+    return urls
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-class ControllerClient(ApiClient):
-    """Calls one controller. Methods return the decoded JSON answer."""
+class ControllerClient:
+    """Calls a controller, given one URL or several (replicas; see the module's doc).
+    Methods return the decoded JSON answer. Thread-safe: calls share only the index of
+    the URL that last answered."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
-        super().__init__(url, token, timeout)
+    live = True
+
+    def __init__(self, url_or_urls: str | Sequence[str], token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+        self.urls = split_urls(url_or_urls)
+        self.token = token
+        self.timeout = timeout
+        self._clients = [ApiClient(u, token, timeout) for u in self.urls]
+        self._current = 0
+
+    @property
+    def url(self) -> str:
+        """The URL that answered last (the first one until a call was made)."""
+        return self.urls[self._current]
+
+    def request(self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None) -> Any:
+        """One call, on the URL that answered last, then on the next ones while a URL
+        does not answer or answers 502/503. When none answers, the last URL's error is
+        raised with every URL's reason in its message."""
+        n = len(self._clients)
+        start = self._current
+        errors: list[AdminError] = []
+        for i in range(n):
+            idx = (start + i) % n
+            try:
+                answer = self._clients[idx].request(method, path, query=query, body=body)
+            except AdminError as exc:
+                if getattr(exc, "status", None) not in FAILOVER_STATUS:
+                    self._current = idx  # it answered: a 4xx is the answer
+                    raise
+                errors.append(exc)
+                continue
+            self._current = idx
+            return answer
+        last = errors[-1]
+        if n == 1:
+            raise last
+        err = type(last)(f"no controller answered ({'; '.join(str(e) for e in errors)})")
+        err.status = getattr(last, "status", 503)
+        raise err from None
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+
+    def __enter__(self) -> ControllerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------ routers and operators
     def health(self) -> dict[str, Any]:
@@ -75,4 +161,4 @@ class ControllerClient(ApiClient):
         return self.request("POST", "/v1/deregister", body={"instance_id": instance_id, "session": session})
 
 
-__all__ = ["ControllerClient"]
+__all__ = ["ControllerClient", "FAILOVER_STATUS", "MAX_URLS", "split_urls"]

@@ -19,6 +19,12 @@ the tiers' real state. A batch the controller refuses for its key cap (429: this
 instance would hold more keys than ``--max-keys-per-instance``) is dropped and counted
 without a resync (a snapshot would be refused the same way); the index then lacks those
 keys, and lookups under-report this instance until it re-registers.
+
+Several controller URLs (``controller.url`` as a list; replicas): the client fails over
+to the next URL when one does not answer (see :mod:`lmcache.controller.client`). A
+replica that does not know this instance's session (its own ``memory`` index) answers
+404, and the worker registers again at once on that replica and resends its snapshot;
+over the shared ``valkey`` index the session stays valid and events keep flowing.
 """
 
 from __future__ import annotations
@@ -99,7 +105,7 @@ class ControllerWorker:
     def stats(self) -> dict[str, Any]:
         return {
             "instance_id": self.instance_id,
-            "controller": self.cfg.url,
+            "controller": self.client.url,
             "registered": self.registered,
             "queued_events": self._queue.qsize(),
             "sent_events": self.sent_events,
@@ -138,6 +144,7 @@ class ControllerWorker:
         retry_at = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
+            had_session = self._session is not None
             try:
                 if self._session is None or self._need_resync:
                     if now >= retry_at:
@@ -151,12 +158,15 @@ class ControllerWorker:
                 if self._down_since is not None and self._session is not None:
                     log.warning(
                         "controller %s: registered again as %s after %.1fs; index resynced (%d events dropped so far)",
-                        self.cfg.url, self.instance_id, time.monotonic() - self._down_since, self.dropped_events,
+                        self.client.url, self.instance_id, time.monotonic() - self._down_since, self.dropped_events,
                     )
                     self._down_since = None
             except (AdminError, OSError, ValueError) as exc:
                 self._failed(exc)
-                retry_at = time.monotonic() + self.cfg.heartbeat_interval
+                # a controller that answered "register again" (404: restarted, or another
+                # replica with its own index) is registered with at once; others are retried later
+                again = had_session and isinstance(exc, NotFoundError)
+                retry_at = time.monotonic() + (0.0 if again else self.cfg.heartbeat_interval)
             except Exception:  # never let the worker die
                 log.exception("controller worker: unexpected error")
                 self._session = None
@@ -171,14 +181,14 @@ class ControllerWorker:
         if self._down_since is None:
             self._down_since = time.monotonic()
             if isinstance(exc, AuthError):
-                log.error("controller %s refused this instance's token: %s", self.cfg.url, exc)
+                log.error("controller %s refused this instance's token: %s", self.client.url, exc)
             else:
                 log.warning(
                     "controller %s: %s; dropping events and retrying every %gs, then resending a snapshot",
-                    self.cfg.url, exc, self.cfg.heartbeat_interval,
+                    self.client.url, exc, self.cfg.heartbeat_interval,
                 )
         else:
-            log.debug("controller %s still failing: %s", self.cfg.url, exc)
+            log.debug("controller %s still failing: %s", self.client.url, exc)
 
     def _resync(self) -> None:
         """Register (the controller forgets what it knew of us) and send every key."""
@@ -196,7 +206,7 @@ class ControllerWorker:
         r = self.client.register(self._info())
         session = r.get("session") if isinstance(r, dict) else None
         if not isinstance(session, str):
-            raise AdminError(f"controller {self.cfg.url} answered register without a session: {r!r}")
+            raise AdminError(f"controller {self.client.url} answered register without a session: {r!r}")
         for i in range(0, len(snapshot), self.cfg.batch_size):
             part = snapshot[i : i + self.cfg.batch_size]
             try:
@@ -208,7 +218,7 @@ class ControllerWorker:
         self.sent_events += len(snapshot)
         self.registrations += 1
         self._session = session
-        log.info("registered %s with controller %s (%d keys)", self.instance_id, self.cfg.url, len(snapshot))
+        log.info("registered %s with controller %s (%d keys)", self.instance_id, self.client.url, len(snapshot))
 
     def _send_events(self) -> None:
         while self._session is not None:
@@ -241,7 +251,7 @@ class ControllerWorker:
         if self._cap_said != self.registrations:
             self._cap_said = self.registrations
             log.warning("controller %s refused events of %s: %s; lookups will miss some of this instance's keys",
-                        self.cfg.url, self.instance_id, exc)
+                        self.client.url, self.instance_id, exc)
         return True
 
     def _tier_stats(self) -> list[dict[str, Any]]:
@@ -288,7 +298,7 @@ class ControllerWorker:
             self._send_events()
             self.client.deregister(self.instance_id, session)
         except (AdminError, OSError, ValueError) as exc:
-            log.debug("controller %s: deregister failed: %s", self.cfg.url, exc)
+            log.debug("controller %s: deregister failed: %s", self.client.url, exc)
         self._session = None
 
 
