@@ -53,7 +53,11 @@ def s3_store(
     server = LocalServer(
         "rclone-s3",
         [rclone, "serve", "s3", "--config", conf, "--addr", f"127.0.0.1:{port}",
-         "--auth-key", f"{access_key},{secret_key}", "--log-level", "NOTICE", data],
+         "--auth-key", f"{access_key},{secret_key}", "--log-level", "NOTICE",
+         # rclone caches directory listings for 5 min by default: a PUT finishing after a
+         # concurrent DELETE of the same key can leave a listed object that is not there
+         # (seen once in CI: a key still listed after a wipe); 1 s keeps listings true
+         "--dir-cache-time", "1s", "--poll-interval", "0", data],
         port,
         workdir=root,
         start_timeout=start_timeout,
