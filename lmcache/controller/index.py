@@ -64,20 +64,21 @@ class Instance:
     refused_events: int = 0  # events of batches refused by the key cap
     peer_url: str | None = None  # lm://host:port of its peer endpoint (p2p), if it runs one
     tier_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tier -> TIER_STATS, last reported
-    keys: dict[str, set[str]] = field(default_factory=dict)  # key -> tiers holding it
+    keys: KeyMap = field(default_factory=lambda: KeyMap())  # key -> bitmask of tiers holding it
+    epoch: int = 0  # how many times this instance id registered (1 the first time)
 
     def key_prefix(self) -> str | None:
         if self.kv_signature is None:
             return None
         return ":".join((KEY_PREFIX, self.namespace, quote(self.model, safe="-_.~"), self.kv_signature, ""))
 
-    def public(self, now: float, timeout: float) -> dict[str, Any]:
-        age = max(0.0, now - self.last_seen)
+    def public(self, age: float, timeout: float, keys: int | None = None) -> dict[str, Any]:
+        """What ``/v1/instances`` shows of it, ``age`` seconds after its last heartbeat."""
         return {
             "instance_id": self.instance_id,
             "healthy": age <= timeout,
             "last_heartbeat": self.last_seen_wall,
-            "last_heartbeat_age_s": round(age, 3),
+            "last_heartbeat_age_s": round(max(0.0, age), 3),
             "registered_at": self.registered_at,
             "api_url": self.api_url,
             "peer_url": self.peer_url,
@@ -88,7 +89,7 @@ class Instance:
             "hash_algorithm": self.hash_algorithm,
             "tiers": list(self.tiers),
             "tier_stats": {t: dict(self.tier_stats[t]) for t in self.tiers if t in self.tier_stats},
-            "keys": len(self.keys),
+            "keys": len(self.keys) if keys is None else keys,
             "events": self.events,
             "dropped_events": self.dropped_events,
             "refused_events": self.refused_events,
@@ -97,11 +98,86 @@ class Instance:
         }
 
 
-class Index:
-    """Chunk key -> {instance id -> tiers}, with the instances themselves. Thread-safe."""
+class KeyMap:
+    """Chunk key -> bitmask of tiers (bit i: the instance's i-th tier), held compactly.
 
-    def __init__(self, instance_timeout: float, expire_after: float, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, *,
+    Why: a ``str -> set[str]`` entry took about 650 bytes, so ten million (chunk,
+    instance) entries did not fit in a few GiB. The first key of the form
+    ``<prefix>:<32 lowercase hex>`` fixes the map's prefix; every key of that prefix is
+    then held as its 16 raw bytes and a small int, any other key as its string. The two
+    kinds never collide (``bytes != str``), and the encoding of a key never changes."""
+
+    __slots__ = ("prefix", "_d")
+
+    def __init__(self) -> None:
+        self.prefix: str | None = None
+        self._d: dict[bytes | str, int] = {}
+
+    def _enc(self, key: str, fix: bool = False) -> bytes | str:
+        p = self.prefix
+        if p is None:
+            if not fix:
+                return key
+            cut = key.rfind(":") + 1
+            if not cut or len(key) - cut != 32:
+                return key
+            p = key[:cut]
+        if len(key) != len(p) + 32 or not key.startswith(p):
+            return key
+        tail = key[len(p):]
+        try:
+            raw = bytes.fromhex(tail)
+        except ValueError:
+            return key
+        if raw.hex() != tail:  # upper case or spaces: not the canonical form
+            return key
+        self.prefix = p
+        return raw
+
+    def get(self, key: str) -> int:
+        return self._d.get(self._enc(key), 0)
+
+    def set(self, key: str, mask: int) -> None:
+        """Hold ``key`` in the tiers of ``mask``; 0 forgets it."""
+        k = self._enc(key, fix=True)
+        if mask:
+            self._d[k] = mask
+        else:
+            self._d.pop(k, None)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def tier_bit(tiers: list[str], tier: str) -> int:
+    """The bit of ``tier`` in a mask over ``tiers`` (0 when not one of them)."""
+    try:
+        return 1 << tiers.index(tier)
+    except ValueError:
+        return 0
+
+
+@dataclass
+class Query:
+    """A ``/v1/lookup`` body, checked: exactly one of tokens, hashes, keys."""
+
+    tokens: Any
+    hashes: list[str] | None
+    keys: list[str] | None
+    num_tokens: int | None
+    namespace: str | None
+    model: str | None
+
+
+class IndexBase:
+    """What every index shares: the checks of each call (fields, tenancy, caps' errors),
+    the chunking of a lookup and the scoring of its hits. A storage implements the
+    ``_``-methods below; :class:`Index` keeps everything in this process,
+    :class:`lmcache.controller.index_valkey.ValkeyIndex` in Valkey. Both answer alike."""
+
+    kind = "memory"
+
+    def __init__(self, instance_timeout: float, expire_after: float, *,
                  max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE,
                  max_instances_per_tenant: int = DEFAULT_MAX_INSTANCES_PER_TENANT):
         if max_keys_per_instance < 1 or max_instances_per_tenant < 1:
@@ -110,15 +186,44 @@ class Index:
         self.expire_after = expire_after
         self.max_keys_per_instance = max_keys_per_instance
         self.max_instances_per_tenant = max_instances_per_tenant
-        #: refusals by the caps: events (of refused batches) and registrations
-        self.refused_events = 0
-        self.refused_registrations = 0
-        self.clock = clock
-        self.wall_clock = wall_clock
-        self.lock = threading.Lock()
-        self.instances: dict[str, Instance] = {}
-        self.by_key: dict[str, dict[str, set[str]]] = {}
         self._processors: dict[tuple[int, str, bool], TokenProcessor] = {}
+
+    # ------------------------------------------------------------ storage (per implementation)
+    def _put(self, inst: Instance, tenant: str | None) -> Instance:
+        """Store a new registration (replacing the id's old one and its keys): 409 for
+        an id of another namespace, 429 over the tenant's cap. Sets ``inst.epoch``."""
+        raise NotImplementedError
+
+    def _beat(self, body: dict[str, Any], tenant: str | None, sig: str | None) -> None:
+        raise NotImplementedError
+
+    def _apply(self, body: dict[str, Any], tenant: str | None, events: list) -> None:
+        """Apply checked events atomically: 404 for a wrong session, 400 for an unknown
+        tier, 429 over the key cap (then nothing is applied)."""
+        raise NotImplementedError
+
+    def _drop(self, body: dict[str, Any], tenant: str | None) -> Instance:
+        raise NotImplementedError
+
+    def _holdings(self, q: Query) -> tuple[list[tuple[Instance, list[int], list[int]]], int]:
+        """For each healthy candidate of ``q``: (instance, chunk ends, tier masks of the
+        leading chunks it holds); and how many instances were considered."""
+        raise NotImplementedError
+
+    def _find(self, iid: str, tenant: str | None) -> tuple[Instance, float] | None:
+        """The instance and the seconds since it was last seen; None if unknown or another tenant's."""
+        raise NotImplementedError
+
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every instance (of ``namespace`` only, if given), by id."""
+        raise NotImplementedError
+
+    def expire(self) -> list[str]:
+        """Forget instances silent for longer than ``expire_after`` (ids returned)."""
+        return []
+
+    def close(self) -> None:
+        """Release connections, if any."""
 
     # ------------------------------------------------------------ the workers' side
     def register(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
@@ -135,8 +240,9 @@ class Index:
         if algo not in HASH_ALGORITHMS:
             raise HTTPError(400, f"field 'hash_algorithm' must be one of {', '.join(HASH_ALGORITHMS)}, got {algo!r}")
         tiers = body["tiers"]
-        if not tiers or not all(isinstance(t, str) and t for t in tiers) or len(set(tiers)) != len(tiers):
-            raise HTTPError(400, "field 'tiers' must be a non-empty list of distinct tier names")
+        if not tiers or not all(isinstance(t, str) and t for t in tiers) or len(set(tiers)) != len(tiers) \
+                or len(tiers) > 30:
+            raise HTTPError(400, "field 'tiers' must be a non-empty list of at most 30 distinct tier names")
         sig = body.get("kv_signature")
         if sig is not None:
             _check_name("kv_signature", sig)
@@ -146,90 +252,47 @@ class Index:
         peer = body.get("peer_url")
         if peer is not None:
             _check_url("peer_url", peer, ("lm",))
-        now, wall = self.clock(), self.wall_clock()
+        wall = time.time()
         inst = Instance(
             instance_id=iid, session=secrets.token_hex(8), api_url=api_url, api_token=body.get("api_token"),
             namespace=body["namespace"], model=body["model"], kv_signature=sig, chunk_size=body["chunk_size"],
             hash_algorithm=algo, save_unfull_chunk=body.get("save_unfull_chunk", True), tiers=list(tiers),
             heartbeat_interval=body.get("heartbeat_interval"), pid=body.get("pid"), version=body.get("version"),
-            registered_at=wall, last_seen=now, last_seen_wall=wall, peer_url=peer,
+            registered_at=wall, last_seen=0.0, last_seen_wall=wall, peer_url=peer,
             tier_stats=tier_stats(body.get("tier_stats"), tiers),
         )
-        with self.lock:
-            old = self.instances.get(iid)
-            if old is not None and foreign(tenant, old.namespace):
-                raise HTTPError(409, f"instance id {iid!r} is taken by another namespace's instance")
-            if tenant is not ADMIN:
-                self._check_instance_cap(iid, tenant)
-            self.instances.pop(iid, None)
-            if old is not None:
-                self._forget_keys(old)
-            self.instances[iid] = inst
-        log.info("instance %s registered (%s, tiers %s)%s", iid, api_url or "no API", ", ".join(tiers),
-                 " again: its index was reset" if old is not None else "")
-        return {"instance_id": iid, "session": inst.session, "instance_timeout": self.instance_timeout}
+        inst = self._put(inst, tenant)
+        log.info("instance %s registered (%s, tiers %s, epoch %d)%s", iid, api_url or "no API", ", ".join(tiers),
+                 inst.epoch, " again: its index was reset" if inst.epoch > 1 else "")
+        return {"instance_id": iid, "session": inst.session, "epoch": inst.epoch,
+                "instance_timeout": self.instance_timeout}
 
-    def _check_instance_cap(self, iid: str, tenant: str) -> None:
-        """429 when ``tenant`` already has its cap of instances (``iid`` registering
-        again does not count twice). Called under the lock."""
-        n = sum(1 for i in self.instances.values() if i.namespace == tenant and i.instance_id != iid)
-        if n >= self.max_instances_per_tenant:
-            self.refused_registrations += 1
-            log.warning("refused to register instance %s: namespace %s has %d instances registered with its tenant "
-                        "tokens, the cap (--max-instances-per-tenant %d)", iid, tenant, n, self.max_instances_per_tenant)
-            raise HTTPError(429, f"namespace {tenant!r} has {n} instances registered, the cap of "
-                                 f"{self.max_instances_per_tenant} (lmcache controller serve --max-instances-per-tenant); "
-                                 "deregister one first")
-
-    def _check_key_cap(self, inst: Instance, events: list) -> None:
-        """429 when applying ``events`` would take ``inst`` over ``max_keys_per_instance``
-        keys (a batch that does not add keys always passes). Called under the lock."""
-        touched: dict[str, set[str]] = {}
-        for op, tier, key in events:
-            held = touched.get(key)
-            if held is None:
-                held = touched[key] = set(inst.keys.get(key, ()))
-            if op == "admit":
-                held.add(tier)
-            else:
-                held.discard(tier)
-        after = len(inst.keys) + sum(1 for k, t in touched.items() if t and k not in inst.keys) \
-            - sum(1 for k, t in touched.items() if not t and k in inst.keys)
-        if after <= self.max_keys_per_instance or after <= len(inst.keys):
+    def instance_cap(self, iid: str, tenant: str, n: int) -> None:
+        """429 when ``tenant`` already has ``n`` >= its cap of other instances."""
+        if n < self.max_instances_per_tenant:
             return
-        first = not inst.refused_events
-        inst.refused_events += len(events)
-        self.refused_events += len(events)
-        (log.warning if first else log.debug)(
-            "refused %d events of instance %s (namespace %s): it would hold %d keys, over the cap of %d "
-            "(--max-keys-per-instance); %d events refused so far", len(events), inst.instance_id, inst.namespace,
-            after, self.max_keys_per_instance, inst.refused_events)
-        raise HTTPError(429, f"instance {inst.instance_id!r} would hold {after} keys, over the cap of "
-                             f"{self.max_keys_per_instance} keys per instance (lmcache controller serve "
-                             "--max-keys-per-instance); the batch was refused, nothing applied")
+        log.warning("refused to register instance %s: namespace %s has %d instances registered with its tenant "
+                    "tokens, the cap (--max-instances-per-tenant %d)", iid, tenant, n, self.max_instances_per_tenant)
+        raise HTTPError(429, f"namespace {tenant!r} has {n} instances registered, the cap of "
+                             f"{self.max_instances_per_tenant} (lmcache controller serve --max-instances-per-tenant); "
+                             "deregister one first")
 
-    def _session(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Instance:
-        """The caller's instance, seen now; 404 if unknown, of another tenant or an
-        older session (the worker then registers again)."""
-        inst = self.instances.get(body["instance_id"])
-        if inst is None or foreign(tenant, inst.namespace) or not hmac.compare_digest(inst.session, body["session"]):
-            raise HTTPError(404, f"unknown instance or session {body['instance_id']!r}: register again")
-        inst.last_seen = self.clock()
-        inst.last_seen_wall = self.wall_clock()
-        return inst
+    def key_cap(self, iid: str, namespace: str, after: int, refused: int, so_far: int) -> HTTPError:
+        """The 429 of a batch of ``refused`` events that would leave ``iid`` with
+        ``after`` keys (``so_far``: its events refused before this batch), logged."""
+        (log.warning if not so_far else log.debug)(
+            "refused %d events of instance %s (namespace %s): it would hold %d keys, over the cap of %d "
+            "(--max-keys-per-instance); %d events refused so far", refused, iid, namespace,
+            after, self.max_keys_per_instance, so_far + refused)
+        return HTTPError(429, f"instance {iid!r} would hold {after} keys, over the cap of "
+                              f"{self.max_keys_per_instance} keys per instance (lmcache controller serve "
+                              "--max-keys-per-instance); the batch was refused, nothing applied")
 
     def heartbeat(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         sig = body.get("kv_signature")
         if sig is not None:
             _check_name("kv_signature", sig)
-        with self.lock:
-            inst = self._session(body, tenant)
-            if body.get("tier_stats") is not None:
-                inst.tier_stats = tier_stats(body["tier_stats"], inst.tiers)
-            if sig is not None:
-                inst.kv_signature = sig
-            if body.get("dropped_events") is not None:
-                inst.dropped_events = body["dropped_events"]
+        self._beat(body, tenant, sig)
         return {"ok": True}
 
     def events(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
@@ -245,73 +308,15 @@ class Index:
         if tenant is not ADMIN:  # a tenant's worker reports its own namespace's keys only
             kept = [ev for ev in events if _namespace_of(ev[2]) == tenant]
             ignored, events = len(events) - len(kept), kept
-        with self.lock:
-            inst = self._session(body, tenant)
-            known = set(inst.tiers)
-            for i, (_, tier, _) in enumerate(events):
-                if tier not in known:
-                    raise HTTPError(400, f"field 'events'[{i}]: unknown tier {tier!r}; registered: {', '.join(inst.tiers)}")
-            self._check_key_cap(inst, events)
-            iid = inst.instance_id
-            for op, tier, key in events:
-                held = inst.keys.get(key)
-                if op == "admit":
-                    if held is None:
-                        held = inst.keys[key] = set()
-                        self.by_key.setdefault(key, {})[iid] = held
-                    held.add(tier)
-                elif held is not None:
-                    held.discard(tier)
-                    if not held:
-                        self._drop(inst, key)
-            inst.events += len(events)
+        self._apply(body, tenant, events)
         return {"applied": len(events), "ignored": ignored} if ignored else {"applied": len(events)}
 
     def deregister(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
-        with self.lock:
-            inst = self._session(body, tenant)
-            del self.instances[inst.instance_id]
-            self._forget_keys(inst)
+        inst = self._drop(body, tenant)
         log.info("instance %s deregistered", inst.instance_id)
         return {"ok": True}
 
-    def _drop(self, inst: Instance, key: str) -> None:
-        del inst.keys[key]
-        holders = self.by_key.get(key)
-        if holders is not None:
-            holders.pop(inst.instance_id, None)
-            if not holders:
-                del self.by_key[key]
-
-    def _forget_keys(self, inst: Instance) -> None:
-        for key in list(inst.keys):
-            self._drop(inst, key)
-
-    def expire(self) -> list[str]:
-        """Forget instances silent for longer than ``expire_after`` (ids returned)."""
-        now = self.clock()
-        gone = []
-        with self.lock:
-            for iid, inst in list(self.instances.items()):
-                if now - inst.last_seen > self.expire_after:
-                    del self.instances[iid]
-                    self._forget_keys(inst)
-                    gone.append(iid)
-        for iid in gone:
-            log.warning("instance %s: no heartbeat for %gs; forgotten", iid, self.expire_after)
-        return gone
-
     # ------------------------------------------------------------ the routers' side
-    def healthy(self, inst: Instance, now: float) -> bool:
-        return now - inst.last_seen <= self.instance_timeout
-
-    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """Every instance (of ``namespace`` only, if given), by id."""
-        now = self.clock()
-        with self.lock:
-            chosen = [i for i in self.instances.values() if namespace is None or i.namespace == namespace]
-            return [i.public(now, self.instance_timeout) for i in sorted(chosen, key=lambda i: i.instance_id)]
-
     def _processor(self, inst: Instance) -> TokenProcessor:
         k = (inst.chunk_size, inst.hash_algorithm, inst.save_unfull_chunk)
         tp = self._processors.get(k)
@@ -319,11 +324,11 @@ class Index:
             tp = self._processors[k] = TokenProcessor(k[0], save_unfull_chunk=k[2], hash_algorithm=k[1])
         return tp
 
-    def lookup(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
+    def query(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Query:
+        """A lookup body checked (400/403), tokens as an array."""
         given = [f for f in ("tokens", "chunk_hashes", "keys") if body.get(f) is not None]
         if len(given) != 1:
             raise HTTPError(400, "give exactly one of the fields 'tokens', 'chunk_hashes' or 'keys'")
-        what = given[0]
         num_tokens = body.get("num_tokens")
         if num_tokens is not None and num_tokens < 0:
             raise HTTPError(400, f"field 'num_tokens' must be >= 0, got {num_tokens}")
@@ -332,91 +337,76 @@ class Index:
             if ns is not None and ns != tenant:
                 raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; namespace {ns!r} is out of its reach")
             ns = tenant
-        tokens = hashes = keys = None
-        if what == "tokens":
-            tokens = _token_array(body["tokens"])
-            num_tokens = len(tokens)
-        elif what == "chunk_hashes":
-            hashes = _hash_list(body["chunk_hashes"])
+        q = Query(None, None, None, num_tokens, ns, model)
+        if given[0] == "tokens":
+            q.tokens = _token_array(body["tokens"])
+            q.num_tokens = len(q.tokens)
+        elif given[0] == "chunk_hashes":
+            q.hashes = _hash_list(body["chunk_hashes"])
         else:
-            keys = body["keys"]
-            for i, k in enumerate(keys):
+            q.keys = body["keys"]
+            for i, k in enumerate(q.keys):
                 if not isinstance(k, str) or not k or len(k) > MAX_KEY_LEN:
                     raise HTTPError(400, f"field 'keys'[{i}] must be a key string, got {json.dumps(k)[:100]}")
             if tenant is not ADMIN:
-                own_keys(tenant, keys)
-        now = self.clock()
-        with self.lock:
-            candidates = [
-                i for i in self.instances.values()
-                if self.healthy(i, now) and (ns is None or i.namespace == ns) and (model is None or i.model == model)
-            ]
-        # hashing (the costly part) outside the lock, once per distinct chunking
-        chunkings: dict[tuple[int, str, bool], list[tuple[int, str]]] = {}
-        plans: list[tuple[Instance, list[tuple[int, str]]]] = []  # (instance, [(end token, key)])
-        for inst in candidates:
-            if keys is not None:
-                plans.append((inst, [((j + 1) * inst.chunk_size, k) for j, k in enumerate(keys)]))
-                continue
-            prefix = inst.key_prefix()
-            if prefix is None:  # stored nothing yet: its signature is unknown
-                continue
-            if tokens is not None:
-                ck = (inst.chunk_size, inst.hash_algorithm, inst.save_unfull_chunk)
-                if ck not in chunkings:
-                    chunkings[ck] = [(c.end, c.chunk_hash) for c in self._processor(inst).chunks(tokens)]
-                plans.append((inst, [(end, prefix + h) for end, h in chunkings[ck]]))
-            else:
-                plans.append((inst, [((j + 1) * inst.chunk_size, prefix + h) for j, h in enumerate(hashes or [])]))
+                own_keys(tenant, q.keys)
+        return q
+
+    def chain(self, inst: Instance, q: Query, hashed: dict[tuple[int, str, bool], list[tuple[int, str]]]
+              ) -> tuple[list[int], list[str]] | None:
+        """(chunk ends, keys) of ``q`` as ``inst`` would key it; None when its signature
+        is unknown. ``hashed`` caches the hashing (the costly part) per chunking."""
+        c = inst.chunk_size
+        if q.keys is not None:
+            return [(j + 1) * c for j in range(len(q.keys))], list(q.keys)
+        prefix = inst.key_prefix()
+        if prefix is None:  # stored nothing yet: its signature is unknown
+            return None
+        if q.tokens is not None:
+            ck = (c, inst.hash_algorithm, inst.save_unfull_chunk)
+            if ck not in hashed:
+                hashed[ck] = [(ch.end, ch.chunk_hash) for ch in self._processor(inst).chunks(q.tokens)]
+            return [e for e, _ in hashed[ck]], [prefix + h for _, h in hashed[ck]]
+        hashes = q.hashes or []
+        return [(j + 1) * c for j in range(len(hashes))], [prefix + h for h in hashes]
+
+    def lookup(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
+        q = self.query(body, tenant)
+        held, considered = self._holdings(q)
         rows = []
-        with self.lock:
-            for inst, chain in plans:
-                if self.instances.get(inst.instance_id) is not inst:
-                    continue  # re-registered or gone meanwhile
-                rank = {t: r for r, t in enumerate(inst.tiers)}
-                per_tier: dict[str, int] = {}
-                hit = chunks = 0
-                worst = -1
-                for end, key in chain:
-                    held = inst.keys.get(key)
-                    if not held:
-                        break
-                    best = min(held, key=lambda t: rank.get(t, len(rank)))
-                    end = end if num_tokens is None else min(end, num_tokens)
-                    per_tier[best] = per_tier.get(best, 0) + end - hit
-                    worst = max(worst, rank.get(best, len(rank)))
-                    hit = end
-                    chunks += 1
-                if hit:
-                    rows.append({
-                        "instance_id": inst.instance_id,
-                        "hit_tokens": hit,
-                        "hit_chunks": chunks,
-                        "tier": inst.tiers[worst] if worst < len(inst.tiers) else None,
-                        "tiers": per_tier,
-                        "api_url": inst.api_url,
-                        "peer_url": inst.peer_url,
-                        "_rank": worst,
-                    })
+        for inst, ends, masks in held:
+            per_tier: dict[str, int] = {}
+            hit = chunks = 0
+            worst = -1
+            for end, mask in zip(ends, masks):
+                if not mask:
+                    break
+                best = (mask & -mask).bit_length() - 1  # the first tier holding it
+                end = end if q.num_tokens is None else min(end, q.num_tokens)
+                per_tier[inst.tiers[best]] = per_tier.get(inst.tiers[best], 0) + end - hit
+                worst = max(worst, best)
+                hit = end
+                chunks += 1
+            if hit:
+                rows.append({
+                    "instance_id": inst.instance_id, "hit_tokens": hit, "hit_chunks": chunks,
+                    "tier": inst.tiers[worst], "tiers": per_tier, "api_url": inst.api_url,
+                    "peer_url": inst.peer_url, "_rank": worst,
+                })
         rows.sort(key=lambda r: (-r["hit_tokens"], r["_rank"], r["instance_id"]))
         for r in rows:
             del r["_rank"]
-        return {
-            "num_tokens": num_tokens,
-            "best": rows[0]["instance_id"] if rows else None,
-            "results": rows,
-            "instances_considered": len(candidates),
-        }
+        return {"num_tokens": q.num_tokens, "best": rows[0]["instance_id"] if rows else None, "results": rows,
+                "instances_considered": considered}
 
     # ------------------------------------------------------------ dispatch support
     def target(self, iid: str, field_name: str = "instance", tenant: str | None = ADMIN) -> Instance:
-        now = self.clock()
-        with self.lock:
-            inst = self.instances.get(iid)
-        if inst is None or foreign(tenant, inst.namespace):  # another tenant's: as if unknown
+        found = self._find(iid, tenant)
+        if found is None:  # another tenant's: as if unknown
             raise HTTPError(404, f"unknown instance {iid!r} (field {field_name!r})")
-        if not self.healthy(inst, now):
-            raise HTTPError(409, f"instance {iid!r} is not heartbeating (last seen {now - inst.last_seen:.1f}s ago)")
+        inst, age = found
+        if age > self.instance_timeout:
+            raise HTTPError(409, f"instance {iid!r} is not heartbeating (last seen {age:.1f}s ago)")
         return inst
 
     def keys_for(self, inst: Instance, tokens: Any) -> list[str]:
@@ -424,6 +414,145 @@ class Index:
         if prefix is None:
             raise HTTPError(409, f"instance {inst.instance_id!r} has stored nothing yet: its kv signature is unknown")
         return [prefix + c.chunk_hash for c in self._processor(inst).chunks(_token_array(tokens))]
+
+
+def wrong_session(iid: Any) -> HTTPError:
+    return HTTPError(404, f"unknown instance or session {iid!r}: register again")
+
+
+def unknown_tier(i: int, tier: str, tiers: list[str]) -> HTTPError:
+    return HTTPError(400, f"field 'events'[{i}]: unknown tier {tier!r}; registered: {', '.join(tiers)}")
+
+
+class Index(IndexBase):
+    """The ``memory`` index: everything in this process. Thread-safe."""
+
+    def __init__(self, instance_timeout: float, expire_after: float, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, **caps: int):
+        super().__init__(instance_timeout, expire_after, **caps)
+        #: refusals by the caps: events (of refused batches) and registrations
+        self.refused_events = 0
+        self.refused_registrations = 0
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.lock = threading.Lock()
+        self.instances: dict[str, Instance] = {}
+        self._epochs: dict[str, int] = {}
+
+    def _put(self, inst: Instance, tenant: str | None) -> Instance:
+        iid = inst.instance_id
+        inst.last_seen, inst.last_seen_wall = self.clock(), self.wall_clock()
+        with self.lock:
+            old = self.instances.get(iid)
+            if old is not None and foreign(tenant, old.namespace):
+                raise HTTPError(409, f"instance id {iid!r} is taken by another namespace's instance")
+            if tenant is not ADMIN:  # iid registering again does not count twice
+                n = sum(1 for i in self.instances.values() if i.namespace == tenant and i.instance_id != iid)
+                if n >= self.max_instances_per_tenant:
+                    self.refused_registrations += 1
+                self.instance_cap(iid, tenant, n)
+            inst.epoch = self._epochs[iid] = self._epochs.get(iid, 0) + 1
+            self.instances[iid] = inst  # the old one's keys go with it
+        return inst
+
+    def _session(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Instance:
+        """The caller's instance, seen now; 404 if unknown, of another tenant or an
+        older session (the worker then registers again). Called under the lock."""
+        inst = self.instances.get(body["instance_id"])
+        if inst is None or foreign(tenant, inst.namespace) or not hmac.compare_digest(inst.session, body["session"]):
+            raise wrong_session(body["instance_id"])
+        inst.last_seen = self.clock()
+        inst.last_seen_wall = self.wall_clock()
+        return inst
+
+    def _beat(self, body: dict[str, Any], tenant: str | None, sig: str | None) -> None:
+        with self.lock:
+            inst = self._session(body, tenant)
+            if body.get("tier_stats") is not None:
+                inst.tier_stats = tier_stats(body["tier_stats"], inst.tiers)
+            if sig is not None:
+                inst.kv_signature = sig
+            if body.get("dropped_events") is not None:
+                inst.dropped_events = body["dropped_events"]
+
+    def _apply(self, body: dict[str, Any], tenant: str | None, events: list) -> None:
+        with self.lock:
+            inst = self._session(body, tenant)
+            tiers, keys = inst.tiers, inst.keys
+            bits = []
+            for i, (_, tier, _) in enumerate(events):
+                b = tier_bit(tiers, tier)
+                if not b:
+                    raise unknown_tier(i, tier, tiers)
+                bits.append(b)
+            touched: dict[str, int] = {}
+            for (op, _, key), b in zip(events, bits):
+                m = touched[key] if key in touched else keys.get(key)
+                touched[key] = m | b if op == "admit" else m & ~b
+            n = len(keys)
+            after = n + sum(1 for k, m in touched.items() if m and not keys.get(k)) \
+                - sum(1 for k, m in touched.items() if not m and keys.get(k))
+            if after > self.max_keys_per_instance and after > n:
+                err = self.key_cap(inst.instance_id, inst.namespace, after, len(events), inst.refused_events)
+                inst.refused_events += len(events)
+                self.refused_events += len(events)
+                raise err
+            for k, m in touched.items():
+                keys.set(k, m)
+            inst.events += len(events)
+
+    def _drop(self, body: dict[str, Any], tenant: str | None) -> Instance:
+        with self.lock:
+            inst = self._session(body, tenant)
+            del self.instances[inst.instance_id]
+        return inst
+
+    def expire(self) -> list[str]:
+        now = self.clock()
+        with self.lock:
+            gone = [iid for iid, inst in self.instances.items() if now - inst.last_seen > self.expire_after]
+            for iid in gone:
+                del self.instances[iid]
+        for iid in gone:
+            log.warning("instance %s: no heartbeat for %gs; forgotten", iid, self.expire_after)
+        return gone
+
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        now = self.clock()
+        with self.lock:
+            chosen = [i for i in self.instances.values() if namespace is None or i.namespace == namespace]
+            return [i.public(now - i.last_seen, self.instance_timeout) for i in sorted(chosen, key=lambda i: i.instance_id)]
+
+    def _holdings(self, q: Query) -> tuple[list[tuple[Instance, list[int], list[int]]], int]:
+        now = self.clock()
+        with self.lock:
+            candidates = [
+                i for i in self.instances.values()
+                if now - i.last_seen <= self.instance_timeout and (q.namespace is None or i.namespace == q.namespace)
+                and (q.model is None or i.model == q.model)
+            ]
+        hashed: dict[tuple[int, str, bool], list[tuple[int, str]]] = {}
+        plans = [(inst, c) for inst in candidates if (c := self.chain(inst, q, hashed)) is not None]
+        out = []
+        with self.lock:
+            for inst, (ends, keys) in plans:
+                if self.instances.get(inst.instance_id) is not inst:
+                    continue  # re-registered or gone meanwhile
+                masks = []
+                for k in keys:
+                    m = inst.keys.get(k)
+                    if not m:
+                        break
+                    masks.append(m)
+                out.append((inst, ends, masks))
+        return out, len(candidates)
+
+    def _find(self, iid: str, tenant: str | None) -> tuple[Instance, float] | None:
+        with self.lock:
+            inst = self.instances.get(iid)
+        if inst is None or foreign(tenant, inst.namespace):
+            return None
+        return inst, self.clock() - inst.last_seen
 
 
 def _namespace_of(key: str) -> str | None:
