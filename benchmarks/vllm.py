@@ -52,6 +52,11 @@ from .harness import emit, err, out, save_figure
 
 #: prompts answered by every mode, in this order
 ALL_MODES = ("vllm", "vllm-simple-cpu", "vllm-offloading", "lmcache-cpu", "lmcache-disk", "lmcache-redis")
+#: lmcache-cpu with the model worker in a process of its own (``--distributed-executor-backend
+#: mp``, as when it runs on another host) and the scheduler's lookups over the Unix socket or
+#: in-band through vLLM's connector metadata (``lmcache.vllm.lookup``; docs/architecture.md)
+LOOKUP_MODES = ("lmcache-cpu-socket", "lmcache-cpu-inband")
+KNOWN_MODES = ALL_MODES + LOOKUP_MODES
 
 
 @dataclass
@@ -141,7 +146,11 @@ def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[st
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": cpu_bytes}}
     tiers: list[dict[str, Any]]
-    if mode == "lmcache-cpu":
+    extra: dict[str, Any] = {}
+    if mode in LOOKUP_MODES:
+        tiers = [{"backend": "cpu", "capacity": cpu_bytes}]
+        extra["lmcache.vllm.lookup"] = mode.rsplit("-", 1)[1]
+    elif mode == "lmcache-cpu":
         tiers = [{"backend": "cpu", "capacity": cpu_bytes}]
     elif mode == "lmcache-disk":
         d = work / "disk"
@@ -152,11 +161,11 @@ def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[st
             raise LMCacheError("no Redis server")
         tiers = [{"backend": "redis", "capacity": 8 * cpu_bytes, **redis_options}]
     else:
-        raise LMCacheError(f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}")
+        raise LMCacheError(f"unknown mode {mode!r}; known: {', '.join(KNOWN_MODES)}")
     cfg = {"chunk_size": chunk_size, "model": "smollm2-135m", "tiers": tiers}
     path = work / f"{mode}.yaml"
     path.write_text(json.dumps(cfg))
-    return lmcache_kv_config(path)
+    return lmcache_kv_config(path, **extra)
 
 
 #: vLLM's CPU backend pages KV in blocks of 128 tokens (set explicitly, so the capacity below is exact)
@@ -181,7 +190,8 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         # KV is bounded in blocks instead, with vLLM's --num-gpu-blocks-override
         srv = VllmServer(model, vllm=vllm, kv_transfer_config=kv, prefix_caching=True, kv_cache_gib=1,
                          threads=threads, max_model_len=max_model_len, log_path=work / f"{mode}.log",
-                         extra_args=("--block-size", str(BLOCK), "--num-gpu-blocks-override", str(kv_tokens // BLOCK)))
+                         extra_args=("--block-size", str(BLOCK), "--num-gpu-blocks-override", str(kv_tokens // BLOCK),
+                                     *(("--distributed-executor-backend", "mp") if mode in LOOKUP_MODES else ())))
     except LMCacheError as exc:
         res.reason = _why(work / f"{mode}.log") or str(exc)
         return res

@@ -161,7 +161,7 @@ def e2e_cmd(
 
 @app.command("vllm")
 def vllm_cmd(
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: vllm, vllm-simple-cpu, vllm-offloading, lmcache-cpu, lmcache-disk, lmcache-redis (the first is the reference for outputs and TTFT).")] = "vllm,vllm-simple-cpu,vllm-offloading,lmcache-cpu,lmcache-disk,lmcache-redis",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: vllm, vllm-simple-cpu, vllm-offloading, lmcache-cpu, lmcache-disk, lmcache-redis, and lmcache-cpu-socket, lmcache-cpu-inband (the worker in its own process, the lookups over the Unix socket or in-band; not in the default set) (the first is the reference for outputs and TTFT).")] = "vllm,vllm-simple-cpu,vllm-offloading,lmcache-cpu,lmcache-disk,lmcache-redis",
     docs: Annotated[int, typer.Option("--docs", min=1, help="Documents asked round robin.")] = 4,
     doc_tokens: Annotated[int, typer.Option("--doc-tokens", min=64, help="Tokens per document (at least).")] = 3000,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds over the documents.")] = 3,
@@ -188,7 +188,7 @@ def vllm_cmd(
     need_pyplot(plot)
     if quick:
         docs, doc_tokens, rounds, chat_turns, kv_tokens, max_tokens, probe_pairs = 3, 500, 2, 2, 1024, 8, 1
-    bench_vllm.main(csv_option(modes, "'--modes'", bench_vllm.ALL_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
+    bench_vllm.main(csv_option(modes, "'--modes'", bench_vllm.KNOWN_MODES), docs, doc_tokens, rounds, chat_turns, kv_tokens,
                     parse_size(cpu_capacity), threads, max_tokens, vllm_venv, directory, as_json, plot, chunk_size,
                     probe_pairs)
 

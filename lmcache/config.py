@@ -357,7 +357,11 @@ class VllmOptions:
     tier asynchronously, ``always``, ``never``. ``lookup_wait``: seconds the scheduler
     waits for the workers' lookup answer in one pass; ``lookup_timeout``: seconds after
     which an unanswered lookup is a miss. ``load_failure_policy``: ``recompute`` sets
-    vLLM's ``kv_load_failure_policy`` to recompute; ``fail`` keeps vLLM's.
+    vLLM's ``kv_load_failure_policy`` to recompute; ``fail`` keeps vLLM's. ``lookup``: how
+    the scheduler learns what the workers' tiers hold: ``socket`` (a Unix socket per rank, one
+    host), ``inband`` (the question in vLLM's connector metadata, the answer in its worker
+    metadata: crosses hosts), ``auto`` (``inband`` when the workers may be on other hosts:
+    ``nnodes > 1`` or the ``ray`` executor; else ``socket``; docs/architecture.md).
     """
 
     layerwise: bool = option(False, check.boolean)
@@ -365,6 +369,7 @@ class VllmOptions:
     lookup_wait: float = option(0.005, check.seconds())
     lookup_timeout: float = option(1.0, check.seconds())
     load_failure_policy: str = option("recompute", check.choice("recompute", "fail"))
+    lookup: str = option("auto", check.choice("auto", "socket", "inband"))
 
     def validate(self, source: str | None) -> None:
         if self.lookup_wait > self.lookup_timeout:

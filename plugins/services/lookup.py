@@ -600,13 +600,17 @@ class LookupChannel:
     """The ``lookup`` service: :class:`LookupServer` on ``config.lookup_socket`` for this
     engine's locate (with leases) and release. A socket that cannot be bound is a warning,
     not a failed engine: the scheduler then sees this rank as a miss, and a scheduler in
-    the same process still calls :meth:`lookup` directly."""
+    the same process still calls :meth:`lookup` directly. With no ``lookup_socket`` (the
+    vLLM connector's in-band lookups, ``vllm.lookup: inband``) it serves no socket: the
+    worker-role connector calls :meth:`lookup` and :meth:`release` itself."""
 
     def __init__(self, view: Any):
         self._view = view
         #: tier name -> its index in the replies (the hierarchy's tiers do not change)
         self._tier_index = {t.name: min(i, 255) for i, t in enumerate(view.hierarchy.tiers)}
         self.server: LookupServer | None = None
+        if not view.config.lookup_socket:  # in-band (vllm.lookup): the connector calls lookup itself
+            return
         try:
             self.server = LookupServer(view.config.lookup_socket, self.lookup, self.release, self.hello,
                                        max_tokens=view.config.lookup_max_tokens)

@@ -20,7 +20,10 @@ variables, then every other ``lmcache.<key>`` of ``kv_connector_extra_config``
 (``lmcache.vllm.<key>`` keys are the ``vllm`` section, :class:`lmcache.config.VllmOptions`,
 which configures this connector; an unknown one is refused, named). The scheduler opens no
 tiers: it asks the workers' engines over the lookup channel (the engine's ``lookup``
-service, :mod:`lmcache.plugins.services.lookup`), so a hit in a worker's CPU tier is served
+service, :mod:`lmcache.plugins.services.lookup`) on one host, or in-band through vLLM's
+own channels when the workers may be on other hosts (``lmcache.vllm.lookup: auto|socket|
+inband``: the question in the connector metadata, each rank's answer in
+:meth:`build_connector_worker_meta`), so a hit in a worker's CPU tier is served
 in the same live engine, with the multiprocess executor and with tensor parallelism (a
 prefix counts only where every rank has it). Workers in the scheduler's own process (the
 ``uni`` executor) are asked directly.
@@ -59,7 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
     ) from exc
 
 from .layout import CONNECTOR_PREFIX, NEOX_ROPE_MODELS, VLLM_BHNC, VLLM_CPU_VEC, detect_layout, kv_spec_of
-from .metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec
 from .scheduler import ConnectorScheduler
 from .worker import ConnectorWorker
 
@@ -78,7 +81,8 @@ if TYPE_CHECKING:
     from .events import LMCacheTierEvents
 
 __all__ = ["CONNECTOR_PREFIX", "NEOX_ROPE_MODELS", "VLLM_BHNC", "VLLM_CPU_VEC", "ConnectorScheduler", "ConnectorWorker",
-           "LMCacheConnector", "LMCacheConnectorMetadata", "LoadSpec", "SaveSpec", "detect_layout", "kv_spec_of"]
+           "LMCacheConnector", "LMCacheConnectorMetadata", "LMCacheWorkerMetadata", "LoadSpec", "LookupAsk",
+           "SaveSpec", "detect_layout", "kv_spec_of"]
 
 
 class LMCacheConnector(KVConnectorBase_V1):
@@ -231,6 +235,11 @@ class LMCacheConnector(KVConnectorBase_V1):
         """Saves finish within the step; asynchronous loads are reported once done."""
         w = self.connector_worker
         return w.get_finished(finished_req_ids) if w is not None else (None, None)
+
+    def build_connector_worker_meta(self) -> LMCacheWorkerMetadata | None:
+        """Worker: this step's answers to the scheduler's in-band lookups (``vllm.lookup``)."""
+        w = self.connector_worker
+        return w.answer_lookups(self._meta()) if w is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         w = self.connector_worker

@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+def lookup_mode(vllm_config: VllmConfig, option: str) -> str:
+    """``socket`` or ``inband``: how the scheduler asks the workers' tiers (``vllm.lookup``).
+    ``auto`` is ``inband`` when the workers may run on another host (``nnodes > 1``, or the
+    ``ray`` executor, which places them where it likes), else ``socket`` (docs/architecture.md,
+    "Cache hits across hosts"). The scheduler and every worker decide alike from the same
+    config."""
+    if option != "auto":
+        return option
+    pc = vllm_config.parallel_config
+    multi = int(getattr(pc, "nnodes", 1) or 1) > 1 or getattr(pc, "distributed_executor_backend", None) == "ray"
+    return "inband" if multi else "socket"
+
+
 class Side:
     """One role's half of the connector (one object per connector instance: the scheduler
     role builds only its scheduler side, a worker only its worker side)."""
@@ -46,6 +59,7 @@ class Side:
         self.config = config
         self.layerwise = config.vllm.layerwise
         self.chunk_size = config.chunk_size
+        self.lookup_mode = lookup_mode(self._vllm_config, config.vllm.lookup)
         #: rotary frequencies when shifted reuse is on (docs/truncation.md, "vLLM"), else None
         self._inv_freq: torch.Tensor | None = None
         if config.approximate_reuse.enabled:

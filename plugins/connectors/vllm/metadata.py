@@ -1,7 +1,9 @@
-"""What crosses from the scheduler side of the vLLM connector to its workers (the connector
-metadata vLLM sends with each step: :class:`LMCacheConnectorMetadata` of
-:class:`LoadSpec` and :class:`SaveSpec`), and the scheduler's own per-request state
-(:class:`_ReqState`, :class:`_Lookup`), which never leaves its process."""
+"""What crosses between the scheduler side of the vLLM connector and its workers: the
+connector metadata vLLM sends with each step (:class:`LMCacheConnectorMetadata` of
+:class:`LoadSpec`, :class:`SaveSpec` and, in-band, :class:`LookupAsk` and the releases),
+the worker metadata vLLM brings back from every rank, on any host
+(:class:`LMCacheWorkerMetadata`: the in-band lookup answers), and the scheduler's own
+per-request state (:class:`_ReqState`, :class:`_Lookup`), which never leaves its process."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - a vLLM without worker metadata: in-band lookups unavailable
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
 from lmcache.keys import KeyExtra
+from lmcache.plugins.services.lookup import LookupReply
 
 if TYPE_CHECKING:
-    from lmcache.plugins.services.lookup import LookupReply
-
     from .events import BlockInfo
 
-__all__ = ["LMCacheConnectorMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["LMCacheConnectorMetadata", "LMCacheWorkerMetadata", "LoadSpec", "LookupAsk", "SaveSpec"]
 
 
 @dataclass
@@ -44,6 +50,8 @@ class LoadSpec:
     extra: KeyExtra | None = None
     #: vLLM's block hashes of token_ids when vLLM publishes KV events (.events)
     blocks: BlockInfo | None = None
+    #: the in-band lookup whose pins this load consumes (the workers forget it)
+    seq: int | None = None
 
     @property
     def exact_ids(self) -> list[int]:
@@ -64,9 +72,41 @@ class SaveSpec:
 
 
 @dataclass
+class LookupAsk:
+    """An in-band lookup (``vllm.lookup: inband``): every worker answers ``seq`` with its
+    cached prefix of ``token_ids`` keyed with ``extra`` (pinning it) in its worker metadata."""
+
+    seq: int
+    token_ids: list[int]
+    shifted: bool = False
+    extra: KeyExtra | None = None
+
+
+@dataclass
 class LMCacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: in-band lookups to answer this step
+    asks: list[LookupAsk] = field(default_factory=list)
+    #: in-band lookups whose pins each worker drops (not loaded)
+    releases: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LMCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers send back in one step: ``answers[seq]`` holds one
+    :class:`LookupReply` per rank that answered lookup ``seq``. vLLM merges the ranks'
+    objects with :meth:`aggregate` (whatever host they run on) before the scheduler sees
+    them; the scheduler counts a prefix as cached only where every rank has it."""
+
+    answers: dict[int, list[LookupReply]] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> LMCacheWorkerMetadata:
+        """Both objects' answers, rank lists joined (a new object; neither is changed)."""
+        out = {seq: list(rs) for seq, rs in self.answers.items()}
+        for seq, rs in getattr(other, "answers", {}).items():
+            out.setdefault(seq, []).extend(rs)
+        return LMCacheWorkerMetadata(out)
 
 
 @dataclass
@@ -84,7 +124,8 @@ class _ReqState:
 @dataclass
 class _Lookup:
     """A scheduler lookup in flight or answered: ``seq`` on the channel (``None``: answered
-    in process), the replies of every rank once in."""
+    in process), the replies of every rank once in; in-band, ``sent`` is the scheduling
+    pass whose metadata carried the question (``None``: not sent yet)."""
 
     tokens: list[int]
     started: float
@@ -97,6 +138,8 @@ class _Lookup:
     is_async: bool = False
     #: reported to the metrics (once, when the answer is first used)
     counted: bool = False
+    inband: bool = False
+    sent: int | None = None
 
     @property
     def hit(self) -> int:

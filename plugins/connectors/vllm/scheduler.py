@@ -1,7 +1,10 @@
 """The scheduler side of the vLLM connector (:class:`ConnectorScheduler`): it opens no tiers.
 
 It asks the workers' engines over the lookup channel (the engine's ``lookup`` service,
-:mod:`lmcache.plugins.services.lookup`; workers in this process directly), keeps each
+:mod:`lmcache.plugins.services.lookup`; workers in this process directly) or in-band
+(``vllm.lookup: inband``, any host: the question rides in the connector metadata, each
+rank answers in its worker metadata, merged by vLLM; the answer is read on the next
+scheduling pass, one engine step later), keeps each
 request's state (its prompt, blocks, key extra, what was saved), turns admitted hits into
 :class:`~.metadata.LoadSpec` and completed prompt chunks into :class:`~.metadata.SaveSpec`
 (:meth:`ConnectorScheduler.build_connector_meta`), and merges the workers' tier events for
@@ -21,7 +24,7 @@ from ...services.lookup import LookupClient, LookupReply, socket_path
 from .common import Side
 from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import request_extra
-from .metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec, _Lookup, _ReqState
+from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
 from .worker import local_workers
 
 if TYPE_CHECKING:
@@ -70,6 +73,16 @@ class ConnectorScheduler(Side):
         self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0,
                       "shifted_hit_tokens": 0}
         self._tier_events: LMCacheTierEvents | None = None  # the workers' events, not yet taken
+        # in-band lookups (vllm.lookup): questions for the next metadata, answers by seq,
+        # releases for the next metadata, the scheduling pass count, every rank's count
+        self._asks: list[tuple[LookupAsk, _Lookup]] = []
+        self._answers: dict[int, list[LookupReply]] = {}
+        self._awaiting: set[int] = set()
+        self._releases: list[int] = []
+        self._seq = 0
+        self._pass = 0
+        pc = vllm_config.parallel_config
+        self._ranks = self.tp_size * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
 
     # ================================================================ lookup channel
     def _local_workers(self) -> list[ConnectorWorker] | None:
@@ -84,8 +97,12 @@ class ConnectorScheduler(Side):
     def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None) -> _Lookup:
         self.stats["lookups"] += 1
         lk = _Lookup(tokens, time.monotonic(), extra)
-        local = self._local_workers()
-        if local is not None:
+        local = None if self.lookup_mode == "inband" else self._local_workers()
+        if self.lookup_mode == "inband":
+            self._seq += 1
+            lk.seq, lk.inband = self._seq, True
+            self._asks.append((LookupAsk(lk.seq, tokens, self.shifted, extra), lk))
+        elif local is not None:
             lk.replies = []
             for w in local:
                 try:
@@ -98,11 +115,45 @@ class ConnectorScheduler(Side):
             lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted, extra=extra)
         return lk
 
+    def _inband_result(self, lk: _Lookup) -> list[LookupReply] | None:
+        """The ranks' in-band answers to ``lk`` once in; an answer missing a rank is a
+        miss (its pins, where taken, are released)."""
+        assert lk.seq is not None
+        got = self._answers.pop(lk.seq, None)
+        if got is not None and len(got) != self._ranks:
+            log.warning("lmcache: lookup %d: %d of %d ranks answered; a miss", lk.seq, len(got), self._ranks)
+            if any(r.hit for r in got):
+                self._releases.append(lk.seq)
+            got = [LookupReply(0, b"")]
+        return got
+
+    def _timed_out(self, lk: _Lookup, now: float) -> bool:
+        """Whether an unanswered lookup is a miss: on the socket after ``lookup_timeout``;
+        in-band once the answer did not come with its step's output, four scheduling
+        passes after its question was sent (however long those steps took), or after
+        ``lookup_timeout`` if it was never sent."""
+        if not lk.inband:
+            return now - lk.started >= self.lookup_timeout
+        if lk.sent is None:
+            return now - lk.started >= self.lookup_timeout
+        return self._pass - lk.sent > 4
+
     def _release_lookup(self, lk: _Lookup) -> None:
         """Drop the pins a lookup took on every rank (nothing to do for a miss)."""
         if not lk.pinned:
             return
         lk.pinned = False
+        if lk.inband:
+            assert lk.seq is not None
+            if lk.replies is None:  # unsent: never asked; sent: a late answer is released when it comes
+                self._asks = [a for a in self._asks if a[1] is not lk]
+                self._awaiting.discard(lk.seq)
+                got = self._answers.pop(lk.seq, None)  # in, not read yet
+                if got is not None and any(r.hit for r in got):
+                    self._releases.append(lk.seq)
+            elif any(r.hit for r in lk.replies):
+                self._releases.append(lk.seq)  # each rank drops what it pinned for it
+            return
         if lk.seq is not None and lk.replies is None:
             self._channel().forget(lk.seq)
         if lk.replies is not None and not any(r.hit for r in lk.replies):
@@ -153,11 +204,14 @@ class ConnectorScheduler(Side):
             wait = 0.0
         if lk.replies is None:
             assert lk.seq is not None
-            got = self._channel().result(lk.seq, wait)
+            got = self._inband_result(lk) if lk.inband else self._channel().result(lk.seq, wait)
             if got is None:
-                if now - lk.started < self.lookup_timeout:
+                if not self._timed_out(lk, now):
                     return None, False  # vLLM asks again on its next scheduling pass
-                self._channel().forget(lk.seq)
+                if lk.inband:
+                    self._awaiting.discard(lk.seq)
+                else:
+                    self._channel().forget(lk.seq)
                 self.stats["lookup_timeouts"] += 1
                 log.warning("lmcache: %s: no lookup answer within %.3f s; a miss", req_id, self.lookup_timeout)
                 got = [LookupReply(0, b"")]
@@ -238,7 +292,7 @@ class ConnectorScheduler(Side):
         exact = min(r.exact(self.chunk_size) for r in lk.replies)
         shifted = end > exact
         self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async, exact, shifted,
-                                       lk.extra)
+                                       lk.extra, seq=lk.seq if lk.inband else None)
         if shifted:
             self.stats["shifted_hit_tokens"] += end - max(exact, local)
         self._hit_sources[req_id] = self._sources(lk, local, end)
@@ -249,6 +303,13 @@ class ConnectorScheduler(Side):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata()
+        self._pass += 1
+        meta.releases, self._releases = self._releases, []
+        for ask, lk in self._asks:
+            meta.asks.append(ask)
+            self._awaiting.add(ask.seq)
+            lk.sent = self._pass
+        self._asks = []
         scheduled: list[tuple[str, int]] = []
         # asynchronous loads start now, into the blocks allocated for them; the request is
         # scheduled once every worker reported the load finished
@@ -306,6 +367,14 @@ class ConnectorScheduler(Side):
             return None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, LMCacheWorkerMetadata):
+            for seq, replies in wm.answers.items():
+                if seq in self._awaiting:
+                    self._awaiting.discard(seq)
+                    self._answers[seq] = replies
+                elif any(r.hit for r in replies):  # its request went away: drop the pins
+                    self._releases.append(seq)
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             self._async_pending.discard(req_id)
         events = getattr(connector_output, "kv_cache_events", None)

@@ -24,17 +24,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache import kernels as K
-from lmcache.config import KVSpec
+from lmcache.config import KVSpec, load_config
 from lmcache.engine import CacheEngine
 from lmcache.engine_io import KVGather
 from lmcache.keys import KeyExtra
 from lmcache.kernels import KVLayout
+from lmcache.services import EngineView
 
-from ...services.lookup import socket_path
-from .common import Side
+from ...services.lookup import LookupChannel, LookupReply, socket_path
+from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
-from .metadata import LMCacheConnectorMetadata, LoadSpec, SaveSpec
+from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,13 +101,18 @@ class ConnectorWorker(Side):
     def __init__(self, vllm_config: VllmConfig, kv_transfer_config: Any, kv_cache_config: KVCacheConfig | None,
                  config_file: str | None, overrides: dict[str, Any]) -> None:
         super().__init__(vllm_config, kv_transfer_config, kv_cache_config, tp_rank_of(vllm_config))
-        # the engine's lookup service answers the scheduler on this rank's socket
-        sock = socket_path(self.instance, self.dp_rank, self.tp_rank)
+        # the engine's lookup service answers the scheduler on this rank's socket, or
+        # in-band (vllm.lookup), in this connector's worker metadata: then no socket
+        mode = lookup_mode(vllm_config, load_config(config_file, **overrides).vllm.lookup)
+        sock = socket_path(self.instance, self.dp_rank, self.tp_rank) if mode == "socket" else None
         # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
         max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         bound = {"lookup_max_tokens": max_len} if max_len > 0 else {}
         self.engine: CacheEngine = _acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
         self._configure(self.engine.config)
+        self._lookup = self.engine.services.get("lookup") or LookupChannel(EngineView(self.engine))
+        #: in-band lookups answered with pins: seq -> (when, tokens, exact, extra)
+        self._asked: dict[int, tuple[float, list[int], int, KeyExtra | None]] = {}
         self._shifted_from: dict[str, int] = {}  # request -> first position not loaded exactly
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -128,7 +134,38 @@ class ConnectorWorker(Side):
     def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
                       extra: KeyExtra | None = None) -> tuple[int, list[int]]:
         assert self.engine is not None
-        return self.engine.services["lookup"].lookup(tokens, pin, shifted, extra)
+        return self._lookup.lookup(tokens, pin, shifted, extra)
+
+    def answer_lookups(self, meta: LMCacheConnectorMetadata | None) -> LMCacheWorkerMetadata | None:
+        """In-band lookups (``vllm.lookup: inband``): drop the pins of the lookups the
+        scheduler released, and answer this step's questions (pinning the hits) in the
+        worker metadata vLLM brings back to the scheduler. A question that fails is a miss;
+        pins nobody released expire after ``lookup_pin_timeout`` (so are forgotten here)."""
+        now = time.monotonic()
+        for seq, rec in list(self._asked.items()):
+            if now - rec[0] > self.config.lookup_pin_timeout:
+                del self._asked[seq]
+        if meta is None:
+            return None
+        for seq in meta.releases:
+            rec = self._asked.pop(seq, None)
+            if rec is not None and rec[2]:
+                try:
+                    self._lookup.release(rec[1][: rec[2]], rec[3])
+                except Exception:
+                    log.exception("lmcache: releasing lookup %d failed (its pins expire on their own)", seq)
+        answers: dict[int, list[LookupReply]] = {}
+        for ask in meta.asks:
+            try:
+                n, tiers = self._serve_lookup(ask.token_ids, True, ask.shifted, ask.extra)
+            except Exception:
+                log.exception("lmcache: in-band lookup failed; a miss")
+                n, tiers = 0, []
+            reply = LookupReply(n, bytes(tiers))
+            answers[ask.seq] = [reply]
+            if reply.exact(self.chunk_size):
+                self._asked[ask.seq] = (now, ask.token_ids, reply.exact(self.chunk_size), ask.extra)
+        return LMCacheWorkerMetadata(answers) if answers else None
 
     def get_kv_connector_kv_cache_events(self) -> LMCacheTierEvents | None:
         """Worker: the tiers' events since the last step, as vLLM events."""
@@ -345,6 +382,9 @@ class ConnectorWorker(Side):
                 self._bridge.note(spec.token_ids, spec.extra, spec.blocks)
         if meta is None or not meta.loads:
             return
+        for spec in meta.loads:  # an in-band lookup's pins: the load drops them
+            if spec.seq is not None:
+                self._asked.pop(spec.seq, None)
         if not self._layers:
             for spec in meta.loads:
                 self._fail(spec, 0)
