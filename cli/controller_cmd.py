@@ -145,6 +145,13 @@ def serve(
                                        "acts on its namespace's instances only (default: $LMCACHE_CONTROLLER_TENANTS_FILE).",
                                   envvar="LMCACHE_CONTROLLER_TENANTS_FILE", show_envvar=False)
     ] = None,
+    index: Annotated[
+        str, typer.Option("--index", envvar="LMCACHE_CONTROLLER_INDEX", metavar="URL", show_envvar=False,
+                          help="Where the index lives: memory (this process), valkey://HOST:PORT[/DB], "
+                               "valkey+sentinel://HOST:PORT[,...]/MASTER or valkey+cluster://HOST:PORT[,...] "
+                               "(redis:// alike; password from $LMCACHE_CONTROLLER_INDEX_PASSWORD); with Valkey any "
+                               "number of controllers serve the same instances (default: $LMCACHE_CONTROLLER_INDEX).")
+    ] = "memory",
     write_openapi: Annotated[
         Path | None, typer.Option("--write-openapi", metavar="FILE", show_default=False,
                                   help="Write the OpenAPI document to FILE and exit.")
@@ -160,13 +167,21 @@ def serve(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = _read_tenants(tenants_file)
+    if index != "memory":
+        from lmcache.controller.index_valkey import parse_url
+        from lmcache.errors import ConfigError
+
+        try:
+            parse_url(index)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--index'") from None
     if host not in ("127.0.0.1", "localhost", "::1") and not token and not tenants:
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
     server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,
                               expire_after=expire_after, dispatch_timeout=dispatch_timeout,
                               request_timeout=request_timeout, max_connections=max_connections,
                               max_keys_per_instance=max_keys_per_instance,
-                              max_instances_per_tenant=max_instances_per_tenant)
+                              max_instances_per_tenant=max_instances_per_tenant, index=index)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -43,7 +43,7 @@ from ..http import BoundedHTTPServer, HTTPError, JSONHandler
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from .index import (
-    DEFAULT_MAX_INSTANCES_PER_TENANT, DEFAULT_MAX_KEYS_PER_INSTANCE, MAX_KEY_LEN, Index, Instance, own_keys,
+    DEFAULT_MAX_INSTANCES_PER_TENANT, DEFAULT_MAX_KEYS_PER_INSTANCE, MAX_KEY_LEN, Index, IndexBase, Instance, own_keys,
 )
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,25 @@ class ControllerServer:
         max_connections: int = 64,
         max_keys_per_instance: int = DEFAULT_MAX_KEYS_PER_INSTANCE,
         max_instances_per_tenant: int = DEFAULT_MAX_INSTANCES_PER_TENANT,
+        index: str = "memory",
+        index_timeout: float = 2.0,
     ):
         """``max_keys_per_instance`` and ``max_instances_per_tenant`` cap the index
-        (see :mod:`lmcache.controller.index`): over them a call is answered 429."""
-        self.index = Index(instance_timeout, expire_after if expire_after is not None else max(300.0, 6 * instance_timeout),
-                           max_keys_per_instance=max_keys_per_instance,
-                           max_instances_per_tenant=max_instances_per_tenant)
+        (see :mod:`lmcache.controller.index`): over them a call is answered 429.
+        ``index`` is ``"memory"`` (this process) or a Valkey URL (``valkey://``,
+        ``valkey+sentinel://``, ``valkey+cluster://``, see
+        :mod:`lmcache.controller.index_valkey`): then this process holds no index state,
+        each Valkey call is bounded by ``index_timeout`` and Valkey unreachable is a 503."""
+        expire = expire_after if expire_after is not None else max(300.0, 6 * instance_timeout)
+        caps = {"max_keys_per_instance": max_keys_per_instance, "max_instances_per_tenant": max_instances_per_tenant}
+        self.index: IndexBase
+        if index == "memory":
+            self.index = Index(instance_timeout, expire, **caps)
+        else:
+            from .index_valkey import ValkeyIndex, parse_url
+
+            parse_url(index)  # a bad URL: ConfigError naming it, before anything starts
+            self.index = ValkeyIndex(index, instance_timeout, expire, timeout=index_timeout, **caps)
         self.dispatch_timeout = dispatch_timeout
         self.creds = Credentials(token, tenants)
         handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout})
@@ -136,13 +149,17 @@ class ControllerServer:
 
     def _reap(self) -> None:
         while not self._stop.wait(1.0):
-            self.index.expire()
+            self.index.expire()  # the valkey index: nothing to do, Valkey expires its own keys
 
     def close(self) -> None:
         self._stop.set()
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=10)
+        try:
+            self.index.close()
+        except HTTPError:
+            pass  # an unreachable index has nothing to release
 
     def __enter__(self) -> ControllerServer:
         return self
@@ -167,8 +184,8 @@ class ControllerServer:
             from .. import __version__
 
             inst = self.index.list(tenant)
-            out = {"status": "ok", "service": "controller", "version": __version__, "instances": len(inst),
-                   "healthy_instances": sum(1 for i in inst if i["healthy"])}
+            out = {"status": "ok", "service": "controller", "version": __version__, "index": self.index.kind,
+                   "instances": len(inst), "healthy_instances": sum(1 for i in inst if i["healthy"])}
             if tenant is ADMIN:  # counts over every namespace
                 out.update(refused_events=self.index.refused_events,
                            refused_registrations=self.index.refused_registrations)

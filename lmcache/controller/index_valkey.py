@@ -1,0 +1,507 @@
+"""The ``valkey`` index: the controller's index in Valkey (or Redis), so that the controller
+process holds no index state and any number of replicas serve the same instances.
+
+Why this layout (``{ns}`` is the instance's namespace, a Cluster hash tag: every key a
+script touches is in that namespace's slot)::
+
+    lmc:{ns}:i:<id>    HASH  the instance's record: sess (sha1 of its session), epoch, meta (JSON),
+                             tiers (JSON), model, ck (chunking), sig, prefix, stats, events,
+                             dropped, refused, seen (Valkey ms), wall     PEXPIRE expire_after
+    lmc:{ns}:k:<id>    HASH  chunk key -> bitmask of its tiers holding it  PEXPIRE expire_after
+    lmc:{ns}:leases    ZSET  id -> lease deadline (Valkey ms): healthy while deadline >= now
+    lmc:{ns}:epochs    HASH  id -> registrations so far (the epoch)
+    lmc:{ns}:stats     HASH  refused_events, refused_registrations
+    lmc:namespaces     SET   every namespace seen (admin listings and lookups)
+    lmc:owner:<id>     STRING the namespace of instance id <id> (ids are global)
+
+Every mutation is one Lua script that first checks the caller's session (a re-registration
+replaces it, so a stale re-sync or a restarted instance's old session is 404: register
+again) and applies the caps atomically. A lookup is one script per namespace that reads
+the leases, the candidates' records and their key hashes with Valkey's own clock: an
+instance whose lease lapsed stops counting at once, with no sweep, and Valkey forgets
+silent instances by itself (PEXPIRE). Every call has a timeout; Valkey unreachable is
+HTTP 503 ``index unavailable: ...``. The password comes from the environment variable
+``LMCACHE_CONTROLLER_INDEX_PASSWORD`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from typing import Any, Callable
+from urllib.parse import unquote, urlsplit
+
+from ..auth import ADMIN
+from ..errors import ConfigError
+from ..http import HTTPError
+from ..keys import TokenProcessor
+from .index import IndexBase, Instance, Query, tier_stats, unknown_tier, wrong_session
+
+PASSWORD_ENV = "LMCACHE_CONTROLLER_INDEX_PASSWORD"
+NAMESPACES = "lmc:namespaces"
+_BATCH = 500  # keys per HMGET/HSET inside a script (Lua's unpack limit is ~8000)
+
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+_CHECK = "local s = redis.call('HGET', KEYS[1], 'sess') if not s or s ~= ARGV[1] then return {'session'} end\n"
+_RENEW = ("redis.call('PEXPIRE', KEYS[1], ARGV[4]) redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
+          "redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[2])\n")
+
+# KEYS rec, keys, leases, epochs, stats; ARGV sess, id, timeout ms, expire ms, capped, cap, field pairs...
+_REGISTER = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[4]) + tonumber(ARGV[3]))
+if ARGV[5] == '1' then
+  local n = redis.call('ZCARD', KEYS[3])
+  if redis.call('ZSCORE', KEYS[3], ARGV[2]) then n = n - 1 end
+  if n >= tonumber(ARGV[6]) then
+    redis.call('HINCRBY', KEYS[5], 'refused_registrations', 1)
+    return {'cap', n}
+  end
+end
+local epoch = redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], 'sess', ARGV[1], 'epoch', epoch, 'seen', now, unpack(ARGV, 7))
+""" + _RENEW + "return {'ok', epoch}"
+
+# KEYS rec, keys, leases; ARGV sess, id, timeout ms, expire ms, field pairs...
+_BEAT = _NOW + _CHECK + "redis.call('HSET', KEYS[1], 'seen', now, unpack(ARGV, 5))\n" + _RENEW + "return {'ok'}"
+
+# KEYS rec, keys, leases, stats; ARGV sess, id, timeout ms, expire ms, max keys, then [op, tier, key]...
+_EVENTS = _NOW + _CHECK + """
+local bitof = {}
+for j, t in ipairs(cjson.decode(redis.call('HGET', KEYS[1], 'tiers'))) do bitof[t] = bit.lshift(1, j - 1) end
+local touched, orig, order = {}, {}, {}
+local n = (#ARGV - 5) / 3
+for j = 0, n - 1 do
+  local op, tier, key = ARGV[6 + 3 * j], ARGV[7 + 3 * j], ARGV[8 + 3 * j]
+  local b = bitof[tier]
+  if not b then return {'tier', j, tier} end
+  local m = touched[key]
+  if m == nil then
+    m = tonumber(redis.call('HGET', KEYS[2], key) or '0')
+    orig[key] = m
+    order[#order + 1] = key
+  end
+  if op == 'admit' then m = bit.bor(m, b) else m = bit.band(m, bit.bnot(b)) end
+  touched[key] = m
+end
+local have = redis.call('HLEN', KEYS[2])
+local after = have
+for _, k in ipairs(order) do
+  if touched[k] ~= 0 and orig[k] == 0 then after = after + 1 elseif touched[k] == 0 and orig[k] ~= 0 then after = after - 1 end
+end
+if after > tonumber(ARGV[5]) and after > have then
+  local sofar = redis.call('HINCRBY', KEYS[1], 'refused', n) - n
+  redis.call('HINCRBY', KEYS[4], 'refused_events', n)
+  return {'cap', after, sofar}
+end
+local sets, dels = {}, {}
+for _, k in ipairs(order) do
+  local m = touched[k]
+  if m ~= orig[k] then
+    if m == 0 then dels[#dels + 1] = k else sets[#sets + 1] = k sets[#sets + 1] = m end
+  end
+end
+for s = 1, #sets, 1000 do redis.call('HSET', KEYS[2], unpack(sets, s, math.min(s + 999, #sets))) end
+for s = 1, #dels, 500 do redis.call('HDEL', KEYS[2], unpack(dels, s, math.min(s + 499, #dels))) end
+redis.call('HINCRBY', KEYS[1], 'events', n)
+redis.call('HSET', KEYS[1], 'seen', now)
+""" + _RENEW + "return {'ok'}"
+
+# KEYS rec, keys, leases; ARGV sess, id
+_DROP = _CHECK + "redis.call('DEL', KEYS[1], KEYS[2]) redis.call('ZREM', KEYS[3], ARGV[2]) return {'ok'}"
+
+# KEYS owner; ARGV ns: forget the owner of an id if it is still ns
+_DISOWN = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end return 1"
+
+# KEYS leases; ARGV key base 'lmc:{ns}:', model or '', mode ('k' keys, 'h' prefix + hash), then groups:
+# chunking, count, items... ('*' for any chunking). Answers {now, {id, epoch, meta, sig, masks} or {id, 'need', ck}...}
+_LOOKUP = _NOW + """
+local groups, a = {}, 4
+while a <= #ARGV do
+  local c = tonumber(ARGV[a + 1])
+  groups[ARGV[a]] = {a + 2, a + 1 + c}
+  a = a + 2 + c
+end
+local out = {now}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
+  local r = redis.call('HMGET', ARGV[1] .. 'i:' .. id, 'sess', 'model', 'ck', 'prefix', 'meta', 'sig', 'epoch')
+  if r[1] and (ARGV[2] == '' or r[2] == ARGV[2]) then
+    local g = groups[r[3]] or groups['*']
+    if not g then
+      out[#out + 1] = {id, 'need', r[3]}
+    elseif ARGV[3] == 'h' and r[4] == '' then
+      out[#out + 1] = {id, 'skip'}
+    else
+      local kk, masks, s = ARGV[1] .. 'k:' .. id, {}, g[1]
+      while s <= g[2] do
+        local part = {}
+        for j = s, math.min(s + 499, g[2]) do part[#part + 1] = ARGV[3] == 'h' and (r[4] .. ARGV[j]) or ARGV[j] end
+        local stop = false
+        for _, m in ipairs(redis.call('HMGET', kk, unpack(part))) do
+          if not m then stop = true break end
+          masks[#masks + 1] = tonumber(m)
+        end
+        if stop then break end
+        s = s + 500
+      end
+      out[#out + 1] = {id, r[7], r[5], r[6], masks}
+    end
+  end
+end
+return out
+"""
+
+# KEYS rec: {now, {meta, epoch, sig, seen, wall, stats}}
+_GET = _NOW + "return {now, redis.call('HMGET', KEYS[1], 'meta', 'epoch', 'sig', 'seen', 'wall', 'stats')}"
+
+# KEYS leases; ARGV key base, forget-after ms, timeout ms: {now, {id, deadline, nkeys, record pairs}...}
+_LIST = _NOW + """
+local out = {now}
+local alive = now - tonumber(ARGV[2]) + tonumber(ARGV[3])
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], alive, '+inf', 'WITHSCORES')
+for j = 1, #ids, 2 do
+  local rec = redis.call('HGETALL', ARGV[1] .. 'i:' .. ids[j])
+  if #rec > 0 then out[#out + 1] = {ids[j], redis.call('HLEN', ARGV[1] .. 'k:' .. ids[j]), rec} end
+end
+return out
+"""
+
+
+def _sha(session: str) -> str:
+    return hashlib.sha1(session.encode()).hexdigest()
+
+
+def _tag(ns: str) -> str:
+    return "lmc:{" + ns + "}:"
+
+
+def connect(url: str, timeout: float = 2.0) -> Any:
+    """A redis-py client for an index URL (see :func:`parse_url`), each call bounded by
+    ``timeout`` seconds and retried once at most (a stale connection after a failover)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kind, nodes, name, db = parse_url(url)
+    pw = os.environ.get(PASSWORD_ENV) or None
+    common: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "password": pw,
+                              "decode_responses": True, "retry": Retry(NoBackoff(), 1)}
+    if kind == "standalone":
+        return redis.Redis(host=nodes[0][0], port=nodes[0][1], db=db, **common)
+    if kind == "sentinel":
+        from redis.sentinel import Sentinel
+
+        sent = Sentinel(nodes, socket_timeout=timeout, socket_connect_timeout=timeout,
+                        sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": timeout})
+        return sent.master_for(name, db=db, **common)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **common)
+
+
+def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str, int]:
+    """(kind, [(host, port)], sentinel master name, db) of ``valkey://HOST:PORT[/DB]``,
+    ``valkey+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]`` or
+    ``valkey+cluster://HOST:PORT[,HOST:PORT...]`` (``redis`` for ``valkey`` alike);
+    :class:`ConfigError` naming the URL otherwise. No credentials in the URL."""
+    def bad(why: str) -> ConfigError:
+        shown = re.sub(r"//[^/]*@", "//***@", url[:200])  # never echo a credential
+        return ConfigError("index", f"bad index URL {shown!r}: {why}")
+
+    scheme, _, rest = url.partition("://")
+    kinds = {"valkey": "standalone", "redis": "standalone", "valkey+sentinel": "sentinel",
+             "redis+sentinel": "sentinel", "valkey+cluster": "cluster", "redis+cluster": "cluster"}
+    if scheme not in kinds or not rest:
+        raise bad("expected memory, valkey://HOST:PORT[/DB], valkey+sentinel://HOST:PORT[,...]/MASTER "
+                  "or valkey+cluster://HOST:PORT[,...]")
+    kind = kinds[scheme]
+    netloc, _, path = rest.partition("/")
+    if "@" in netloc:
+        raise bad(f"no credentials in the URL: set {PASSWORD_ENV}")
+    nodes = []
+    for part in netloc.split(","):
+        try:
+            p = urlsplit("//" + part)
+            host, port = p.hostname, p.port
+        except ValueError:
+            host = port = None
+        if not host or port is None:
+            raise bad(f"{part!r} is not HOST:PORT")
+        nodes.append((host, port))
+    parts = [unquote(x) for x in path.split("/") if x]
+    name = ""
+    if kind == "sentinel":
+        if not parts:
+            raise bad("name the sentinel master: valkey+sentinel://HOST:PORT/MASTER")
+        name, parts = parts[0], parts[1:]
+    if kind == "cluster" and parts:
+        raise bad("a cluster URL has no path")
+    if len(parts) > 1 or (parts and not parts[0].isdigit()):
+        raise bad("the path must be a database number")
+    if kind == "standalone" and len(nodes) != 1:
+        raise bad("a standalone URL names one HOST:PORT")
+    return kind, nodes, name, int(parts[0]) if parts else 0
+
+
+class ValkeyIndex(IndexBase):
+    """The index in Valkey: same answers as :class:`~lmcache.controller.index.Index`."""
+
+    kind = "valkey"
+
+    def __init__(self, url: str, instance_timeout: float, expire_after: float, *, timeout: float = 2.0,
+                 **caps: int):
+        super().__init__(instance_timeout, expire_after, **caps)
+        self.url = url
+        self.r = connect(url, timeout)
+        self._scripts = {n: self.r.register_script(s) for n, s in (
+            ("register", _REGISTER), ("beat", _BEAT), ("events", _EVENTS), ("drop", _DROP), ("disown", _DISOWN),
+            ("lookup", _LOOKUP), ("list", _LIST), ("get", _GET))}
+        self._owner: dict[str, str] = {}  # instance id -> namespace (a hint, checked by every script)
+        self._meta: dict[tuple[str, str, int], Instance] = {}  # (ns, id, epoch) -> its static fields
+        self._chunkings: dict[str, set[str]] = {}  # ns -> chunkings of its instances seen
+        self._known_ns: set[str] = set()
+
+    # ------------------------------------------------------------ plumbing
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with Valkey's failures as one-line 503s."""
+        import redis
+
+        try:
+            return fn()
+        except redis.RedisError as exc:
+            why = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise HTTPError(503, f"index unavailable: {type(exc).__name__}: {why}") from None
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self.call(lambda: self._scripts[name](keys=keys, args=args))
+
+    def _ms(self, seconds: float) -> int:
+        return max(1, int(seconds * 1000))
+
+    def close(self) -> None:
+        self.call(self.r.close)
+
+    def _ns_of(self, iid: str, tenant: str | None, fresh: bool = False) -> str | None:
+        if tenant is not ADMIN:
+            return tenant
+        if not fresh and iid in self._owner:
+            return self._owner[iid]
+        ns = self.call(lambda: self.r.get("lmc:owner:" + iid))
+        if ns is not None:
+            self._owner[iid] = ns
+        return ns
+
+    def _session_call(self, name: str, body: dict[str, Any], tenant: str | None, extra_keys: int,
+                      args: list[Any]) -> tuple[str, list[Any]]:
+        """Run a script that checks the caller's session, trying the id's current namespace
+        once more when the cached one is stale; 404 for a wrong session."""
+        iid = body["instance_id"]
+        for fresh in (False, True):
+            ns = self._ns_of(iid, tenant, fresh)
+            if ns is None:
+                break
+            t = _tag(ns)
+            keys = [t + "i:" + iid, t + "k:" + iid, t + "leases", t + "stats"][:3 + extra_keys]
+            got = self._run(name, keys, [_sha(body["session"]), iid, *args])
+            if got[0] != "session":
+                return ns, got
+            if tenant is not ADMIN:
+                break
+        raise wrong_session(iid)
+
+    def _lease_args(self) -> list[int]:
+        return [self._ms(self.instance_timeout), self._ms(self.expire_after)]
+
+    # ------------------------------------------------------------ the workers' side
+    def _put(self, inst: Instance, tenant: str | None) -> Instance:
+        ns, iid = inst.namespace, inst.instance_id
+        prev = self.call(lambda: self.r.get("lmc:owner:" + iid))
+        if prev not in (None, ns):
+            o = _tag(prev)
+            if self.call(lambda: self.r.exists(o + "i:" + iid)):
+                if tenant is not ADMIN:
+                    raise HTTPError(409, f"instance id {iid!r} is taken by another namespace's instance")
+                self.call(lambda: (self.r.delete(o + "i:" + iid, o + "k:" + iid), self.r.zrem(o + "leases", iid)))
+        if prev != ns:
+            self.call(lambda: self.r.set("lmc:owner:" + iid, ns))
+        meta = {k: getattr(inst, k) for k in ("api_url", "api_token", "model", "chunk_size", "hash_algorithm",
+                                              "save_unfull_chunk", "tiers", "heartbeat_interval", "pid", "version",
+                                              "registered_at", "peer_url")}
+        fields = {"meta": json.dumps(meta), "tiers": json.dumps(inst.tiers), "model": inst.model, "ck": _ck(inst),
+                  "sig": inst.kv_signature or "", "prefix": inst.key_prefix() or "",
+                  "stats": json.dumps(inst.tier_stats), "events": 0, "dropped": 0, "refused": 0,
+                  "wall": inst.registered_at}
+        t = _tag(ns)
+        capped = tenant is not ADMIN
+        got = self._run("register", [t + "i:" + iid, t + "k:" + iid, t + "leases", t + "epochs", t + "stats"],
+                        [_sha(inst.session), iid, *self._lease_args(), int(capped), self.max_instances_per_tenant,
+                         *[x for kv in fields.items() for x in kv]])
+        if got[0] == "cap":
+            self.instance_cap(iid, ns, int(got[1]))
+        inst.epoch = int(got[1])
+        self._owner[iid] = ns
+        if ns not in self._known_ns:
+            self.call(lambda: self.r.sadd(NAMESPACES, ns))
+            self._known_ns.add(ns)
+        return inst
+
+    def _beat(self, body: dict[str, Any], tenant: str | None, sig: str | None) -> None:
+        iid = body["instance_id"]
+        pairs: list[Any] = []
+        if body.get("tier_stats") is not None or sig is not None:
+            found = self._find(iid, tenant)
+            if found is None:
+                raise wrong_session(iid)
+            inst = found[0]
+            if body.get("tier_stats") is not None:
+                pairs += ["stats", json.dumps(tier_stats(body["tier_stats"], inst.tiers))]
+            if sig is not None:
+                inst.kv_signature = sig
+                pairs += ["sig", sig, "prefix", inst.key_prefix()]
+        if body.get("dropped_events") is not None:
+            pairs += ["dropped", body["dropped_events"]]
+        pairs += ["wall", time.time()]
+        self._session_call("beat", body, tenant, 0, [*self._lease_args(), *pairs])
+
+    def _apply(self, body: dict[str, Any], tenant: str | None, events: list) -> None:
+        flat = [x for ev in events for x in ev]
+        ns, got = self._session_call("events", body, tenant, 1,
+                                     [*self._lease_args(), self.max_keys_per_instance, *flat])
+        if got[0] == "tier":
+            found = self._find(body["instance_id"], tenant)
+            raise unknown_tier(int(got[1]), got[2], found[0].tiers if found else [])
+        if got[0] == "cap":
+            raise self.key_cap(body["instance_id"], ns, int(got[1]), len(events), int(got[2]))
+
+    def _drop(self, body: dict[str, Any], tenant: str | None) -> Instance:
+        found = self._find(body["instance_id"], tenant)
+        ns, _ = self._session_call("drop", body, tenant, 0, [])
+        self._meta.pop((ns, body["instance_id"], found[0].epoch if found else 0), None)
+        self._run("disown", ["lmc:owner:" + body["instance_id"]], [ns])
+        self._owner.pop(body["instance_id"], None)
+        if found is None:
+            raise wrong_session(body["instance_id"])
+        return found[0]
+
+    # ------------------------------------------------------------ reading
+    def namespaces(self, namespace: str | None) -> list[str]:
+        if namespace is not None:
+            return [namespace]
+        return sorted(self.call(lambda: self.r.smembers(NAMESPACES)))
+
+    def _instance(self, ns: str, iid: str, epoch: int, meta: str, sig: str) -> Instance:
+        key = (ns, iid, epoch)
+        inst = self._meta.get(key)
+        if inst is None:
+            if len(self._meta) > 10_000:
+                self._meta.clear()
+            m = json.loads(meta)
+            inst = self._meta[key] = Instance(
+                instance_id=iid, session="", namespace=ns, kv_signature=None, last_seen=0.0,
+                last_seen_wall=m["registered_at"], epoch=epoch, **m)
+        inst.kv_signature = sig or None
+        return inst
+
+    def _records(self, ns: str) -> tuple[int, list[tuple[Instance, int, dict[str, str]]]]:
+        t = _tag(ns)
+        got = self._run("list", [t + "leases"], [t, self._ms(self.expire_after), self._ms(self.instance_timeout)])
+        out = []
+        for iid, nkeys, flat in got[1:]:
+            rec = dict(zip(flat[::2], flat[1::2]))
+            inst = self._instance(ns, iid, int(rec["epoch"]), rec["meta"], rec.get("sig", ""))
+            inst.last_seen_wall = float(rec.get("wall", inst.registered_at))
+            inst.tier_stats = json.loads(rec.get("stats") or "{}")
+            inst.events, inst.dropped_events = int(rec.get("events", 0)), int(rec.get("dropped", 0))
+            inst.refused_events = int(rec.get("refused", 0))
+            out.append((inst, int(nkeys), rec))
+        return int(got[0]), out
+
+    def list(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        rows = []
+        for ns in self.namespaces(namespace):
+            now, recs = self._records(ns)
+            rows += [inst.public((now - int(rec["seen"])) / 1000, self.instance_timeout, nkeys)
+                     for inst, nkeys, rec in recs]
+        return sorted(rows, key=lambda r: r["instance_id"])
+
+    def _find(self, iid: str, tenant: str | None) -> tuple[Instance, float] | None:
+        ns = self._ns_of(iid, tenant, fresh=True)
+        if ns is None:
+            return None
+        now, r = self._run("get", [_tag(ns) + "i:" + iid], [])
+        if r[0] is None:
+            return None
+        meta, epoch, sig, seen, wall, stats = r
+        inst = self._instance(ns, iid, int(epoch), meta, sig)
+        inst.last_seen_wall, inst.tier_stats = float(wall), json.loads(stats or "{}")
+        return inst, (int(now) - int(seen)) / 1000
+
+    def _stat(self, name: str) -> int:
+        return sum(int(self.call(lambda: self.r.hget(_tag(ns) + "stats", name)) or 0) for ns in self.namespaces(None))
+
+    @property
+    def refused_events(self) -> int:
+        return self._stat("refused_events")
+
+    @property
+    def refused_registrations(self) -> int:
+        return self._stat("refused_registrations")
+
+    def lookup_namespace(self, ns: str, q: Query) -> tuple[list[tuple[Instance, list[int], list[int]]], int]:
+        """One namespace's holdings of ``q``: one script call (two the first time an
+        instance of a new chunking is seen). Callable without HTTP (benchmarks)."""
+        hashed: dict[str, tuple[list[int], list[str]]] = {}
+        for _ in range(2):
+            mode, groups = self._groups(ns, q, hashed)
+            t = _tag(ns)
+            got = self._run("lookup", [t + "leases"], [t, q.model or "", mode, *groups])
+            need = {row[2] for row in got[1:] if row[1] == "need"}
+            if not need:
+                break
+            self._chunkings.setdefault(ns, set()).update(need)
+        out, considered = [], 0
+        for row in got[1:]:
+            if row[1] == "need":
+                continue
+            considered += 1
+            if row[1] == "skip":
+                continue
+            iid, epoch, meta, sig, masks = row
+            inst = self._instance(ns, iid, int(epoch), meta, sig)
+            ck = _ck(inst)
+            ends = hashed[ck][0] if ck in hashed else [(j + 1) * inst.chunk_size for j in range(len(masks))]
+            out.append((inst, ends, [int(m) for m in masks]))
+        return out, considered
+
+    def _groups(self, ns: str, q: Query, hashed: dict[str, tuple[list[int], list[str]]]) -> tuple[str, list[Any]]:
+        if q.keys is not None:
+            return "k", ["*", len(q.keys), *q.keys]
+        if q.hashes is not None:
+            return "h", ["*", len(q.hashes), *q.hashes]
+        groups: list[Any] = []
+        for ck in sorted(self._chunkings.get(ns, ())):
+            if ck not in hashed:
+                size, algo, unfull = ck.split("|")
+                k = (int(size), algo, unfull == "1")
+                tp = self._processors.get(k)
+                if tp is None:
+                    tp = self._processors[k] = TokenProcessor(k[0], save_unfull_chunk=k[2], hash_algorithm=k[1])
+                chunks = tp.chunks(q.tokens)
+                hashed[ck] = ([c.end for c in chunks], [c.chunk_hash for c in chunks])
+            groups += [ck, len(hashed[ck][1]), *hashed[ck][1]]
+        return "h", groups
+
+    def _holdings(self, q: Query) -> tuple[list[tuple[Instance, list[int], list[int]]], int]:
+        out, considered = [], 0
+        for ns in self.namespaces(q.namespace):
+            rows, n = self.lookup_namespace(ns, q)
+            out += rows
+            considered += n
+        return out, considered
+
+
+def _ck(inst: Instance) -> str:
+    return f"{inst.chunk_size}|{inst.hash_algorithm}|{int(inst.save_unfull_chunk)}"
