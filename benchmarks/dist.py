@@ -12,7 +12,9 @@ stop, so a failed bench leaves nothing behind.
 ids, one HTTP call each. The limit it is put next to: ``GET /v1/health`` on the same
 controller through the same client, ``count`` times, interleaved with the lookups, so
 both see the same machine. What is left after the ratio is the controller's work (JSON
-decoding of the token list, hashing, the index walk) and the larger bodies.
+decoding of the token list, hashing, the index walk) and the larger bodies. Then the
+index part (:mod:`~lmcache.benchmarks.controller_index`): ``memory`` vs ``valkey`` vs raw
+pipelined Valkey reads per chunk count, memory per million entries, failover gaps.
 
 ``p2p``: a peer engine in another process holds the chunks and runs its peer endpoint;
 this process fetches them with the code an engine runs on a local miss
@@ -186,14 +188,29 @@ def lookup_cmd(
     instances: Annotated[int, typer.Option("--instances", min=1, max=64, help="Engine processes registered with the controller.")] = 3,
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Prompt length in tokens.")] = 8192,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=1, help="Tokens per chunk.")] = 256,
-    count: Annotated[int, typer.Option("--count", min=1, help="Timed lookups (and as many health calls).")] = 1000,
+    count: Annotated[int, typer.Option("--count", min=1, help="Timed lookups (and as many health calls); also per chunk count of the index part.")] = 1000,
+    index: Annotated[bool, typer.Option("--index/--no-index", help="Also the index part: memory vs valkey vs raw pipelined Valkey reads, memory per million entries, failover gaps.")] = True,
+    chunks: Annotated[str, typer.Option("--chunks", help="Index part: prompt lengths in chunks, comma-separated.")] = "8,32,128",
+    entries: Annotated[int, typer.Option("--entries", min=4, help="Index part: (chunk, instance) entries for the memory measurement.")] = 200_000,
+    failover: Annotated[bool, typer.Option("--failover/--no-failover", help="Index part: SIGKILL a controller replica and a Valkey primary under lookups.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Controller lookup latency (by token ids, N instances) next to a trivial HTTP round trip."""
+    """Controller lookup latency (by token ids, N instances) next to a trivial HTTP round
+    trip; then the index itself: memory vs valkey vs raw pipelined Valkey reads per chunk
+    count, memory per million entries, and failover gaps."""
+    from .harness import csv_option
+
     if tokens < chunk_size:
         raise typer.BadParameter(f"must be at least --chunk-size ({chunk_size})", param_hint="'--tokens'")
+    chunk_counts = csv_option(chunks, "'--chunks'", conv=lambda v: int(v))  # not `int`: that caps at 64
+    if any(not 1 <= c <= 4096 for c in chunk_counts):
+        raise typer.BadParameter(f"chunk counts must be between 1 and 4096, got {chunks!r}", param_hint="'--chunks'")
     machine = _machine()
     data = run_lookup(instances, tokens, chunk_size, count)
+    if index:
+        from .controller_index import run_index
+
+        data["index"] = run_index(chunk_counts, instances, count, entries, failover)
     data["machine"] = machine
     if as_json:
         print_json(data)
@@ -205,6 +222,10 @@ def lookup_cmd(
         for name, r in (("lookup", lk), ("health", hp)):
             o.print(f"{name:8} {r['p50']:8.3f} {r['p90']:8.3f} {r['p99']:8.3f} {r['max']:8.3f}")
         o.print(f"lookup / health (p50): {data['ratio_p50']}   best: {data['best']}   complete={data['complete']}")
+        if index:
+            from .controller_index import print_index
+
+            print_index(data["index"], o)
     if not data["complete"]:
         raise LMCacheError(f"the lookup did not report every instance's prefix: {data['hit_tokens']}")
 
@@ -350,7 +371,8 @@ def p2p_cmd(
 def _controller_main(spec: dict[str, Any]) -> None:
     from lmcache.controller.service import ControllerServer
 
-    server = ControllerServer("127.0.0.1", 0, token=spec["token"], instance_timeout=10.0)
+    index = {"index": spec["index"]} if spec.get("index") else {}  # a valkey URL (lmcache bench controller's index part)
+    server = ControllerServer("127.0.0.1", 0, token=spec["token"], instance_timeout=10.0, **index)
     try:
         child_procs().serve_until_stdin_closes(f"READY {server.url}")
     finally:
