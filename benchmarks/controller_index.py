@@ -109,26 +109,24 @@ def valkey_server() -> Iterator[tuple[str, int]]:
 
 # --------------------------------------------------------------------------- the raw limit
 def raw_reads(port: int, keys: list[str], instances: list[str]) -> Callable[[], Any]:
-    """One redis-py pipeline reading what a lookup must read for ``keys`` (the chunk keys
-    of the prompt) and ``instances``: per key one ``HMGET key instance...`` (which
-    instances hold it, as one hash per chunk key) plus one ``HMGET`` of the instances'
-    leases; no transaction, one round trip. The layout is the cheapest one that answers a
-    lookup; whatever the index stores, it cannot read less than this."""
+    """One redis-py pipeline reading, on the same server, what the valkey index's lookup
+    must read for the chunk ``keys`` of the prompt: the namespace's live leases
+    (``ZRANGEBYSCORE lmc:{ns}:leases``) and, per instance, ``HMGET lmc:{ns}:k:<id> key...``
+    (the tier bitmask of each chunk key; :mod:`lmcache.controller.index_valkey`'s layout);
+    no transaction, one round trip. The index's Lua script does this and the instances'
+    records, their sessions and the scoring besides, so it cannot beat this."""
     import redis
 
     r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0)
-    pipe_keys = [f"raw:{k}" for k in keys]
-    with r.pipeline(transaction=False) as p:
-        for k in pipe_keys:
-            p.hset(k, mapping={i: "1" for i in instances})
-        p.hset("raw:leases", mapping={i: "9999999999" for i in instances})
-        p.execute()
+    tag = "lmc:{" + NAMESPACE + "}:"
+    if not r.exists(tag + "k:" + instances[-1]):
+        raise RuntimeError(f"the valkey index's layout changed: no {tag}k:{instances[-1]} (update raw_reads)")
 
     def read() -> Any:
         with r.pipeline(transaction=False) as p:
-            p.hmget("raw:leases", instances)
-            for k in pipe_keys:
-                p.hmget(k, instances)
+            p.zrangebyscore(tag + "leases", int(time.time() * 1000), "+inf")
+            for i in instances:
+                p.hmget(tag + "k:" + i, keys)
             return p.execute()
 
     return read

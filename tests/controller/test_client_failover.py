@@ -270,3 +270,42 @@ def test_worker_moves_to_the_other_controller(tmp_path):
                 assert [i["instance_id"] for i in on_b.instances()] == ["mover"]
     finally:
         stop(a)
+
+
+def test_worker_session_stays_valid_on_the_other_valkey_replica(tmp_path):
+    """Two controller processes over one Valkey index: the one the worker registered
+    through is SIGKILLed; the worker's session is valid on the other (no second
+    registration) and its later admits reach the shared index."""
+    import torch
+
+    import lmcache
+    from _missing import loopback_store
+    from lmcache.controller.client import ControllerClient
+
+    with loopback_store("valkey") as store:
+        index = store.options["url"]
+        a, url_a = start_controller("--index", index)
+        b, url_b = start_controller("--index", index)
+        try:
+            cfg = {"chunk_size": CHUNK, "kv_spec": KV_SPEC, "tiers": [{"backend": "cpu", "capacity": "8MiB"}],
+                   "controller": {"url": f"{url_a},{url_b}", "token": TOKEN, "instance_id": "shared",
+                                  "heartbeat_interval": 0.2, "timeout": 1.0}}
+            on_b = ControllerClient(url_b, TOKEN)
+
+            def hits(prompt: list[int]) -> list[int]:
+                return [r["hit_tokens"] for r in on_b.lookup(prompt)["results"]]
+
+            with lmcache.CacheEngine.from_config(cfg) as engine:
+                w = engine.controller_worker
+                engine.store(PROMPT[:64], torch.zeros(2, 2, 64, 2, 8))
+                until(lambda: hits(PROMPT) == [64], "indexed (seen through the other replica)")
+                assert w.client.url == url_a and w.registrations == 1
+                a.send_signal(signal.SIGKILL)
+                a.wait()
+                engine.store(PROMPT, torch.zeros(2, 2, len(PROMPT), 2, 8))
+                until(lambda: hits(PROMPT) == [len(PROMPT)], "later admits reach the index through the other replica")
+                assert w.client.url == url_b and w.registered
+                assert w.registrations == 1 and w.dropped_events == 0  # same session: no re-registration, nothing lost
+        finally:
+            stop(a)
+            stop(b)
