@@ -413,8 +413,8 @@ def main(modes: list[str], docs: int, doc_tokens: int, rounds: int, chat_turns: 
     from .vllm_live import find_vllm
 
     for m in modes:
-        if m not in ALL_MODES:
-            raise LMCacheError(f"unknown mode {m!r}; known: {', '.join(ALL_MODES)}")
+        if m not in KNOWN_MODES:
+            raise LMCacheError(f"unknown mode {m!r}; known: {', '.join(KNOWN_MODES)}")
     vllm = find_vllm(vllm_venv).parent.parent
     console = err() if as_json else out()
     say = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
