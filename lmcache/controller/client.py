@@ -9,7 +9,8 @@ no answer raises :class:`~lmcache.errors.UnreachableError`.
 Several controller URLs (replicas of one controller, e.g. over the ``valkey`` index):
 the client sticks to the URL that last answered; when it does not answer (refused,
 timed out, reset) or answers 502/503, the same call is tried on the next URL, each try
-bounded by ``timeout`` (so a call takes at most ``len(urls) * timeout``). Any other
+bounded by ``timeout`` (so a call takes at most ``len(urls) * timeout``); an answer cut
+off in the middle (the replica died while answering) counts as no answer. Any other
 answer, 4xx included, is final: a refused token or a bad request is not retried
 elsewhere. The URLs all come from the caller's configuration, so the token goes only
 to addresses it chose.
@@ -17,9 +18,10 @@ to addresses it chose.
 
 from __future__ import annotations
 
+import http.client
 from typing import Any, Sequence
 
-from lmcache.errors import AdminError
+from lmcache.errors import AdminError, UnreachableError
 from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient, check_url
 
 #: at most this many controller URLs in one list
@@ -84,7 +86,10 @@ class ControllerClient:
         for i in range(n):
             idx = (start + i) % n
             try:
-                answer = self._clients[idx].request(method, path, query=query, body=body)
+                try:
+                    answer = self._clients[idx].request(method, path, query=query, body=body)
+                except http.client.HTTPException as exc:  # cut mid-answer (IncompleteRead): no answer
+                    raise UnreachableError(f"{self.urls[idx]} broke off its answer: {exc!r}") from None
             except AdminError as exc:
                 if getattr(exc, "status", None) not in FAILOVER_STATUS:
                     self._current = idx  # it answered: a 4xx is the answer

@@ -88,7 +88,6 @@ def test_sigkilled_controller_loses_no_lookup(two_controllers):
     """A storm of lookups through a client with two URLs: the first controller is
     SIGKILLed in the middle; every lookup is answered (by the second from then on)."""
     from lmcache.controller.client import ControllerClient
-    from lmcache.errors import AdminError
 
     (a, url_a), (_, url_b) = two_controllers
     client = ControllerClient(f"{url_a},{url_b}", TOKEN, timeout=2.0)
@@ -104,9 +103,9 @@ def test_sigkilled_controller_loses_no_lookup(two_controllers):
                 done["ok"] += 1
                 if killed.is_set():
                     done["after_kill"] += 1
-            except AdminError as exc:
+            except Exception as exc:  # noqa: BLE001 - any kind counts as a failed lookup
                 done["failed"] += 1
-                errors.append(str(exc))
+                errors.append(repr(exc))
 
     threads = [threading.Thread(target=storm) for _ in range(4)]
     for t in threads:
