@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
@@ -254,11 +255,10 @@ class ValkeyIndex(IndexBase):
     def __init__(self, url: str, instance_timeout: float, expire_after: float, *, timeout: float = 2.0,
                  **caps: int):
         super().__init__(instance_timeout, expire_after, **caps)
-        self.url = url
-        self.r = connect(url, timeout)
-        self._scripts = {n: self.r.register_script(s) for n, s in (
-            ("register", _REGISTER), ("beat", _BEAT), ("events", _EVENTS), ("drop", _DROP), ("disown", _DISOWN),
-            ("lookup", _LOOKUP), ("list", _LIST), ("get", _GET))}
+        self.url, self.timeout = url, timeout
+        self._client: Any = None  # connected on first use: a controller starts while Valkey is down
+        self._lock = threading.Lock()
+        self._scripts: dict[str, Any] = {}
         self._owner: dict[str, str] = {}  # instance id -> namespace (a hint, checked by every script)
         self._meta: dict[tuple[str, str, int], Instance] = {}  # (ns, id, epoch) -> its static fields
         self._chunkings: dict[str, set[str]] = {}  # ns -> chunkings of its instances seen
@@ -271,18 +271,33 @@ class ValkeyIndex(IndexBase):
 
         try:
             return fn()
-        except redis.RedisError as exc:
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
             why = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise HTTPError(503, f"index unavailable: {type(exc).__name__}: {why}") from None
 
+    @property
+    def r(self) -> Any:
+        """The redis-py client (connected, and the scripts registered, on first use)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    client = self.call(lambda: connect(self.url, self.timeout))
+                    self._scripts = {n: client.register_script(s) for n, s in (
+                        ("register", _REGISTER), ("beat", _BEAT), ("events", _EVENTS), ("drop", _DROP),
+                        ("disown", _DISOWN), ("lookup", _LOOKUP), ("list", _LIST), ("get", _GET))}
+                    self._client = client
+        return self._client
+
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self.call(lambda: self._scripts[name](keys=keys, args=args))
+        script = self._scripts.get(name) or (self.r and self._scripts[name])
+        return self.call(lambda: script(keys=keys, args=args))
 
     def _ms(self, seconds: float) -> int:
         return max(1, int(seconds * 1000))
 
     def close(self) -> None:
-        self.call(self.r.close)
+        if self._client is not None:
+            self.call(self._client.close)
 
     def _ns_of(self, iid: str, tenant: str | None, fresh: bool = False) -> str | None:
         if tenant is not ADMIN:
