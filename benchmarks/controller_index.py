@@ -341,13 +341,30 @@ def sentinel_pair(down_after_ms: int) -> Iterator[dict[str, Any]]:
         sentinel = LocalServer("valkey-sentinel", [server_bin, str(conf), "--sentinel"], sport, workdir=sdir, ready=ready)
         servers.append(sentinel)
         sentinel.start()
-        yield {"url": f"valkey+sentinel://127.0.0.1:{sport}/lmcache", "primary": primary, "down_after_ms": down_after_ms}
+        yield {"url": f"valkey+sentinel://127.0.0.1:{sport}/lmcache", "primary": primary, "down_after_ms": down_after_ms,
+               "sentinel_port": sport, "replica_port": rport}
     finally:
         for s in reversed(servers):
             s.close()
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _watch_promotion(sp: dict[str, Any], t0: float, promoted: list[float], limit: float = 30.0) -> None:
+    """Append the seconds from ``t0`` until Sentinel names the replica as the primary."""
+    from lmcache.testing.stores.redis import command
+
+    want = str(sp["replica_port"]).encode()
+    while time.monotonic() < t0 + limit:
+        try:
+            r = command(sp["sentinel_port"], "SENTINEL", "get-master-addr-by-name", "lmcache", timeout=0.5)
+        except OSError:
+            r = None
+        if isinstance(r, list) and r[1:] == [want]:
+            promoted.append(time.monotonic() - t0)
+            return
+        time.sleep(0.01)
 
 
 def primary_failover(workdir: Path, seconds: float = 1.5, down_after_ms: int = 1000) -> dict[str, Any]:
@@ -358,10 +375,19 @@ def primary_failover(workdir: Path, seconds: float = 1.5, down_after_ms: int = 1
     with sentinel_pair(down_after_ms) as sp:
         token = secrets.token_hex(8)
         ctl, (url,) = _spawn("controller", {"token": token, "index": sp["url"]}, workdir, "controller-sentinel")
+        promoted: list[float] = []
+
+        def kill() -> None:
+            """SIGKILL the primary; a thread notes when Sentinel names the replica primary."""
+            t0 = time.monotonic()
+            sp["primary"].kill()
+            threading.Thread(target=_watch_promotion, args=(sp, t0, promoted), daemon=True).start()
+
         try:
-            gaps = _kill_under_lookups([url], token, sp["primary"].kill, seconds, down_after_ms / 1000 + 3)
+            gaps = _kill_under_lookups([url], token, kill, seconds, down_after_ms / 1000 + 3)
             return {"what": "valkey primary SIGKILLed (Sentinel)", "index": "valkey+sentinel",
-                    "sentinel_down_after_ms": down_after_ms, **gaps}
+                    "sentinel_down_after_ms": down_after_ms,
+                    "promoted_after_ms": round(promoted[0] * 1000, 1) if promoted else None, **gaps}
         finally:
             child_procs().stop(ctl)
 
@@ -423,8 +449,9 @@ def print_index(data: dict[str, Any], o: Any) -> None:
         o.print(f"index memory, {m['index']}: {m['bytes_per_entry']} B/entry ({m['measure']}, {m['entries']} entries), "
                 f"{m['mib_per_million']} MiB per million, {m['gib_for_10m']} GiB for 10 M")
     for f in data["failover"]:
+        promo = f" (Sentinel promoted the replica after {f['promoted_after_ms']} ms)" if "promoted_after_ms" in f else ""
         o.print(f"failover: {f['what']} ({f['index']}): {f['failed']} of {f['lookups']} lookups failed, longest gap "
-                f"{f['longest_gap_ms']} ms, answered again {f['answered_again_after_ms']} ms after the kill")
+                f"{f['longest_gap_ms']} ms, answered again {f['answered_again_after_ms']} ms after the kill{promo}")
     if data["valkey"] != "available":
         o.print(data["valkey"])
 
