@@ -367,7 +367,7 @@ class ValkeyIndex(IndexBase):
         iid = body["instance_id"]
         pairs: list[Any] = []
         if body.get("tier_stats") is not None or sig is not None:
-            found = self._find(iid, tenant)
+            found = self._find(iid, tenant, fresh=False) or self._find(iid, tenant)  # the cached namespace first
             if found is None:
                 raise wrong_session(iid)
             inst = found[0]
@@ -442,8 +442,8 @@ class ValkeyIndex(IndexBase):
                      for inst, nkeys, rec in recs]
         return sorted(rows, key=lambda r: r["instance_id"])
 
-    def _find(self, iid: str, tenant: str | None) -> tuple[Instance, float] | None:
-        ns = self._ns_of(iid, tenant, fresh=True)
+    def _find(self, iid: str, tenant: str | None, fresh: bool = True) -> tuple[Instance, float] | None:
+        ns = self._ns_of(iid, tenant, fresh)
         if ns is None:
             return None
         now, r = self._run("get", [_tag(ns) + "i:" + iid], [])
