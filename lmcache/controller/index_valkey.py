@@ -306,6 +306,8 @@ class ValkeyIndex(IndexBase):
             return self._owner[iid]
         ns = self.call(lambda: self.r.get("lmc:owner:" + iid))
         if ns is not None:
+            if len(self._owner) > 100_000:  # a hint only: bounded
+                self._owner.clear()
             self._owner[iid] = ns
         return ns
 
