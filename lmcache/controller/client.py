@@ -18,10 +18,9 @@ to addresses it chose.
 
 from __future__ import annotations
 
-import http.client
 from typing import Any, Sequence
 
-from lmcache.errors import AdminError, UnreachableError
+from lmcache.errors import AdminError
 from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient, check_url
 
 #: at most this many controller URLs in one list
@@ -85,11 +84,8 @@ class ControllerClient:
         errors: list[AdminError] = []
         for i in range(n):
             idx = (start + i) % n
-            try:
-                try:
-                    answer = self._clients[idx].request(method, path, query=query, body=body)
-                except http.client.HTTPException as exc:  # cut mid-answer (IncompleteRead): no answer
-                    raise UnreachableError(f"{self.urls[idx]} broke off its answer: {exc!r}") from None
+            try:  # no answer, an answer cut off mid-way included, is UnreachableError (status 503)
+                answer = self._clients[idx].request(method, path, query=query, body=body)
             except AdminError as exc:
                 if getattr(exc, "status", None) not in FAILOVER_STATUS:
                     self._current = idx  # it answered: a 4xx is the answer

@@ -13,6 +13,7 @@ answer (refused, timed out, not HTTP) raises :class:`~lmcache.errors.Unreachable
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import urllib.error
@@ -90,6 +91,8 @@ class ApiClient:
             raise UnreachableError(f"cannot reach {self.url}: {exc.strerror or exc}") from None
         except ValueError as exc:  # http.client's garbage (not an HTTP server)
             raise UnreachableError(f"{self.url} did not answer as an HTTP server: {exc}") from None
+        except http.client.HTTPException as exc:  # an answer cut off (IncompleteRead: the server died mid-answer)
+            raise UnreachableError(f"{self.url} stopped in the middle of its answer: {exc!r}") from None
         if "json" not in ctype:
             return raw.decode("utf-8", "replace")
         try:

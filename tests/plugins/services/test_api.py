@@ -267,6 +267,29 @@ def test_client_times_out_and_reports_refused_connections():
         ApiClient(f"http://127.0.0.1:{port}", timeout=2).tiers()
 
 
+def test_an_answer_cut_off_midway_is_no_answer():
+    """A server that dies while answering (headers sent, the body short) is
+    UnreachableError like one that never answered, so callers fail over or report it;
+    before, http.client's IncompleteRead escaped the client's error contract."""
+    import threading
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def answer_half() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 76\r\n\r\n{\"tie")
+
+        t = threading.Thread(target=answer_half, daemon=True)
+        t.start()
+        with pytest.raises(UnreachableError, match="stopped in the middle of its answer"):
+            ApiClient(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=5).tiers()
+        t.join(timeout=5)
+
+
 def test_client_ignores_proxy_settings(engine, monkeypatch):
     # the token must never go to a proxy; the instance is reached directly
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:1")
