@@ -65,6 +65,9 @@ class ControllerWorker:
         self.client = ControllerClient(cfg.url, cfg.token, cfg.timeout)
         self._queue: queue.Queue[tuple[str, str, str]] = queue.Queue(maxsize=cfg.queue_size)
         self._session: str | None = None  # None: not registered
+        #: a batch whose send failed without a "register again" (no answer, 5xx): sent
+        #: again, before anything queued after it, once the controller answers
+        self._pending: list[list[str]] = []
         #: set when an event could not be queued: the index missed it, so resync (a flag,
         #: not ``_session = None``, so that a resync in progress cannot clear it)
         self._need_resync = False
@@ -156,15 +159,20 @@ class ControllerWorker:
                         self._heartbeat()
                         next_beat = now + self.cfg.heartbeat_interval
                 if self._down_since is not None and self._session is not None:
-                    log.warning(
-                        "controller %s: registered again as %s after %.1fs; index resynced (%d events dropped so far)",
-                        self.client.url, self.instance_id, time.monotonic() - self._down_since, self.dropped_events,
-                    )
+                    if had_session:
+                        log.warning("controller %s answers again after %.1fs; session kept, no event lost",
+                                    self.client.url, time.monotonic() - self._down_since)
+                    else:
+                        log.warning(
+                            "controller %s: registered again as %s after %.1fs; index resynced (%d events dropped so far)",
+                            self.client.url, self.instance_id, time.monotonic() - self._down_since, self.dropped_events,
+                        )
                     self._down_since = None
             except (AdminError, OSError, ValueError) as exc:
                 self._failed(exc)
                 # a controller that answered "register again" (404: restarted, or another
                 # replica with its own index) is registered with at once; others are retried later
+                # with the session kept
                 again = had_session and isinstance(exc, NotFoundError)
                 retry_at = time.monotonic() + (0.0 if again else self.cfg.heartbeat_interval)
             except Exception:  # never let the worker die
@@ -176,8 +184,18 @@ class ControllerWorker:
             self._wake.clear()
 
     def _failed(self, exc: BaseException) -> None:
+        """A call failed. Only "register again" (404) ends the session: a controller that
+        did not answer, or answered 5xx (its index unavailable: Valkey failing over), still
+        knows it, so the session and the unsent batch are kept and sent again later; the
+        lease may lapse meanwhile (lookups skip this instance) and the next heartbeat
+        renews it. Re-registering instead would start a new epoch whose entries count
+        only once the whole snapshot is sent again."""
         self.failed_calls += 1
-        self._session = None
+        if isinstance(exc, NotFoundError) or self._session is None:
+            self._session = None
+            if self._pending:
+                self.dropped_events += len(self._pending)  # the snapshot that follows holds them
+                self._pending = []
         if self._down_since is None:
             self._down_since = time.monotonic()
             if isinstance(exc, AuthError):
@@ -201,7 +219,8 @@ class ControllerWorker:
             except queue.Empty:
                 break
         if self.registrations:
-            self.dropped_events += dropped
+            self.dropped_events += dropped + len(self._pending)
+        self._pending = []
         snapshot = [["admit", t.name, k] for t in self.engine.hierarchy.tiers for k, _ in t.keys()]
         r = self.client.register(self._info())
         session = r.get("session") if isinstance(r, dict) else None
@@ -222,7 +241,7 @@ class ControllerWorker:
 
     def _send_events(self) -> None:
         while self._session is not None:
-            batch: list[list[str]] = []
+            batch, self._pending = self._pending, []
             while len(batch) < self.cfg.batch_size:
                 try:
                     batch.append(list(self._queue.get_nowait()))
@@ -235,10 +254,13 @@ class ControllerWorker:
             except AdminError as exc:
                 if self._over_cap(exc, len(batch)):
                     continue
-                self.dropped_events += len(batch)
+                if isinstance(exc, NotFoundError):
+                    self.dropped_events += len(batch)  # register again: the snapshot holds them
+                else:
+                    self._pending = batch  # admit/evict are idempotent: sending it twice is harmless
                 raise
             except (OSError, ValueError):
-                self.dropped_events += len(batch)
+                self._pending = batch
                 raise
             self.sent_events += len(batch)
 

@@ -308,3 +308,43 @@ def test_worker_session_stays_valid_on_the_other_valkey_replica(tmp_path):
         finally:
             stop(a)
             stop(b)
+
+
+def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_path):
+    """The index's Valkey frozen for longer than the controller's index timeout (the
+    controller answers 503, as while Sentinel promotes a replica): the worker keeps its
+    session and the batch it could not send, and sends it when Valkey is back; no second
+    registration (a new epoch whose entries would count only after a whole snapshot)
+    and no dropped event. Before: it dropped the batch and registered again."""
+    import torch
+
+    import lmcache
+    from _missing import loopback_store
+    from lmcache.controller.client import ControllerClient
+    from lmcache.controller.service import ControllerServer
+
+    with loopback_store("valkey") as store:
+        with ControllerServer(port=0, token=TOKEN, instance_timeout=30, index=store.options["url"],
+                              index_timeout=0.5) as ctl:
+            cfg = {"chunk_size": CHUNK, "kv_spec": KV_SPEC, "tiers": [{"backend": "cpu", "capacity": "8MiB"}],
+                   "controller": {"url": ctl.url, "token": TOKEN, "instance_id": "steady",
+                                  "heartbeat_interval": 0.2, "timeout": 2.0}}
+            client = ControllerClient(ctl.url, TOKEN, timeout=5)
+
+            def hits() -> list[int]:
+                return [r["hit_tokens"] for r in client.lookup(PROMPT)["results"]]
+
+            with lmcache.CacheEngine.from_config(cfg) as engine:
+                w = engine.controller_worker
+                engine.store(PROMPT[:64], torch.zeros(2, 2, 64, 2, 8))
+                until(lambda: hits() == [64], "indexed")
+                failed = w.failed_calls
+                store.freeze()
+                try:
+                    engine.store(PROMPT, torch.zeros(2, 2, len(PROMPT), 2, 8))
+                    until(lambda: w.failed_calls > failed + 1, "the worker's calls fail while Valkey is frozen")
+                finally:
+                    store.thaw()
+                until(lambda: hits() == [len(PROMPT)], "the kept batch reaches the index once Valkey answers")
+                assert w.registrations == 1 and w.dropped_events == 0, w.stats()
+                assert w.registered
