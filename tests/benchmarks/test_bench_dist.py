@@ -25,7 +25,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_controller_lookup_reports_both_latencies_and_every_instance():
-    r = bench("controller", "--instances", "2", "--tokens", "1024", "--count", "50", "--json")
+    r = bench("controller", "--instances", "2", "--tokens", "1024", "--count", "50", "--no-index", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert (d["instances"], d["tokens"], d["count"], d["chunk_size"]) == (2, 1024, 50, 256)
