@@ -22,9 +22,10 @@ app = typer.Typer(add_completion=False)
 DEFAULT_URL = "http://127.0.0.1:9000"
 
 
-def page_url(controller: str | None, config: Path | None) -> str:
-    """The page's URL: ``--controller``, else ``$LMCACHE_CONTROLLER_URL``, else the
-    config's ``controller.url``, else the default controller address; as
+def page_urls(controller: str | None, config: Path | None) -> list[str]:
+    """The page's URLs, one per controller replica: ``--controller``, else
+    ``$LMCACHE_CONTROLLER_URL``, else the config's ``controller.url``, else the default
+    controller address (each a URL or a comma-separated list); each as
     ``scheme://host:port/`` (a path, query or fragment is dropped; credentials refused)."""
     url = controller or os.environ.get("LMCACHE_CONTROLLER_URL") or None
     if url is None:
@@ -33,7 +34,15 @@ def page_url(controller: str | None, config: Path | None) -> str:
             from lmcache.config import load_config
 
             url = load_config(path).controller.url or None
-    url = url or DEFAULT_URL
+    return [_page(u.strip()) for u in (url or DEFAULT_URL).split(",")]
+
+
+def page_url(controller: str | None, config: Path | None) -> str:
+    """The first of :func:`page_urls`."""
+    return page_urls(controller, config)[0]
+
+
+def _page(url: str) -> str:
     parts = urlsplit(url)
     try:
         port = parts.port
@@ -65,18 +74,25 @@ def dashboard(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the URL of the operator page (the controller's web page) to open in a browser."""
-    url = page_url(controller, config)
+    urls = page_urls(controller, config)
+    url = urls[0]
     info: dict[str, object] = {"url": url, "checked": False}
     if check:
         from lmcache.controller.client import ControllerClient
         from lmcache.errors import AdminError, AuthError, UnreachableError
 
-        base = url.rstrip("/")
-        try:
-            with ControllerClient(base, None, timeout) as anon:
-                page = anon.request("GET", "/")
-        except (UnreachableError, AdminError) as exc:
-            raise CLIError(f"the controller at {base} does not answer: {exc} (start it with: lmcache controller serve)") from None
+        for i, url in enumerate(urls):  # replicas: the first that serves the page
+            base = url.rstrip("/")
+            try:
+                with ControllerClient(base, None, timeout) as anon:
+                    page = anon.request("GET", "/")
+                break
+            except (UnreachableError, AdminError) as exc:
+                if i == len(urls) - 1:
+                    more = f" (nor {len(urls) - 1} other URLs)" if len(urls) > 1 else ""
+                    raise CLIError(f"the controller at {base} does not answer: {exc}{more} "
+                                   "(start it with: lmcache controller serve)") from None
+        info["url"] = url
         if not isinstance(page, str) or "/static/app.js" not in page:
             raise CLIError(f"{base} answered, but not with the lmcache operator page (an lmcache controller of this version?)")
         info["checked"] = True

@@ -59,3 +59,23 @@ def test_a_controller_that_does_not_answer_or_a_url_with_credentials_is_one_line
     # --no-check prints without asking
     r = runner.invoke(app, ["dashboard", "--controller", f"http://127.0.0.1:{port}/x", "--no-check"])
     assert r.exit_code == 0 and r.stdout == f"http://127.0.0.1:{port}/\n", r.output
+
+
+def test_a_config_naming_several_controller_replicas_gives_the_page_of_one_that_answers(controller, tmp_path,
+                                                                                        monkeypatch):
+    """controller.url as a list of replicas (docs/distributed.md): the first that serves
+    the page is printed; before, the list was refused as 'bad port'."""
+    monkeypatch.delenv("LMCACHE_CONTROLLER_URL", raising=False)
+    with socket.socket() as s:  # a replica that is down
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(f"controller: {{url: ['{down}', '{controller.url}'], token: {TOKEN}}}\n")
+    r = runner.invoke(app, ["dashboard", "--config", str(cfg), "--timeout", "2"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == controller.url + "/\n"
+    r = runner.invoke(app, ["dashboard", "--config", str(cfg), "--no-check"])
+    assert r.exit_code == 0 and r.stdout == down + "/\n", r.output
+    r = runner.invoke(app, ["dashboard", "--controller", f"{down},{down.replace('127.0.0.1', 'localhost')}",
+                            "--timeout", "2"])
+    assert r.exit_code == 1 and "does not answer" in r.stderr and "nor 1 other URLs" in r.stderr, r.output
