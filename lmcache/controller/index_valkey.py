@@ -9,10 +9,15 @@ script touches is in that namespace's slot)::
                              dropped, refused, seen (Valkey ms), wall     PEXPIRE expire_after
     lmc:{ns}:k:<id>    HASH  chunk key -> bitmask of its tiers holding it  PEXPIRE expire_after
     lmc:{ns}:leases    ZSET  id -> lease deadline (Valkey ms): healthy while deadline >= now
-    lmc:{ns}:epochs    HASH  id -> registrations so far (the epoch)
+    lmc:{ns}:e:<id>    STRING the id's last epoch, kept expire_after past its registration so a
+                             quick re-registration after a deregistration counts on
     lmc:{ns}:stats     HASH  refused_events, refused_registrations
     lmc:namespaces     SET   every namespace seen (admin listings and lookups)
-    lmc:owner:<id>     STRING the namespace of instance id <id> (ids are global)
+    lmc:owner:<id>     STRING the namespace of instance id <id> (ids are global)  PEXPIRE expire_after,
+                             renewed by heartbeats
+
+Nothing is kept for an instance id after ``expire_after`` of silence: a tenant registering
+ever new ids cannot grow the index without bound (the tenant cap bounds the live ones).
 
 Every mutation is one Lua script that first checks the caller's session (a re-registration
 replaces it, so a stale re-sync or a restarted instance's old session is 404: register
@@ -48,9 +53,9 @@ _BATCH = 500  # keys per HMGET/HSET inside a script (Lua's unpack limit is ~8000
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 _CHECK = "local s = redis.call('HGET', KEYS[1], 'sess') if not s or s ~= ARGV[1] then return {'session'} end\n"
 _RENEW = ("redis.call('PEXPIRE', KEYS[1], ARGV[4]) redis.call('PEXPIRE', KEYS[2], ARGV[4]) "
-          "redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[2])\n")
+          "redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[2]) redis.call('PEXPIRE', KEYS[3], ARGV[4])\n")
 
-# KEYS rec, keys, leases, epochs, stats; ARGV sess, id, timeout ms, expire ms, capped, cap, field pairs...
+# KEYS rec, keys, leases, epoch, stats; ARGV sess, id, timeout ms, expire ms, capped, cap, field pairs...
 _REGISTER = _NOW + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[4]) + tonumber(ARGV[3]))
 if ARGV[5] == '1' then
@@ -61,7 +66,8 @@ if ARGV[5] == '1' then
     return {'cap', n}
   end
 end
-local epoch = redis.call('HINCRBY', KEYS[4], ARGV[2], 1)
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or redis.call('GET', KEYS[4]) or '0') + 1
+redis.call('SET', KEYS[4], epoch, 'PX', ARGV[4])
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'sess', ARGV[1], 'epoch', epoch, 'seen', now, unpack(ARGV, 7))
 """ + _RENEW + "return {'ok', epoch}"
@@ -342,8 +348,7 @@ class ValkeyIndex(IndexBase):
                 if tenant is not ADMIN:
                     raise HTTPError(409, f"instance id {iid!r} is taken by another namespace's instance")
                 self.call(lambda: (self.r.delete(o + "i:" + iid, o + "k:" + iid), self.r.zrem(o + "leases", iid)))
-        if prev != ns:
-            self.call(lambda: self.r.set("lmc:owner:" + iid, ns))
+        self.call(lambda: self.r.set("lmc:owner:" + iid, ns, px=self._ms(self.expire_after)))
         meta = {k: getattr(inst, k) for k in ("api_url", "api_token", "model", "chunk_size", "hash_algorithm",
                                               "save_unfull_chunk", "tiers", "heartbeat_interval", "pid", "version",
                                               "registered_at", "peer_url")}
@@ -353,7 +358,7 @@ class ValkeyIndex(IndexBase):
                   "wall": inst.registered_at}
         t = _tag(ns)
         capped = tenant is not ADMIN
-        got = self._run("register", [t + "i:" + iid, t + "k:" + iid, t + "leases", t + "epochs", t + "stats"],
+        got = self._run("register", [t + "i:" + iid, t + "k:" + iid, t + "leases", t + "e:" + iid, t + "stats"],
                         [_sha(inst.session), iid, *self._lease_args(), int(capped), self.max_instances_per_tenant,
                          *[x for kv in fields.items() for x in kv]])
         if got[0] == "cap":
@@ -381,7 +386,9 @@ class ValkeyIndex(IndexBase):
         if body.get("dropped_events") is not None:
             pairs += ["dropped", body["dropped_events"]]
         pairs += ["wall", time.time()]
-        self._session_call("beat", body, tenant, 0, [*self._lease_args(), *pairs])
+        ns, _ = self._session_call("beat", body, tenant, 0, [*self._lease_args(), *pairs])
+        # the owner key lives in no namespace's slot (ids are global): renewed beside the script
+        self.call(lambda: self.r.pexpire("lmc:owner:" + iid, self._ms(self.expire_after)))
 
     def _apply(self, body: dict[str, Any], tenant: str | None, events: list) -> None:
         flat = [x for ev in events for x in ev]

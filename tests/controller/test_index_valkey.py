@@ -133,6 +133,34 @@ def test_registering_again_refuses_the_old_session(url):
     print("re-register: epoch 1 -> 2, the old session's stale re-sync 404 and not counted")
 
 
+def test_a_tenant_churning_instance_ids_leaves_nothing_behind(url):
+    """A tenant registers ever new instance ids (one deregistered, one gone silent, one
+    re-registered): once ``expire_after`` has passed with no call, no key of theirs is left
+    in Valkey but the namespace's name and its refusal counters, so the
+    index cannot be grown without bound; an id re-registered right after its deregistration
+    still counts its epoch on. Before: an owner key and an epoch per id ever used stayed."""
+    ix = ValkeyIndex(url, 0.2, 1.0)
+    reg = {**REG, "namespace": "churn"}
+    s0 = ix.register({"instance_id": "c0", **reg}, "churn")["session"]
+    ix.deregister({"instance_id": "c0", "session": s0}, "churn")
+    assert ix.register({"instance_id": "c0", **reg}, "churn")["epoch"] == 2
+    for i in range(1, 6):
+        s = ix.register({"instance_id": f"c{i}", **reg}, "churn")["session"]
+        admit(ix, f"c{i}", s, [key(i, "churn")], tenant="churn")
+
+    def left() -> list[str]:
+        nodes = ix.r.get_primaries() if hasattr(ix.r, "get_primaries") else [None]
+        found = []
+        for node in nodes:
+            found += ix.r.keys("lmc:*", target_nodes=node) if node is not None else ix.r.keys("lmc:*")
+        return sorted(k for k in found if k not in ("lmc:namespaces", "lmc:{churn}:stats"))
+
+    assert len(left()) > 6
+    until(lambda: left() == [], "every per-id key expired", GUARD)
+    ix.close()
+    print("churn: nothing per id left after expire_after")
+
+
 def test_the_caps_hold_in_valkey(url):
     """Over the key cap a whole batch is 429 and nothing applied (an eviction + admit at
     the cap passes); a tenant's third instance is 429, re-registering one is not; another
