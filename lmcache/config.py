@@ -360,8 +360,8 @@ class VllmOptions:
     vLLM's ``kv_load_failure_policy`` to recompute; ``fail`` keeps vLLM's. ``lookup``: how
     the scheduler learns what the workers' tiers hold: ``socket`` (a Unix socket per rank, one
     host), ``inband`` (the question in vLLM's connector metadata, the answer in its worker
-    metadata: crosses hosts), ``auto`` (workers in the scheduler's process asked directly,
-    the others in-band; docs/architecture.md).
+    metadata: crosses hosts), ``auto`` (``inband`` when the workers may be on other hosts:
+    ``nnodes > 1`` or the ``ray`` executor; else ``socket``; docs/architecture.md).
     """
 
     layerwise: bool = option(False, check.boolean)

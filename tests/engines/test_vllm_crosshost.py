@@ -174,27 +174,11 @@ def test_a_prefix_counts_only_where_every_rank_answered_it(model_config):
         eng.close()
 
 
-@pytest.mark.parametrize("mode,expect", [("socket", "socket"), ("inband", "inband"), ("auto", "inband")])
-def test_lookup_mode_is_selectable_and_auto_is_inband(model_config, mode, expect):
+@pytest.mark.parametrize("mode,expect", [("socket", "socket"), ("inband", "inband"), ("auto", "socket")])
+def test_lookup_mode_is_selectable_and_auto_is_socket_on_one_node(model_config, mode, expect):
     from lmcache.plugins.connectors.vllm.common import lookup_mode
 
     vc = make_config(model_config, **{"lmcache.vllm.lookup": mode})
     assert lookup_mode(vc, mode) == expect
     vc.parallel_config.nnodes = 2
-    assert lookup_mode(vc, mode) == expect
-
-
-def test_auto_asks_workers_in_its_own_process_directly_and_opens_no_socket(model_config):
-    """``auto``: the uni executor's workers are asked in the same pass (no step added),
-    and no worker opens a socket."""
-    eng = InbandEngine(make_config(model_config), kv_cache_config(False))
-    gen = torch.Generator().manual_seed(14)
-    try:
-        a_layers = alloc(LAYOUT)
-        wa = eng.worker(a_layers)
-        assert "lookup" not in wa.engine.services and wa.connector_worker._lookup.server is None
-        eng.submit("a", list(range(1, 201)))
-        out, _ = eng.step(wa, a_layers, LAYOUT, gen)
-        assert [r.req_id for r in out.scheduled_new_reqs] == ["a"] and out.kv_connector_metadata.asks == []
-    finally:
-        eng.close()
+    assert lookup_mode(vc, mode) == ("socket" if mode == "socket" else "inband")

@@ -19,10 +19,11 @@ named by ``lmcache.config_file`` (else ``LMCACHE_CONFIG_FILE``), ``LMCACHE_*`` e
 variables, then every other ``lmcache.<key>`` of ``kv_connector_extra_config``
 (``lmcache.vllm.<key>`` keys are the ``vllm`` section, :class:`lmcache.config.VllmOptions`,
 which configures this connector; an unknown one is refused, named). The scheduler opens no
-tiers: it asks the workers' engines in-band, through vLLM's own channels, on any host
-(``lmcache.vllm.lookup: auto``: the question in the connector metadata, each rank's answer
-in :meth:`build_connector_worker_meta`; ``socket``: over the engine's ``lookup`` service,
-:mod:`lmcache.plugins.services.lookup`, one host only), so a hit in a worker's CPU tier is served
+tiers: it asks the workers' engines over the lookup channel (the engine's ``lookup``
+service, :mod:`lmcache.plugins.services.lookup`) on one host, or in-band through vLLM's
+own channels when the workers may be on other hosts (``lmcache.vllm.lookup: auto|socket|
+inband``: the question in the connector metadata, each rank's answer in
+:meth:`build_connector_worker_meta`), so a hit in a worker's CPU tier is served
 in the same live engine, with the multiprocess executor and with tensor parallelism (a
 prefix counts only where every rank has it). Workers in the scheduler's own process (the
 ``uni`` executor) are asked directly.

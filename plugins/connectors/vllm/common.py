@@ -19,13 +19,16 @@ if TYPE_CHECKING:
 
 
 def lookup_mode(vllm_config: VllmConfig, option: str) -> str:
-    """``socket`` or ``inband``: how the scheduler asks the workers' tiers that are not in
-    its own process (``vllm.lookup``; those in its process it asks directly, unless the
-    option is ``inband``). ``auto`` is ``inband``: on one host it measured no slower than the
-    socket, and it crosses hosts (docs/architecture.md, "Cache hits across hosts");
-    ``socket`` is kept as an explicit choice for one host. The scheduler and every worker
-    decide alike from the same config."""
-    return "socket" if option == "socket" else "inband"
+    """``socket`` or ``inband``: how the scheduler asks the workers' tiers (``vllm.lookup``).
+    ``auto`` is ``inband`` when the workers may run on another host (``nnodes > 1``, or the
+    ``ray`` executor, which places them where it likes), else ``socket`` (docs/architecture.md,
+    "Cache hits across hosts"). The scheduler and every worker decide alike from the same
+    config."""
+    if option != "auto":
+        return option
+    pc = vllm_config.parallel_config
+    multi = int(getattr(pc, "nnodes", 1) or 1) > 1 or getattr(pc, "distributed_executor_backend", None) == "ray"
+    return "inband" if multi else "socket"
 
 
 class Side:

@@ -97,9 +97,8 @@ class ConnectorScheduler(Side):
     def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None) -> _Lookup:
         self.stats["lookups"] += 1
         lk = _Lookup(tokens, time.monotonic(), extra)
-        # workers in this process are asked directly, unless in-band is asked for by name
-        local = None if self.config.vllm.lookup == "inband" else self._local_workers()
-        if local is None and self.lookup_mode == "inband":
+        local = None if self.lookup_mode == "inband" else self._local_workers()
+        if self.lookup_mode == "inband":
             self._seq += 1
             lk.seq, lk.inband = self._seq, True
             self._asks.append((LookupAsk(lk.seq, tokens, self.shifted, extra), lk))
