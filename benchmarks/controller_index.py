@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .harness import err
+from .harness import child_procs, err
 
 NAMESPACE, MODEL, SIG = "bench", "bench/synthetic", "float16-L2-H2-D8-layout-tp0of1"
 TIERS = ["cpu", "disk"]
@@ -290,10 +290,12 @@ def _kill_under_lookups(urls: list[str], token: str, kill: Callable[[], None], s
     return _gaps(log, killed_at)
 
 
-def controller_failover(index_url: str, workdir: Path, seconds: float = 1.5) -> dict[str, Any]:
-    """Two controller processes over ``index_url``; a client with both URLs looks up in a
-    loop; the first is SIGKILLed after ``seconds``; the loop runs ``seconds`` more."""
-    from .dist import _spawn, child_procs
+def controller_failover(index_url: str, workdir: Path, spawn: Callable[..., Any],
+                        seconds: float = 1.5) -> dict[str, Any]:
+    """Two controller processes over ``index_url`` (started by ``spawn``, the bench's child
+    launcher, passed in so this module does not import its caller); a client with both URLs
+    looks up in a loop; the first is SIGKILLed after ``seconds``; the loop runs ``seconds`` more."""
+    _spawn = spawn
 
     token = secrets.token_hex(8)
     spec = {"token": token, **({} if index_url == "memory" else {"index": index_url})}
@@ -367,10 +369,11 @@ def _watch_promotion(sp: dict[str, Any], t0: float, promoted: list[float], limit
         time.sleep(0.01)
 
 
-def primary_failover(workdir: Path, seconds: float = 1.5, down_after_ms: int = 1000) -> dict[str, Any]:
-    """A controller over ``valkey+sentinel://``; its primary SIGKILLed under a lookup loop;
-    the loop runs until lookups are answered again (at most 30 s)."""
-    from .dist import _spawn, child_procs
+def primary_failover(workdir: Path, spawn: Callable[..., Any], seconds: float = 1.5,
+                     down_after_ms: int = 1000) -> dict[str, Any]:
+    """A controller over ``valkey+sentinel://`` (started by ``spawn``); its primary SIGKILLed
+    under a lookup loop; the loop runs until lookups are answered again (at most 30 s)."""
+    _spawn = spawn
 
     with sentinel_pair(down_after_ms) as sp:
         token = secrets.token_hex(8)
@@ -393,7 +396,8 @@ def primary_failover(workdir: Path, seconds: float = 1.5, down_after_ms: int = 1
 
 
 # --------------------------------------------------------------------------- the whole part
-def run_index(chunks: list[int], instances: int, count: int, entries: int, failover: bool) -> dict[str, Any]:
+def run_index(chunks: list[int], instances: int, count: int, entries: int, failover: bool,
+              spawn: Callable[..., Any]) -> dict[str, Any]:
     """Every measurement above, for ``memory`` and (when available) ``valkey``."""
     e = err()
     out: dict[str, Any] = {"chunks": chunks, "lookups": [], "memory": [], "failover": [], "valkey": "available"}
@@ -406,7 +410,7 @@ def run_index(chunks: list[int], instances: int, count: int, entries: int, failo
         wd = Path(d)
         if failover:
             e.print("failover: a controller replica SIGKILLed under lookups ...")
-            out["failover"].append(controller_failover("memory", wd))
+            out["failover"].append(controller_failover("memory", wd, spawn))
         if why is None:
             try:
                 with valkey_server() as (url, port):
@@ -418,10 +422,10 @@ def run_index(chunks: list[int], instances: int, count: int, entries: int, failo
                     if failover:
                         _flush(port)
                         e.print("failover: a controller replica over valkey SIGKILLed under lookups ...")
-                        out["failover"].append(controller_failover(url, wd))
+                        out["failover"].append(controller_failover(url, wd, spawn))
                 if failover:
                     e.print("failover: the valkey primary SIGKILLed under lookups (Sentinel) ...")
-                    out["failover"].append(primary_failover(wd))
+                    out["failover"].append(primary_failover(wd, spawn))
             except Exception as exc:  # noqa: BLE001 - reported in the output, the memory rows stand
                 why = f"{type(exc).__name__}: {exc}"
         if why is not None:

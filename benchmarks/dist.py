@@ -210,7 +210,7 @@ def lookup_cmd(
     if index:
         from .controller_index import run_index
 
-        data["index"] = run_index(chunk_counts, instances, count, entries, failover)
+        data["index"] = run_index(chunk_counts, instances, count, entries, failover, _spawn)
     data["machine"] = machine
     if as_json:
         print_json(data)
