@@ -56,7 +56,10 @@ ALL_MODES = ("vllm", "vllm-simple-cpu", "vllm-offloading", "lmcache-cpu", "lmcac
 #: mp``, as when it runs on another host) and the scheduler's lookups over the Unix socket or
 #: in-band through vLLM's connector metadata (``lmcache.vllm.lookup``; docs/architecture.md)
 LOOKUP_MODES = ("lmcache-cpu-socket", "lmcache-cpu-inband")
-KNOWN_MODES = ALL_MODES + LOOKUP_MODES
+#: lmcache-cpu with per-token entries (``vllm.entries: tokens``) where it would store vLLM
+#: CPU blocks whole: the load and save paths before whole-block entries, in the same run
+TOKENS_MODE = "lmcache-cpu-tokens"
+KNOWN_MODES = ALL_MODES + LOOKUP_MODES + (TOKENS_MODE,)
 
 
 @dataclass
@@ -150,8 +153,10 @@ def mode_kv_config(mode: str, work: Path, cpu_bytes: int, redis_options: dict[st
     if mode in LOOKUP_MODES:
         tiers = [{"backend": "cpu", "capacity": cpu_bytes}]
         extra["lmcache.vllm.lookup"] = mode.rsplit("-", 1)[1]
-    elif mode == "lmcache-cpu":
+    elif mode in ("lmcache-cpu", TOKENS_MODE):
         tiers = [{"backend": "cpu", "capacity": cpu_bytes}]
+        if mode == TOKENS_MODE:
+            extra["lmcache.vllm.entries"] = "tokens"
     elif mode == "lmcache-disk":
         d = work / "disk"
         d.mkdir(parents=True, exist_ok=True)

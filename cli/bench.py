@@ -161,7 +161,7 @@ def e2e_cmd(
 
 @app.command("vllm")
 def vllm_cmd(
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: vllm, vllm-simple-cpu, vllm-offloading, lmcache-cpu, lmcache-disk, lmcache-redis, and lmcache-cpu-socket, lmcache-cpu-inband (the worker in its own process, the lookups over the Unix socket or in-band; not in the default set) (the first is the reference for outputs and TTFT).")] = "vllm,vllm-simple-cpu,vllm-offloading,lmcache-cpu,lmcache-disk,lmcache-redis",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: vllm, vllm-simple-cpu, vllm-offloading, lmcache-cpu, lmcache-disk, lmcache-redis, and lmcache-cpu-socket, lmcache-cpu-inband (the worker in its own process, the lookups over the Unix socket or in-band), lmcache-cpu-tokens (per-token entries where vLLM's CPU blocks would be stored whole) (these three not in the default set) (the first is the reference for outputs and TTFT).")] = "vllm,vllm-simple-cpu,vllm-offloading,lmcache-cpu,lmcache-disk,lmcache-redis",
     docs: Annotated[int, typer.Option("--docs", min=1, help="Documents asked round robin.")] = 4,
     doc_tokens: Annotated[int, typer.Option("--doc-tokens", min=64, help="Tokens per document (at least).")] = 3000,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds over the documents.")] = 3,

@@ -362,6 +362,10 @@ class VllmOptions:
     host), ``inband`` (the question in vLLM's connector metadata, the answer in its worker
     metadata: crosses hosts), ``auto`` (``inband`` when the workers may be on other hosts:
     ``nnodes > 1`` or the ``ray`` executor; else ``socket``; docs/architecture.md).
+    ``entries``: ``auto`` stores vLLM's CPU attention blocks whole where a chunk is a whole
+    number of them (keyed apart: only vLLM CPU engines of the same kernels and block size
+    read them; docs/engines.md); ``tokens`` stores per-token KV everywhere, which any engine
+    of the same model and KV shape reads.
     """
 
     layerwise: bool = option(False, check.boolean)
@@ -370,6 +374,7 @@ class VllmOptions:
     lookup_timeout: float = option(1.0, check.seconds())
     load_failure_policy: str = option("recompute", check.choice("recompute", "fail"))
     lookup: str = option("auto", check.choice("auto", "socket", "inband"))
+    entries: str = option("auto", check.choice("auto", "tokens"))
 
     def validate(self, source: str | None) -> None:
         if self.lookup_wait > self.lookup_timeout:

@@ -786,6 +786,61 @@ def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, laye
         eng.close()
 
 
+def test_cpu_attention_blocks_are_stored_whole_and_put_back_where_the_backend_reads_them(model_config, monkeypatch):
+    """On vLLM's CPU platform with the vec kernels and chunks of whole blocks (decided by
+    blocks.block_entries_layout, forced here: this vLLM is not the CPU build), an entry
+    holds each block as the kernels keep it, under a signature of its own, and a load
+    into other blocks of another cache gives every token back as the backend reads it;
+    the prompt's partial last block (200 = 12 blocks of 16 + 8) goes per token."""
+    import types
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from lmcache.plugins.connectors.vllm import worker as worker_mod
+
+    tag = f"vllmcpu_vec_b{BLOCK}"
+    monkeypatch.setattr(worker_mod, "block_entries_layout", lambda *a, **kw: tag)
+    layout = "cpu_attn"
+    vc = make_config(model_config)
+    vc.compilation_config.static_forward_context.update(
+        {n: types.SimpleNamespace(impl=object.__new__(CPUAttentionBackendImpl), isa="vec") for n in LAYERS})
+    eng = Engine(vc, kv_cache_config(False))
+    gen = torch.Generator().manual_seed(11)
+    try:
+        layers = alloc(layout)
+        w = eng.worker(layers)
+        cw = w.connector_worker
+        assert cw.kv_spec.layout == tag and tag in cw.engine.kv_spec.signature and cw._blocks is not None
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, _ = eng.step(w, layers, layout, gen)
+        blocks = new_req(out, "a").block_ids[0]
+        slots = slots_of(blocks, 200)
+        kv = w.engine.retrieve(prompt).kv  # (L, 2, T, H, D) elements, each chunk's blocks whole
+        per_block = layers[0][0].numel()
+        for c in range(0, 200 - CHUNK + 1, CHUNK):  # whole chunk c, layer i: its blocks as the backend keeps them
+            for i, t in enumerate(layers):
+                region = kv[i, :, c : c + CHUNK].reshape(-1)  # the entry's bytes of this layer, in order
+                for j in range(CHUNK // BLOCK):
+                    assert torch.equal(region[j * per_block : (j + 1) * per_block],
+                                       t[blocks[c // BLOCK + j]].reshape(-1)), (c, i, j)
+        for i, t in enumerate(layers):  # the unfull last chunk (one partial block) per token
+            for p in range(192, 200):
+                b, o = divmod(slots[p], BLOCK)
+                assert torch.equal(kv[i, 0, p], cpu_keys(t)[b, :, :, o]) and torch.equal(kv[i, 1, p], cpu_values(t)[b, :, o])
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        b_layers = alloc(layout)
+        wb = eng.worker(b_layers)
+        eng.submit("b", prompt + [7] * 10)
+        out, invalid = eng.step(wb, b_layers, layout, gen)
+        req = new_req(out, "b")
+        assert req.num_computed_tokens == 192 and invalid == set()
+        assert same(layers, layout, slots[:192], b_layers, layout, slots_of(req.block_ids[0], 192))
+    finally:
+        eng.close()
+
+
 # ------------------------------------------------------------------ vLLM's LMCacheConnectorV1 (LMCache's users)
 def test_lmcacheconnectorv1_by_name_runs_lmcache_in_both_roles(model_config):
     """``kv_connector: LMCacheConnectorV1`` with no module path, as every LMCache deployment

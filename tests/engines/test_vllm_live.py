@@ -210,6 +210,87 @@ def test_the_cpu_attention_kernels_store_tokens_where_the_connector_reads_them(v
         assert torch.equal(kv_k[b, :, o], k[t]) and torch.equal(kv_v[b, :, o], v[t]), t
 
 
+def _vec_cache(B, H, N, D, k, v, slots):
+    """A [B, H, N, 2D] cache written by vLLM's own CPU kernel (vec ISA)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(B, H, N, 2 * D)
+    keys, values = cache.view(B, H, 2 * N, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, keys, values, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return cache
+
+
+def test_whole_block_entries_move_vllm_cpu_blocks_exactly(vllm_bin):
+    """Entries of vLLM's CPU backend hold its blocks whole (plugins/connectors/vllm/blocks.py):
+    a save from one cache and a load into other blocks of another cache give every token's
+    key and value back where vLLM's kernels read them (written by cpu_attn_reshape_and_cache),
+    a last partial block per token; a load cut at both ends (vLLM's own blocks below it, the
+    token vLLM recomputes after it) writes nothing outside its range."""
+    import torch
+
+    from lmcache.plugins.connectors.vllm import detect_layout
+    from lmcache.plugins.connectors.vllm.blocks import BlockEntries
+
+    L, B, H, N, D, T = 2, 8, 2, 32, 64, 2 * 32 + 19  # two whole blocks and 19 tokens
+    src_blocks, dst_blocks = [5, 1, 6], [2, 7, 0]
+    slots = (torch.tensor(src_blocks)[:, None] * N + torch.arange(N)).flatten()[:T]
+    ks, vs = [torch.randn(T, H, D) for _ in range(L)], [torch.randn(T, H, D) for _ in range(L)]
+    src = [_vec_cache(B, H, N, D, ks[i], vs[i], slots) for i in range(L)]
+
+    def entries(caches):
+        views = []
+        for c in caches:
+            views += detect_layout(c, num_kv_heads=H, head_size=D, is_mla=False, cpu_isa="vec")[1]
+        return BlockEntries(caches, views, N), views
+
+    saver, _ = entries(src)
+    out = torch.full((L, 2, T, H, D), float("nan"))
+    saver.save(out, 0, T, src_blocks)
+    assert not out.isnan().any()
+    for lo, hi in ((0, T), (N, T - 1), (5, 2 * N + 3)):
+        dst = [torch.zeros(B, H, N, 2 * D) for _ in range(L)]
+        loader, views = entries(dst)
+        loader.load(out, 0, dst_blocks, lo, hi)
+        for i in range(L):
+            kv_k, kv_v = views[2 * i], views[2 * i + 1]
+            for t in range(T):
+                b, o = dst_blocks[t // N], t % N
+                want_k, want_v = (ks[i][t], vs[i][t]) if lo <= t < hi else (torch.zeros(H, D),) * 2
+                assert torch.equal(kv_k[b, :, o], want_k) and torch.equal(kv_v[b, :, o], want_v), (lo, hi, i, t)
+            # nothing written outside the request's blocks
+            others = [b for b in range(B) if b not in dst_blocks]
+            assert not dst[i][others].any()
+        if (lo, hi) == (0, T):  # a whole block is the backend's own bytes
+            assert all(torch.equal(dst[i][dst_blocks[0]], src[i][src_blocks[0]]) for i in range(L))
+
+
+def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin):
+    """The KV signature names whole-block entries (vllmcpu_vec_b<N>) on vLLM's CPU platform
+    with the vec kernels and a chunk size a multiple of the block size; per-token entries
+    (lt2hd) wherever a per-token reader may come: layer-wise loads, shifted reuse, chunk
+    sizes that cut blocks, MLA."""
+    import types
+
+    import torch
+
+    from lmcache.config import load_config
+    from lmcache.plugins.connectors.vllm.blocks import block_entries_layout
+
+    vc = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32),
+                               cache_config=types.SimpleNamespace(cache_dtype="auto"))
+
+    def tag(block=128, mla=False, **kw):
+        return block_entries_layout(vc, block, 64, load_config(None, **kw), mla)
+
+    assert tag(chunk_size=256) == "vllmcpu_vec_b128"
+    assert tag(block=32, chunk_size=256) == "vllmcpu_vec_b32"
+    assert tag(chunk_size=192) is None
+    assert tag(chunk_size=256, mla=True) is None
+    assert tag(chunk_size=256, vllm={"layerwise": True}) is None
+    assert tag(chunk_size=256, approximate_reuse=True) is None
+
+
 def test_shifted_reuse_of_a_truncated_prompt(vllm_bin, model, tmp_path):
     """approximate_reuse under a live vLLM: a prompt whose oldest document tokens were cut
     (a sliding window) loads the chunks the longer prompt computed, re-rotated (vLLM

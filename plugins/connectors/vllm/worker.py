@@ -14,6 +14,7 @@ returns fewer tokens than promised reports the affected blocks through
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -32,6 +33,7 @@ from lmcache.kernels import KVLayout
 from lmcache.services import EngineView
 
 from ...services.lookup import LookupChannel, LookupReply, socket_path
+from .blocks import BlockEntries, block_entries_layout
 from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
@@ -103,7 +105,13 @@ class ConnectorWorker(Side):
         super().__init__(vllm_config, kv_transfer_config, kv_cache_config, tp_rank_of(vllm_config))
         # the engine's lookup service answers the scheduler on this rank's socket, or
         # in-band (vllm.lookup), in this connector's worker metadata: then no socket
-        mode = lookup_mode(vllm_config, load_config(config_file, **overrides).vllm.lookup)
+        cfg = load_config(config_file, **overrides)
+        mode = lookup_mode(vllm_config, cfg.vllm.lookup)
+        # vLLM's CPU backend: entries hold its blocks whole, keyed apart (.blocks)
+        tag = block_entries_layout(vllm_config, self.block_size, self.kv_spec.head_size, cfg, self.is_mla)
+        if tag is not None:
+            self.kv_spec = dataclasses.replace(self.kv_spec, layout=tag)
+        self._blocks: BlockEntries | None = None
         sock = socket_path(self.instance, self.dp_rank, self.tp_rank) if mode == "socket" else None
         # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
         max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
@@ -200,6 +208,15 @@ class ConnectorWorker(Side):
             self.shifted, self._inv_freq = False, None
         if len(views) != self.kv_spec.num_layers * (2 if self._split else 1):
             raise ValueError(f"lmcache: {len(views)} KV cache layers registered, expected {self.kv_spec.num_layers}")
+        if self.kv_spec.layout.startswith("vllmcpu_"):  # entries of whole blocks (.blocks), keyed apart
+            try:
+                if layout is not VLLM_CPU_VEC:
+                    raise ValueError(f"lmcache: whole-block entries need vLLM's CPU vec layout, these layers are "
+                                     f"{layout.name if layout else None}")
+                self._blocks = BlockEntries(list(kv_caches.values()), views, self.block_size)
+            except ValueError as exc:  # never per-token entries under the whole-block signature
+                log.error("%s; lmcache loads and saves nothing (vLLM computes every prompt)", exc)
+                return
         self._layers, self._layout = views, layout
         log.info("lmcache: %d layers in layout %s, kv %s", len(views), layout.name if layout else None, self.kv_spec.signature)
 
@@ -281,6 +298,8 @@ class ConnectorWorker(Side):
         reuse (it re-rotates the keys in a buffer) go through a staging buffer, and so
         does vLLM's CPU attention backend (:meth:`_per_chunk`)."""
         assert self.engine is not None
+        if self._blocks is not None:
+            return self._load_blocks(spec)
         if self._per_chunk() and not spec.shifted:
             return self._load_direct(spec)
         buf, view = self._buffer(len(spec.token_ids), role)
@@ -323,6 +342,22 @@ class ConnectorWorker(Side):
             buf = kv.view(layers, 1, *kv.shape[2:]) if self._split else kv  # the kernels' chunk form
             K.scatter(buf.to(device), self._layout, slots[chunk.start : chunk.end], self._layers,
                       max(0, spec.skip - chunk.start))
+
+        ids = spec.exact_ids
+        try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
+            return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
+        finally:  # the lookup's pins (taken for the scheduler) end with the load
+            self.engine.release(ids, extra=spec.extra)
+
+    def _load_blocks(self, spec: LoadSpec) -> int:
+        """:meth:`_load_direct` for whole-block entries (:mod:`.blocks`): each block of a
+        chunk is one copy per layer from the pool into the request's block."""
+        assert self.engine is not None and self._blocks is not None
+        blocks, lo, hi = self._blocks, spec.skip, spec.load_end
+
+        def sink(chunk: Any, kv: torch.Tensor) -> None:
+            if chunk.end > lo and chunk.start < hi:
+                blocks.load(kv, chunk.start, spec.block_ids, max(lo, chunk.start), min(hi, chunk.end))
 
         ids = spec.exact_ids
         try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
@@ -471,11 +506,13 @@ class ConnectorWorker(Side):
         buffer); no lookup before it, no leases."""
         assert self.engine is not None and self._layout is not None
         slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
-        layers, layout, device = self._layers, self._layout, self._device()
+        layers, layout, device, blocks = self._layers, self._layout, self._device(), self._blocks
 
         def fill(start: int, end: int, out: torch.Tensor) -> None:
             shape = layout.chunk_shape(layers[0], len(layers), end - start)
-            if device.type == "cpu":
+            if blocks is not None:  # whole blocks (.blocks)
+                blocks.save(out, start, end, spec.block_ids)
+            elif device.type == "cpu":
                 K.gather(layers, layout, slots[start:end], out.view(shape))
             else:
                 out.view(shape).copy_(K.gather(layers, layout, slots[start:end],
@@ -557,7 +594,7 @@ class ConnectorWorker(Side):
         for spec in meta.saves:  # one after another: they share the "gather" buffer
             with self._async_lock:
                 shifted = spec.req_id in self._shifted_from
-            if self._per_chunk() and not shifted:  # staging only where a layout or shifted reuse needs it
+            if (self._per_chunk() or self._blocks is not None) and not shifted:  # staging only where needed
                 self._save_direct(spec)
                 continue
             prepared = self._prepare_save(spec, "gather")
@@ -593,6 +630,8 @@ class ConnectorWorker(Side):
         self._closed = True
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self._blocks is not None:
+            self._blocks.close()
         with _LOCAL_LOCK:
             ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
             if ws is not None and ws.get(self.tp_rank) is self:
