@@ -702,7 +702,7 @@ def test_each_role_builds_only_its_side(model_config):
     try:
         assert type(s.connector_scheduler) is ConnectorScheduler and s.connector_worker is None and s.engine is None
         assert type(w.connector_worker) is ConnectorWorker and w.connector_scheduler is None and w.engine is not None
-        for name in ("engine", "_staging", "_layers", "_io", "_bridge", "_failed"):
+        for name in ("engine", "_staging", "_layers", "_io", "_bridge", "_failed", "_blocks"):
             assert not hasattr(s.connector_scheduler, name), name
         for name in ("_reqs", "_lookups", "_loads", "_client", "_tier_events", "stats"):
             assert not hasattr(w.connector_worker, name), name

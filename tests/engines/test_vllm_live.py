@@ -265,6 +265,29 @@ def test_whole_block_entries_move_vllm_cpu_blocks_exactly(vllm_bin):
             assert all(torch.equal(dst[i][dst_blocks[0]], src[i][src_blocks[0]]) for i in range(L))
 
 
+def test_block_copy_threads_leave_the_core_their_caller_is_bound_to(vllm_bin):
+    """vLLM's CPU worker binds its main thread to one core; a copy thread started from it
+    would inherit that core, so blocks.py moves it to the cores of the process's other
+    threads."""
+    import os
+    import threading
+
+    from lmcache.plugins.connectors.vllm.blocks import _cpu_list, _spare_cpus
+
+    assert _cpu_list("0-3,6") == {0, 1, 2, 3, 6} and _cpu_list("5") == {5}
+    cpus = os.sched_getaffinity(0)
+    got: list[set[int]] = []
+
+    def bound() -> None:
+        os.sched_setaffinity(0, {min(cpus)})
+        got.append(_spare_cpus())
+
+    t = threading.Thread(target=bound)
+    t.start()
+    t.join()
+    assert got == [cpus - {min(cpus)} if len(cpus) > 1 else cpus]
+
+
 def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin):
     """The KV signature names whole-block entries (vllmcpu_vec_b<N>) on vLLM's CPU platform
     with the vec kernels and a chunk size a multiple of the block size; per-token entries

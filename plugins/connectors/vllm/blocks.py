@@ -24,7 +24,9 @@ then the ``r`` tokens as ``(2, r, H, D)``.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +47,45 @@ __all__ = ["COPY_THREADS", "BlockEntries", "block_entries_layout"]
 
 #: threads copying the blocks of one chunk (at most torch's own thread count)
 COPY_THREADS = 2
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-3,6`` as ``{0, 1, 2, 3, 6}``."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            a, _, b = part.partition("-")
+            out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _spare_cpus() -> set[int]:
+    """The CPUs this process's threads run on together, less the calling thread's own when
+    others are left. vLLM's CPU worker binds each of its OpenMP threads, the main one
+    included, to one core; a thread started from the main thread would inherit that one
+    core and copy on it by turns with the main thread (measured: no faster than one
+    thread), so the copy threads go to the worker's other cores."""
+    cpus: set[int] = set()
+    try:
+        for status in Path("/proc/self/task").glob("*/status"):
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus |= _cpu_list(line.split(":", 1)[1])
+            except (OSError, ValueError):  # a thread gone meanwhile
+                continue
+        own = os.sched_getaffinity(0)
+    except (OSError, AttributeError):  # not Linux
+        return set()
+    return (cpus - own) or cpus
+
+
+def _run_on(cpus: set[int]) -> None:
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            log.debug("lmcache: copy thread stays on its CPUs (%s)", exc)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -131,7 +172,8 @@ class BlockEntries:
             run(range(L))
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="lmcache-vllm-blocks")
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="lmcache-vllm-blocks",
+                                            initargs=(_spare_cpus(),), initializer=_run_on)
         parts = [range(k, L, self.threads) for k in range(self.threads)]
         futures = [self._pool.submit(run, part) for part in parts[1:]]
         try:
