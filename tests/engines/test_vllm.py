@@ -702,7 +702,7 @@ def test_each_role_builds_only_its_side(model_config):
     try:
         assert type(s.connector_scheduler) is ConnectorScheduler and s.connector_worker is None and s.engine is None
         assert type(w.connector_worker) is ConnectorWorker and w.connector_scheduler is None and w.engine is not None
-        for name in ("engine", "_staging", "_layers", "_io", "_bridge", "_failed", "_blocks"):
+        for name in ("engine", "_staging", "_layers", "_io", "_bridge", "_failed", "_block_entries"):
             assert not hasattr(s.connector_scheduler, name), name
         for name in ("_reqs", "_lookups", "_loads", "_client", "_tier_events", "stats"):
             assert not hasattr(w.connector_worker, name), name
@@ -810,7 +810,7 @@ def test_cpu_attention_blocks_are_stored_whole_and_put_back_where_the_backend_re
         layers = alloc(layout)
         w = eng.worker(layers)
         cw = w.connector_worker
-        assert cw.kv_spec.layout == tag and tag in cw.engine.kv_spec.signature and cw._blocks is not None
+        assert cw.kv_spec.layout == tag and tag in cw.engine.kv_spec.signature and cw._block_entries is not None
         prompt = list(range(1, 201))
         eng.submit("a", prompt)
         out, _ = eng.step(w, layers, layout, gen)

@@ -111,7 +111,7 @@ class ConnectorWorker(Side):
         tag = block_entries_layout(vllm_config, self.block_size, self.kv_spec.head_size, cfg, self.is_mla)
         if tag is not None:
             self.kv_spec = dataclasses.replace(self.kv_spec, layout=tag)
-        self._blocks: BlockEntries | None = None
+        self._block_entries: BlockEntries | None = None
         sock = socket_path(self.instance, self.dp_rank, self.tp_rank) if mode == "socket" else None
         # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
         max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
@@ -213,7 +213,7 @@ class ConnectorWorker(Side):
                 if layout is not VLLM_CPU_VEC:
                     raise ValueError(f"lmcache: whole-block entries need vLLM's CPU vec layout, these layers are "
                                      f"{layout.name if layout else None}")
-                self._blocks = BlockEntries(list(kv_caches.values()), views, self.block_size)
+                self._block_entries = BlockEntries(list(kv_caches.values()), views, self.block_size)
             except ValueError as exc:  # never per-token entries under the whole-block signature
                 log.error("%s; lmcache loads and saves nothing (vLLM computes every prompt)", exc)
                 return
@@ -298,7 +298,7 @@ class ConnectorWorker(Side):
         reuse (it re-rotates the keys in a buffer) go through a staging buffer, and so
         does vLLM's CPU attention backend (:meth:`_per_chunk`)."""
         assert self.engine is not None
-        if self._blocks is not None:
+        if self._block_entries is not None:
             return self._load_blocks(spec)
         if self._per_chunk() and not spec.shifted:
             return self._load_direct(spec)
@@ -352,8 +352,8 @@ class ConnectorWorker(Side):
     def _load_blocks(self, spec: LoadSpec) -> int:
         """:meth:`_load_direct` for whole-block entries (:mod:`.blocks`): each block of a
         chunk is one copy per layer from the pool into the request's block."""
-        assert self.engine is not None and self._blocks is not None
-        blocks, lo, hi = self._blocks, spec.skip, spec.load_end
+        assert self.engine is not None and self._block_entries is not None
+        blocks, lo, hi = self._block_entries, spec.skip, spec.load_end
 
         def sink(chunk: Any, kv: torch.Tensor) -> None:
             if chunk.end > lo and chunk.start < hi:
@@ -506,7 +506,7 @@ class ConnectorWorker(Side):
         buffer); no lookup before it, no leases."""
         assert self.engine is not None and self._layout is not None
         slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
-        layers, layout, device, blocks = self._layers, self._layout, self._device(), self._blocks
+        layers, layout, device, blocks = self._layers, self._layout, self._device(), self._block_entries
 
         def fill(start: int, end: int, out: torch.Tensor) -> None:
             shape = layout.chunk_shape(layers[0], len(layers), end - start)
@@ -594,7 +594,7 @@ class ConnectorWorker(Side):
         for spec in meta.saves:  # one after another: they share the "gather" buffer
             with self._async_lock:
                 shifted = spec.req_id in self._shifted_from
-            if (self._per_chunk() or self._blocks is not None) and not shifted:  # staging only where needed
+            if (self._per_chunk() or self._block_entries is not None) and not shifted:  # staging only where needed
                 self._save_direct(spec)
                 continue
             prepared = self._prepare_save(spec, "gather")
@@ -630,8 +630,8 @@ class ConnectorWorker(Side):
         self._closed = True
         if self._io is not None:
             self._io.shutdown(wait=True)
-        if self._blocks is not None:
-            self._blocks.close()
+        if self._block_entries is not None:
+            self._block_entries.close()
         with _LOCAL_LOCK:
             ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
             if ws is not None and ws.get(self.tp_rank) is self:
