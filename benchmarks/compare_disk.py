@@ -137,6 +137,20 @@ def run_ours_over_disk(spec: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def merge_over_disk(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """One side's CPU-over-disk figures over all its passes: ``more`` (another pass of
+    the same workload) added to ``into``, each figure the median (or best) of every
+    round of every pass."""
+    for name in ("store", "persist", "hit"):
+        into[f"{name}_seconds"] = [*into[f"{name}_seconds"], *more[f"{name}_seconds"]]
+        into[f"{name}_gbps"] = into["bytes"] / statistics.median(into[f"{name}_seconds"]) / GB
+    into["store_best_gbps"] = into["bytes"] / min(into["store_seconds"]) / GB
+    for flag in ("exact", "hit_exact", "complete"):
+        into[flag] = bool(into[flag] and more[flag])
+    into["passes"] = into.get("passes", 1) + 1
+    return into
+
+
 def over_disk_limits(directory: Path, od: dict[str, Any], repeats: int = 3) -> dict[str, float]:
     """GB/s of the physical steps under the disk workloads (best of ``repeats``), with
     torch's default threads: ``memcpy``, ``write`` (new chunk-sized files, one plain write

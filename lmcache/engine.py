@@ -24,6 +24,7 @@ from .dtypes import dtype_from_name, dtype_name
 from .errors import KVShapeError
 from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseRetrieval: public here too
     _KV, KVGather, LayerwiseRetrieval, RetrieveResult, StoreResult, _check_out, _check_out_dtype, _default_instance_id, _fits,
+    copy_off_main,
     spec_in_tiers, store_chunks,
 )
 from .chunks import ChunkGateway
@@ -336,7 +337,7 @@ class CacheEngine:
                 c = chunks[j]
                 if obj.shape == spec.chunk_shape(c.num_tokens) and obj.dtype == dtype:
                     with torch.inference_mode(inference):
-                        out[:, :, c.start : c.end].copy_(obj.tensor)  # type: ignore[index]
+                        copy_off_main(out[:, :, c.start : c.end], obj.tensor)  # type: ignore[index]
                     copied.add(j)
         try:
             got = self._fetch(chunks, keys, on_ready, pin=not leased)

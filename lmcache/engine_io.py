@@ -21,6 +21,30 @@ from .keys import Chunk
 _log = logging.getLogger("lmcache.engine")
 
 
+#: numpy integer types of each element size: a copy moves bits, whatever the dtype
+#: (numpy has no bfloat16)
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def copy_off_main(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a copy made on an I/O thread while others copy too: between
+    CPU tensors of one shape and dtype it is one numpy copy of their bits, single-threaded
+    with the GIL released, instead of a torch copy that asks torch's intra-op threads for
+    help from every I/O thread at once (more threads than cores: each chunk's copy then
+    waits for a busy one). A 256-token SmolLM2 fp32 chunk (11.8 MB) scattered into a
+    ``(layers, 2, tokens, heads, head)`` tensor on two I/O threads of a 2-core machine:
+    a fresh disk-only engine's 16-chunk hit took 21-23 ms this way, 27 ms with torch's."""
+    width = _BITS.get(src.element_size())
+    if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.shape != src.shape
+            or width is None or dst.requires_grad):
+        dst.copy_(src)
+        return
+    import numpy as np
+
+    bits = getattr(torch, width)
+    np.copyto(dst.view(bits).numpy(), src.detach().view(bits).numpy(), casting="no")
+
+
 @dataclass
 class RetrieveResult:
     """What :meth:`CacheEngine.retrieve` found.

@@ -178,6 +178,32 @@ def test_a_streamed_disk_read_into_an_inference_mode_tensor(tmp_path, caplog, la
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32])
+def test_a_disk_hit_is_copied_into_out_bit_for_bit_and_nowhere_else(tmp_path, dtype):
+    """A file-like tier's chunks are copied into ``out`` on its I/O threads as numpy copies
+    of their bits (``copy_off_main``): every dtype, numpy's or not, lands bit for bit, in
+    the tokens it belongs to of a strided ``out``, and nothing around it is written."""
+    toks = list(range(64))
+    kv = torch.randint(-(2**15), 2**15 - 1, (L, 2, 64, H, D), dtype=torch.int32).view(torch.uint8)
+    kv = kv.view(L, 2, 64, H, -1)[..., : D * dtype.itemsize].contiguous().view(dtype)
+    cfg = {"chunk_size": 16, "kv_spec": {"num_layers": L, "num_kv_heads": H, "head_size": D,
+                                         "dtype": str(dtype).removeprefix("torch.")},
+           "tiers": [{"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "16MiB"}]}
+    with lmcache.CacheEngine.from_config(cfg) as e:
+        e.store(toks, kv)
+        e.flush()
+    with lmcache.CacheEngine.from_config(cfg) as e:  # only the files: every chunk read on the I/O threads
+        wide = torch.full((L, 2, 80, H, D + 3), 7, dtype=torch.uint8).view(torch.int8).to(torch.float32).to(dtype)
+        before = wide.clone()
+        out = wide[:, :, 8:, :, :D]  # strided in every dimension but the last
+        assert e.retrieve(toks, out=out).num_tokens == 64
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+        assert torch.equal(out[:, :, :64].view(bits), kv.view(bits))
+        mask = torch.ones(wide.shape, dtype=torch.bool)
+        mask[:, :, 8:72, :, :D] = False
+        assert torch.equal(wide.view(bits)[mask], before.view(bits)[mask])
+
+
 def test_an_engine_without_kv_spec_takes_it_from_the_tiers_or_says_to_set_it(tmp_path):
     """The outside review: ``lookup`` on an engine with no ``kv_spec`` yet (a fresh process
     over a persisted or shared tier) returned 0 silently. It now takes the spec from the
