@@ -365,7 +365,8 @@ class VllmOptions:
     ``entries``: ``auto`` stores vLLM's CPU attention blocks whole where a chunk is a whole
     number of them (keyed apart: only vLLM CPU engines of the same kernels and block size
     read them; docs/engines.md); ``tokens`` stores per-token KV everywhere, which any engine
-    of the same model and KV shape reads.
+    of the same model and KV shape reads (the CPU backend's vec kernels; its other kernels
+    pack blocks with no per-token view: whole blocks, keyed apart, either way).
     """
 
     layerwise: bool = option(False, check.boolean)

@@ -741,6 +741,42 @@ def test_shifted_reuse_is_off_while_vllms_prefix_cache_is_on(model_config, caplo
         c.shutdown()
 
 
+def _run_cpu_kernels(vc, isa: str) -> None:
+    """Every attention layer of ``vc`` runs vLLM's CPU backend with kernels ``isa`` (what
+    the connector looks at: the compilation config's forward context, by layer name)."""
+    import types
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    vc.compilation_config.static_forward_context.update(
+        {n: types.SimpleNamespace(impl=object.__new__(CPUAttentionBackendImpl), isa=isa) for n in LAYERS})
+
+
+def _cpu_backend(model_config, monkeypatch, tag: str, isa: str) -> tuple[Engine, object]:
+    """An engine whose worker keys its entries ``tag`` (blocks.block_entries_layout, forced:
+    this vLLM is not the CPU build) on vLLM's CPU backend running kernels ``isa``; and its config."""
+    from lmcache.plugins.connectors.vllm import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "block_entries_layout", lambda *a, **kw: tag)
+    vc = make_config(model_config)
+    _run_cpu_kernels(vc, isa)
+    return Engine(vc, kv_cache_config(False)), vc
+
+
+def _forget_then_load_192(eng: Engine, prompt: list[int], layout: str, gen) -> tuple[object, list[torch.Tensor]]:
+    """Request "a" ends and vLLM forgets it; request "b" (``prompt`` and 10 more tokens)
+    runs on a new cache of ``layout``: its request, after 192 tokens came from lmcache."""
+    eng.finish("a")
+    eng.sched.reset_prefix_cache()
+    b_layers = alloc(layout)
+    wb = eng.worker(b_layers)
+    eng.submit("b", prompt + [7] * 10)
+    out, invalid = eng.step(wb, b_layers, layout, gen)
+    req = new_req(out, "b")
+    assert req.num_computed_tokens == 192 and invalid == set()
+    return req, b_layers
+
+
 @pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
 def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, layerwise):
     """vLLM's CPU attention backend allocates [B, H, N, 2D] like the standardized layout but
@@ -773,14 +809,7 @@ def test_cpu_attention_layout_is_read_as_the_backend_reads_it(model_config, laye
                 assert torch.equal(kv[i, 0, p], cpu_keys(t)[b, :, :, o]), p
                 assert torch.equal(kv[i, 1, p], cpu_values(t)[b, :, o]), p
         # and a load into other blocks puts every token back where the backend reads it
-        eng.finish("a")
-        eng.sched.reset_prefix_cache()
-        b_layers = alloc(layout)
-        wb = eng.worker(b_layers)
-        eng.submit("b", prompt + [7] * 10)
-        out, invalid = eng.step(wb, b_layers, layout, gen)
-        req = new_req(out, "b")
-        assert req.num_computed_tokens == 192 and invalid == set()
+        req, b_layers = _forget_then_load_192(eng, prompt, layout, gen)
         assert same(layers, layout, slots[:192], b_layers, layout, slots_of(req.block_ids[0], 192))
     finally:
         eng.close()
@@ -792,19 +821,9 @@ def test_cpu_attention_blocks_are_stored_whole_and_put_back_where_the_backend_re
     holds each block as the kernels keep it, under a signature of its own, and a load
     into other blocks of another cache gives every token back as the backend reads it;
     the prompt's partial last block (200 = 12 blocks of 16 + 8) goes per token."""
-    import types
-
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
-    from lmcache.plugins.connectors.vllm import worker as worker_mod
-
     tag = f"vllmcpu_vec_b{BLOCK}"
-    monkeypatch.setattr(worker_mod, "block_entries_layout", lambda *a, **kw: tag)
     layout = "cpu_attn"
-    vc = make_config(model_config)
-    vc.compilation_config.static_forward_context.update(
-        {n: types.SimpleNamespace(impl=object.__new__(CPUAttentionBackendImpl), isa="vec") for n in LAYERS})
-    eng = Engine(vc, kv_cache_config(False))
+    eng, _ = _cpu_backend(model_config, monkeypatch, tag, "vec")
     gen = torch.Generator().manual_seed(11)
     try:
         layers = alloc(layout)
@@ -828,15 +847,45 @@ def test_cpu_attention_blocks_are_stored_whole_and_put_back_where_the_backend_re
             for p in range(192, 200):
                 b, o = divmod(slots[p], BLOCK)
                 assert torch.equal(kv[i, 0, p], cpu_keys(t)[b, :, :, o]) and torch.equal(kv[i, 1, p], cpu_values(t)[b, :, o])
-        eng.finish("a")
-        eng.sched.reset_prefix_cache()
-        b_layers = alloc(layout)
-        wb = eng.worker(b_layers)
-        eng.submit("b", prompt + [7] * 10)
-        out, invalid = eng.step(wb, b_layers, layout, gen)
-        req = new_req(out, "b")
-        assert req.num_computed_tokens == 192 and invalid == set()
+        req, b_layers = _forget_then_load_192(eng, prompt, layout, gen)
         assert same(layers, layout, slots[:192], b_layers, layout, slots_of(req.block_ids[0], 192))
+    finally:
+        eng.close()
+
+
+def test_packed_cpu_kernels_store_whole_blocks_under_their_own_signature(model_config, monkeypatch):
+    """vLLM's CPU kernels other than vec (vec16, AMX) pack a block in an order of their own:
+    the first rows of a partial block do not hold its tokens, and no other engine reads the
+    rows as KV. So (blocks.block_entries_layout, forced here: this vLLM is not the CPU build)
+    their entries are keyed vllmcpu_<isa>_rows_b<N>, never lt2hd, hold whole blocks only
+    (200 tokens = 12 blocks of 16 + 8: 192 stored), and a load into other blocks of another
+    cache gives each block back byte for byte. Kernels other than the ones the signature
+    names load and save nothing."""
+    from lmcache.plugins.connectors.vllm.layout import VLLM_BHNC
+
+    tag = f"vllmcpu_vec16_rows_b{BLOCK}"
+    eng, vc = _cpu_backend(model_config, monkeypatch, tag, "vec16")
+    layout, gen = "cpu_attn", torch.Generator().manual_seed(12)  # [B, H, N, 2D], as every CPU kernel has it
+    try:
+        w = eng.worker(layers := alloc(layout))
+        signature = w.connector_worker.engine.kv_spec.signature
+        assert w.connector_worker.kv_spec.layout == tag and tag in signature and "lt2hd" not in signature
+        assert w.connector_worker._layout is VLLM_BHNC and w.connector_worker._block_entries is None
+        prompt = list(range(1, 201))
+        eng.submit("a", prompt)
+        out, _ = eng.step(w, layers, layout, gen)
+        blocks = new_req(out, "a").block_ids[0]
+        assert w.engine.lookup(prompt) == 192  # the partial last block is not stored
+        req, b_layers = _forget_then_load_192(eng, prompt, layout, gen)
+        for t, tb in zip(layers, b_layers):
+            for j in range(12):
+                assert torch.equal(tb[req.block_ids[0][j]], t[blocks[j]]), j
+        # the same signature with the vec kernels underneath: an error, nothing loaded or saved
+        eng.finish("b")
+        _run_cpu_kernels(vc, "vec")
+        c_layers = alloc(layout)
+        wc = eng.worker(c_layers)
+        assert not wc.connector_worker._layers
     finally:
         eng.close()
 

@@ -288,11 +288,13 @@ def test_block_copy_threads_leave_the_core_their_caller_is_bound_to(vllm_bin):
     assert got == [cpus - {min(cpus)} if len(cpus) > 1 else cpus]
 
 
-def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin):
+def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin, monkeypatch):
     """The KV signature names whole-block entries (vllmcpu_vec_b<N>) on vLLM's CPU platform
     with the vec kernels and a chunk size a multiple of the block size; per-token entries
     (lt2hd) wherever a per-token reader may come: layer-wise loads, shifted reuse, chunk
-    sizes that cut blocks, MLA."""
+    sizes that cut blocks, MLA. The backend's other kernels pack blocks in orders of their
+    own, so their entries are keyed apart whatever else is set (vllmcpu_<isa>_rows_b<N>):
+    vec16 for a head size of 80, as this vLLM picks it, AMX, and kernels it does not name."""
     import types
 
     import torch
@@ -303,8 +305,8 @@ def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin):
     vc = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32),
                                cache_config=types.SimpleNamespace(cache_dtype="auto"))
 
-    def tag(block=128, mla=False, **kw):
-        return block_entries_layout(vc, block, 64, load_config(None, **kw), mla)
+    def tag(block=128, mla=False, head=64, **kw):
+        return block_entries_layout(vc, block, head, load_config(None, **kw), mla)
 
     assert tag(chunk_size=256) == "vllmcpu_vec_b128"
     assert tag(block=32, chunk_size=256) == "vllmcpu_vec_b32"
@@ -312,6 +314,17 @@ def test_whole_block_entries_are_keyed_apart_only_where_they_apply(vllm_bin):
     assert tag(chunk_size=256, mla=True) is None
     assert tag(chunk_size=256, vllm={"layerwise": True}) is None
     assert tag(chunk_size=256, approximate_reuse=True) is None
+
+    anywhere = [{"chunk_size": 256}, {"chunk_size": 192}, {"chunk_size": 256, "vllm": {"layerwise": True}},
+                {"chunk_size": 256, "vllm": {"entries": "tokens"}}, {"chunk_size": 256, "approximate_reuse": True}]
+    assert [tag(head=80, **kw) for kw in anywhere] == ["vllmcpu_vec16_rows_b128"] * len(anywhere)
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **kw: "amx")
+    assert [tag(**kw) for kw in anywhere] == ["vllmcpu_amx_rows_b128"] * len(anywhere)
+    monkeypatch.delattr(cpu_attn, "_get_attn_isa")  # another vLLM: kernels it does not name
+    assert [tag(**kw) for kw in anywhere] == ["vllmcpu_unknown_rows_b128"] * len(anywhere)
+    assert tag(chunk_size=256, mla=True) is None
 
 
 def test_shifted_reuse_of_a_truncated_prompt(vllm_bin, model, tmp_path):

@@ -11,9 +11,11 @@ partial block (the prompt's unfull last chunk) per token; a load or a save is th
 contiguous copy per block and layer.
 
 Such entries are not per-token KV, so they are keyed apart: the KV signature's layout is
-``vllmcpu_<isa>_b<block_size>`` (:func:`block_entries_layout`), shared only by vLLM CPU
+``vllmcpu_vec_b<block_size>`` (:func:`block_entries_layout`), shared only by vLLM CPU
 engines with the same kernels and block size, never read by another engine, by shifted
-reuse or by a layer-wise load.
+reuse or by a layer-wise load. The backend's other kernels (``vec16``, ``amx``, ...) pack
+their blocks otherwise; their entries are keyed apart too (``vllmcpu_<isa>_rows_b<N>``)
+and hold whole blocks only.
 
 One entry of ``T`` tokens (``f = T // N`` full blocks of ``N`` tokens, ``r = T - f * N``
 left) is, per layer, the ``2 * T * H * D`` elements of the engine's ``(L, 2, T, H, D)``
@@ -23,8 +25,10 @@ then the ``r`` tokens as ``(2, r, H, D)``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,9 +45,11 @@ if TYPE_CHECKING:
 
     from lmcache.config import Config
 
+    from .metadata import SaveSpec
+
 log = logging.getLogger(__name__)
 
-__all__ = ["COPY_THREADS", "BlockEntries", "block_entries_layout"]
+__all__ = ["COPY_THREADS", "ROWS", "BlockEntries", "block_entries_layout", "packed_rows", "savable"]
 
 #: threads copying the blocks of one chunk (at most torch's own thread count)
 COPY_THREADS = 2
@@ -95,30 +101,68 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 def block_entries_layout(vllm_config: VllmConfig, block_size: int, head_size: int, config: Config,
                          is_mla: bool) -> str | None:
-    """The KV signature's layout name when this worker stores whole CPU blocks
-    (``vllmcpu_vec_b<N>``), else ``None`` (per-token entries, layout ``lt2hd``).
+    """The KV signature's layout name of this worker's entries when they are not
+    per-token KV, else ``None`` (per-token entries, layout ``lt2hd``):
+
+    - ``vllmcpu_vec_b<N>``: whole blocks of vLLM's CPU ``vec`` kernels (:class:`BlockEntries`),
+      where a chunk is a whole number of blocks, loads are bulk (not ``vllm.layerwise``),
+      reuse is exact (``approximate_reuse`` moves per-token keys) and ``vllm.entries`` is
+      not ``tokens``;
+    - ``vllmcpu_<isa>_rows_b<N>``: any other kernels of vLLM's CPU backend (``vec16``,
+      ``amx``, ``neon``, or kernels this vLLM does not name: ``unknown``). They pack a
+      block in an order of their own (``vec16`` puts 5 tokens' keys in rows 0-10 of the
+      block), so the rows of the ``[B, H, N, 2D]`` view hold a block's bytes only as a
+      whole: such entries hold whole blocks only (:func:`packed_rows`), and only an engine
+      with the same kernels and block size may read them, whatever ``vllm.entries`` says.
 
     Decided from the configuration alone, before any tensor is seen, so that every
-    worker of a kind decides alike: vLLM's CPU platform running its ``vec`` kernels, a
-    chunk size that is a multiple of the block size, bulk loads (not ``vllm.layerwise``)
-    and exact reuse only (``approximate_reuse`` moves per-token keys); ``vllm.entries:
-    tokens`` turns it off."""
-    if is_mla or config.vllm.entries == "tokens" or config.vllm.layerwise or config.approximate_reuse.enabled:
-        return None
-    if block_size <= 0 or config.chunk_size % block_size:
+    worker of a kind decides alike."""
+    if is_mla or block_size <= 0:
         return None
     try:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             return None
+    except Exception:  # no vLLM platform: not its CPU backend
+        return None
+    try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_size,
-                            getattr(vllm_config.cache_config, "cache_dtype", None))
-    except Exception:  # another vLLM, or no CPU backend: per-token entries
+        isa = str(_get_attn_isa(vllm_config.model_config.dtype, block_size, head_size,
+                                getattr(vllm_config.cache_config, "cache_dtype", None)))
+    except Exception:  # another vLLM: kernels of unknown packing, never read per token
+        isa = "unknown"
+    if isa != "vec":
+        return f"vllmcpu_{re.sub(r'[^A-Za-z0-9]', '', isa) or 'unknown'}{ROWS}b{block_size}"
+    if config.vllm.entries == "tokens" or config.vllm.layerwise or config.approximate_reuse.enabled:
         return None
-    return f"vllmcpu_{isa}_b{block_size}" if isa == "vec" else None
+    if config.chunk_size % block_size:
+        return None
+    return f"vllmcpu_vec_b{block_size}"
+
+
+#: in a layout name: entries of packed CPU kernels' block rows (:func:`block_entries_layout`)
+ROWS = "_rows_"
+
+
+def packed_rows(layout: str) -> bool:
+    """Whether entries of this KV layout hold rows of packed CPU kernels' blocks: whole
+    blocks only, stored and loaded as such."""
+    return layout.startswith("vllmcpu_") and ROWS in layout
+
+
+def savable(spec: SaveSpec, layout: str, block_size: int) -> SaveSpec | None:
+    """``spec`` as the worker may store it under ``layout``: for packed CPU kernels' rows
+    (:func:`packed_rows`) cut to its whole blocks (``None`` if it has none: a partial
+    block's first rows do not hold its tokens), else as it is. vLLM loads whole blocks
+    only (the scheduler rounds a hit down), so nothing stored is then left unread."""
+    if not packed_rows(layout):
+        return spec
+    n = len(spec.token_ids) // block_size * block_size
+    if n == len(spec.token_ids):
+        return spec
+    return dataclasses.replace(spec, token_ids=spec.token_ids[:n], skip=min(spec.skip, n)) if n else None
 
 
 class BlockEntries:

@@ -33,10 +33,10 @@ from lmcache.kernels import KVLayout
 from lmcache.services import EngineView
 
 from ...services.lookup import LookupChannel, LookupReply, socket_path
-from .blocks import BlockEntries, block_entries_layout
+from .blocks import BlockEntries, block_entries_layout, packed_rows, savable
 from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
-from .layout import VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
+from .layout import VLLM_BHNC, VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -210,10 +210,15 @@ class ConnectorWorker(Side):
             raise ValueError(f"lmcache: {len(views)} KV cache layers registered, expected {self.kv_spec.num_layers}")
         if self.kv_spec.layout.startswith("vllmcpu_"):  # entries of whole blocks (.blocks), keyed apart
             try:
-                if layout is not VLLM_CPU_VEC:
+                if packed_rows(self.kv_spec.layout):  # packed kernels' rows: the kernels the tag names
+                    if layout is not VLLM_BHNC or not self.kv_spec.layout.startswith(f"vllmcpu_{isa}_"):
+                        raise ValueError(f"lmcache: entries {self.kv_spec.layout} need vLLM's CPU kernels they name, "
+                                         f"these layers are {layout.name if layout else None} run by {isa!r}")
+                elif layout is not VLLM_CPU_VEC:
                     raise ValueError(f"lmcache: whole-block entries need vLLM's CPU vec layout, these layers are "
                                      f"{layout.name if layout else None}")
-                self._block_entries = BlockEntries(list(kv_caches.values()), views, self.block_size)
+                else:
+                    self._block_entries = BlockEntries(list(kv_caches.values()), views, self.block_size)
             except ValueError as exc:  # never per-token entries under the whole-block signature
                 log.error("%s; lmcache loads and saves nothing (vLLM computes every prompt)", exc)
                 return
@@ -487,7 +492,7 @@ class ConnectorWorker(Side):
             return
         if i == 0:
             self._layer_saves = []
-            for spec in meta.saves:
+            for spec in filter(None, (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves)):
                 prepared = self._prepare_save(spec)
                 if prepared is not None:
                     self._layer_saves.append(prepared)
@@ -591,7 +596,8 @@ class ConnectorWorker(Side):
                     self.engine.release(spec.token_ids, extra=spec.extra, upto=skip)
                 self._layer_saves = []
             return
-        for spec in meta.saves:  # one after another: they share the "gather" buffer
+        for spec in filter(None, (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves)):
+            # one after another: they share the "gather" buffer
             with self._async_lock:
                 shifted = spec.req_id in self._shifted_from
             if (self._per_chunk() or self._block_entries is not None) and not shifted:  # staging only where needed
