@@ -83,6 +83,13 @@ class ModeResult:
     external_hit_tokens: float = 0.0
     prompt_tokens: int = 0
     command: str = ""
+    #: what the server's own metrics counted during the probe pairs' tier hits (lmcache's
+    #: histograms' sums and counts, scraped right before and after each)
+    pair_metrics: dict[str, float] = field(default_factory=dict)
+
+
+#: the server's lmcache metrics kept for the probe pairs: each load's, lookup's and save's time
+PAIR_METRICS = tuple(f"lmcache:time_to_{op}_{part}" for op in ("retrieve", "lookup", "store") for part in ("sum", "count"))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -193,8 +200,13 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
     try:
         # VLLM_CPU_KVCACHE_SPACE takes whole GiB (23k tokens of this model): the engine's own
         # KV is bounded in blocks instead, with vLLM's --num-gpu-blocks-override
+        # as deployments run it (an emptyDir in the pod): /metrics then holds what every
+        # process of the server counted, the connector's worker side too (its loads)
+        metrics_dir = work / f"prometheus-{mode}"
+        metrics_dir.mkdir(parents=True, exist_ok=True)
         srv = VllmServer(model, vllm=vllm, kv_transfer_config=kv, prefix_caching=True, kv_cache_gib=1,
                          threads=threads, max_model_len=max_model_len, log_path=work / f"{mode}.log",
+                         env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
                          extra_args=("--block-size", str(BLOCK), "--num-gpu-blocks-override", str(kv_tokens // BLOCK),
                                      *(("--distributed-executor-backend", "mp") if mode in LOOKUP_MODES else ())))
     except LMCacheError as exc:
@@ -235,7 +247,12 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         for _ in range(probe_pairs):
             for r in pushers:
                 srv.complete(r.prompt, 1)
+            before = srv.metrics()  # around the tier hit alone: its load, lookup and save
             res.ttft.setdefault("pair-tier", []).append(srv.complete(probe[2], 1).ttft)
+            after = srv.metrics()
+            for k in PAIR_METRICS:
+                if k in after:
+                    res.pair_metrics[k] = res.pair_metrics.get(k, 0.0) + after[k] - before.get(k, 0.0)
             res.ttft.setdefault("pair-hit", []).append(srv.complete(probe[2], 1).ttft)
         res.total_s = time.perf_counter() - t1
         m1 = srv.metrics()
@@ -301,7 +318,7 @@ def summarize(results: list[ModeResult], reference: str, memcpy_s: float | None 
                                "total_s": r.total_s, "local_hit_tokens": r.local_hit_tokens,
                                "external_hit_tokens": r.external_hit_tokens, "prompt_tokens": r.prompt_tokens,
                                "ttft": {k: {"p50": _pct(v, 0.5), "p90": _pct(v, 0.9), "n": len(v)} for k, v in r.ttft.items()},
-                               "command": r.command}
+                               "command": r.command, "pair_metrics": r.pair_metrics}
         if r.ok and ref is not None:
             diff = [k for k, v in ref.texts.items() if r.texts.get(k) != v]
             row["identical_outputs"] = not diff
@@ -336,6 +353,14 @@ def summarize(results: list[ModeResult], reference: str, memcpy_s: float | None 
             extra = _pct([t - h for t, h in zip(r.ttft.get("pair-tier", []), r.ttft.get("pair-hit", []))], 0.5)
             goals[row["mode"]]["pair_extra_s_p50"] = extra
             goals[row["mode"]]["pair_extra_vs_memcpy"] = extra / memcpy_s if extra is not None and memcpy_s else None
+            # inside the server: the connector's own time per load (the tier hits' only extra
+            # work), from its metrics; a TTFT difference also holds the noise of two requests
+            pm = r.pair_metrics
+            n = pm.get("lmcache:time_to_retrieve_count", 0.0)
+            load = pm["lmcache:time_to_retrieve_sum"] / n if n else None
+            goals[row["mode"]]["pair_loads"] = int(n)
+            goals[row["mode"]]["pair_load_s_mean"] = load
+            goals[row["mode"]]["pair_load_vs_memcpy"] = load / memcpy_s if load is not None and memcpy_s else None
         data["ratios"] = goals
     return data
 
@@ -378,7 +403,9 @@ def print_table(data: dict[str, Any]) -> None:
                 f"{_f(g['probe_tier_vs_probe_hit'], '.2f')}x its prefix-cache hit, {_f(g['probe_tier_vs_probe_cold'], '.3f')}x its prefill"
                 + (f"; over {g['pairs']} pairs, median {_f(g['pair_tier_vs_hit_p50'], '.2f')}x, "
                    f"{_f(g.get('pair_extra_s_p50'))} s more = {_f(g.get('pair_extra_vs_memcpy'), '.2f')}x one memcpy of its KV"
-                   if g.get("pairs") else ""))
+                   if g.get("pairs") else "")
+                + (f"; the load inside the server (its metrics, {g['pair_loads']} loads): {_f(g['pair_load_s_mean'], '.4f')} s = "
+                   f"{_f(g['pair_load_vs_memcpy'], '.2f')}x one memcpy" if g.get("pair_loads") else ""))
         if data.get("probe_kv_bytes"):
             say(f"probe: {data['probe_tokens']} tokens, {data['probe_kv_bytes'] / 1e6:.1f} MB of KV; one memcpy of it "
                 f"{_f(data['memcpy_s'], '.4f')} s ({data['threads']} threads)")

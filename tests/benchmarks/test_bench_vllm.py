@@ -53,4 +53,7 @@ def test_bench_vllm_quick_json(tmp_path):
     # the extra time of a tier hit against one memcpy of the probe's KV, measured in the run
     assert data["probe_kv_bytes"] == data["probe_tokens"] * 30 * 2 * 3 * 64 * 4 and data["memcpy_s"] > 0
     assert data["ratios"]["lmcache-cpu"]["pair_extra_vs_memcpy"] is not None
+    # and the load itself, from the server's own metrics: one load per pair (the tier hit's)
+    assert data["ratios"]["lmcache-cpu"]["pair_loads"] == 1 and data["ratios"]["lmcache-cpu"]["pair_load_s_mean"] > 0
+    assert data["ratios"]["lmcache-cpu"]["pair_load_vs_memcpy"] > 0 and data["ratios"]["vllm"]["pair_loads"] == 0
     assert data["full_prefill_ttft_p50"] > 0 and data["vllm_prefix_hit_ttft"] > 0
