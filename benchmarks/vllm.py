@@ -198,12 +198,12 @@ def run_mode(mode: str, model: Path, vllm: Path, requests: list[Request], chat: 
         return res
     t0 = time.perf_counter()
     try:
-        # VLLM_CPU_KVCACHE_SPACE takes whole GiB (23k tokens of this model): the engine's own
-        # KV is bounded in blocks instead, with vLLM's --num-gpu-blocks-override
-        # as deployments run it (an emptyDir in the pod): /metrics then holds what every
-        # process of the server counted, the connector's worker side too (its loads)
+        # PROMETHEUS_MULTIPROC_DIR as deployments set it (an emptyDir in the pod): /metrics
+        # then holds what every process of the server counted, the connector's loads too
         metrics_dir = work / f"prometheus-{mode}"
         metrics_dir.mkdir(parents=True, exist_ok=True)
+        # VLLM_CPU_KVCACHE_SPACE takes whole GiB (23k tokens of this model): the engine's own
+        # KV is bounded in blocks instead, with vLLM's --num-gpu-blocks-override
         srv = VllmServer(model, vllm=vllm, kv_transfer_config=kv, prefix_caching=True, kv_cache_gib=1,
                          threads=threads, max_model_len=max_model_len, log_path=work / f"{mode}.log",
                          env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},

@@ -5,8 +5,8 @@ sides ran and that every byte and every lookup came back right (no timing assert
 from __future__ import annotations
 
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
