@@ -7,7 +7,7 @@ cluster's DNS would; a controller started with the Deployment's own
 paths are moved into the test's directory.
 
 What it shows: the pods find each other by name (index-1 replicates index-0, the three
-Sentinels agree on index-0); the controller serves through the Sentinel URL; the primary
+Sentinels agree on index-0 and know index-1); the controller serves through the Sentinel URL; the primary
 SIGKILLed, the Sentinels promote index-1 and the controller's lookups come back with every
 entry; the old primary's pod restarted asks the Sentinels and comes back as a replica of
 the new primary, not as a second, empty primary.
@@ -69,6 +69,14 @@ def _until(what: str, check, timeout: float = SETTLE):
 def _role(host) -> str:
     info = _cli(host, 6379, "info", "replication")
     return next((line.split(":", 1)[1] for line in info.splitlines() if line.startswith("role:")), "")
+
+
+def _replica_seen(sentinel) -> bool:
+    """The Sentinel lists index-1 as a replica, linked and answering (``sentinel replicas``
+    prints one replica's fields as name/value lines)."""
+    out = _cli(sentinel, 26379, "sentinel", "replicas", "lmcache-index").splitlines()
+    fields = dict(zip(out[::2], out[1::2]))
+    return fields.get("name", "").startswith("lmcache-index-1.lmcache-index") and fields.get("flags") == "slave"
 
 
 @pytest.fixture
@@ -142,6 +150,9 @@ def test_the_overlays_index_fails_over_and_the_old_primary_returns_as_a_replica(
                lambda s=s: _cli(s, 26379, "sentinel", "get-master-addr-by-name", "lmcache-index").split()[:1]
                == ["lmcache-index-0.lmcache-index"]
                and "num-other-sentinels\n2" in _cli(s, 26379, "sentinel", "master", "lmcache-index"))
+        # a failover needs a replica the Sentinels know; they learn it from the primary's INFO,
+        # every 10 s, so a primary killed sooner after index-1's sync is never failed over
+        _until(f"{s.name} knows index-1 as a replica", lambda s=s: _replica_seen(s))
 
     # the controller, as the Deployment runs it: its index URL from the rendered manifest
     url = env["LMCACHE_CONTROLLER_INDEX"]

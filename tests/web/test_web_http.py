@@ -99,9 +99,13 @@ def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("web"))
     try:
         def indexed() -> bool:
+            # tier stats come with heartbeats, the keys with events: a stat from before the
+            # stores can still be the last one reported when the keys are in
             insts = call(c.ctl.url, "GET", "/v1/instances")[1]
-            return len(insts) == 2 and all(i["keys"] == 4 and i["tier_stats"] for i in insts)
-        until(indexed, "both instances registered with their keys and tier stats")
+            return len(insts) == 2 and all(
+                i["keys"] == 4 and set(i["tier_stats"]) == {"cpu", "disk"}
+                and all(st["entries"] == 4 for st in i["tier_stats"].values()) for i in insts)
+        until(indexed, "both instances registered with their keys and tier stats after the stores")
         yield c
     finally:
         c.close()
