@@ -25,7 +25,7 @@ from .common import Side
 from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import request_extra
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
-from .worker import local_workers
+from .registry import local_workers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,6 +1,5 @@
-"""The worker side of the vLLM connector (:class:`ConnectorWorker`): it owns the
-:class:`~lmcache.engine.CacheEngine` (shared by the workers of one process with the same
-config), whose ``lookup`` service answers the scheduler on this rank's socket.
+"""The worker side of the vLLM connector (:class:`ConnectorWorker`): it holds the process's
+engine (:mod:`.registry`), whose ``lookup`` service answers the scheduler.
 
 :meth:`ConnectorWorker.register_kv_caches` detects the layout of vLLM's per-layer tensors
 from their shapes (:mod:`.layout`); loads (:meth:`ConnectorWorker._load_bulk`) scatter each
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache import kernels as K
-from lmcache.config import KVSpec, load_config
+from lmcache.config import load_config
 from lmcache.engine import CacheEngine
 from lmcache.engine_io import KVGather
 from lmcache.keys import KeyExtra
@@ -38,6 +37,7 @@ from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_BHNC, VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
+from .registry import acquire_engine, add_worker, release_engine, remove_worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,54 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STAGING_KEEP_BYTES", "ConnectorWorker", "local_workers"]
+__all__ = ["STAGING_KEEP_BYTES", "ConnectorWorker"]
 
 #: the largest staging buffer a worker keeps between requests (one per use, see
 #: ``ConnectorWorker._buffer``); a larger load or save allocates its own each time
 STAGING_KEEP_BYTES = 1 << 30
-
-# --------------------------------------------------------------------------- shared engines
-_ENGINES: dict[tuple, list] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def _acquire_engine(config_file: str | None, overrides: dict[str, Any], kv_spec: KVSpec) -> CacheEngine:
-    key = (config_file, tuple(sorted((k, repr(v)) for k, v in overrides.items())), kv_spec)
-    with _ENGINES_LOCK:
-        entry = _ENGINES.get(key)
-        if entry is None or entry[0]._closed:
-            engine = CacheEngine.from_config(config_file, kv_spec=kv_spec, **overrides)
-            entry = _ENGINES[key] = [engine, 0, key]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_engine(engine: CacheEngine) -> None:
-    with _ENGINES_LOCK:
-        for key, entry in list(_ENGINES.items()):
-            if entry[0] is engine:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del _ENGINES[key]
-                    engine.close()
-                return
-
-
-#: worker sides of this process by (vLLM instance, DP rank) -> {TP rank: worker}
-_LOCAL_WORKERS: dict[tuple[str, int], dict[int, ConnectorWorker]] = {}
-_LOCAL_LOCK = threading.Lock()
-
-
-def local_workers(instance: str, dp_rank: int, tp_size: int) -> list[ConnectorWorker] | None:
-    """The worker sides of ``(instance, dp_rank)``, by TP rank, if all of them live in this
-    process (and are open), else ``None``: a scheduler in this process asks them directly."""
-    with _LOCAL_LOCK:
-        ws = _LOCAL_WORKERS.get((instance, dp_rank)) or {}
-        live = {r: w for r, w in ws.items() if not w._closed}
-    if len(live) == tp_size and all(r in live for r in range(tp_size)):
-        return [live[r] for r in range(tp_size)]
-    return None
-
 
 class ConnectorWorker(Side):
     """The worker role's half of :class:`~lmcache.plugins.connectors.vllm.LMCacheConnector`
@@ -116,7 +73,7 @@ class ConnectorWorker(Side):
         # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
         max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         bound = {"lookup_max_tokens": max_len} if max_len > 0 else {}
-        self.engine: CacheEngine = _acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
+        self.engine: CacheEngine = acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
         self._configure(self.engine.config)
         self._lookup = self.engine.services.get("lookup") or LookupChannel(EngineView(self.engine))
         #: in-band lookups answered with pins: seq -> (when, tokens, exact, extra)
@@ -135,8 +92,7 @@ class ConnectorWorker(Side):
         #: host staging memory kept between requests, one buffer per user (_buffer)
         self._staging: dict[str, torch.Tensor] = {}
         self._bridge = EventBridge(self.engine) if self.kv_events else None
-        with _LOCAL_LOCK:  # a scheduler in this process asks it directly
-            _LOCAL_WORKERS.setdefault((self.instance, self.dp_rank), {})[self.tp_rank] = self
+        add_worker(self)  # a scheduler in this process asks it directly
 
     # ================================================================ lookup channel
     def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
@@ -638,10 +594,7 @@ class ConnectorWorker(Side):
             self._io.shutdown(wait=True)
         if self._block_entries is not None:
             self._block_entries.close()
-        with _LOCAL_LOCK:
-            ws = _LOCAL_WORKERS.get((self.instance, self.dp_rank))
-            if ws is not None and ws.get(self.tp_rank) is self:
-                del ws[self.tp_rank]
+        remove_worker(self)
         if self._bridge is not None:
             self._bridge.close()
-        _release_engine(self.engine)
+        release_engine(self.engine)
