@@ -59,6 +59,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -76,6 +77,7 @@ DEFAULT_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port
 DEFAULT_ADMIN_PORT = 9003  # mooncake_master --metrics_port (the HTTP admin server)
 WORKERS = 4  # threads per backend that make client calls (and the most a stuck store holds)
 QUERY_BATCH = 100  # keys per /batch_query_keys request
+UPSERT_STRIPES = 64  # locks that keep one key's upserts from this process apart
 
 #: Mooncake's error codes (mooncake-store/include/types.h), for messages
 ERROR_NAMES = {
@@ -335,6 +337,8 @@ class MooncakeBackend(BytesBackend):
         self._connect_lock = threading.Lock()
         self._closed = False
         self._oversize_warned = False
+        #: one key's upserts from this process one at a time (:meth:`_upsert`)
+        self._upsert_locks = tuple(threading.Lock() for _ in range(UPSERT_STRIPES))
 
     # ------------------------------------------------------------ client
     def _name(self, key: str) -> str:
@@ -505,18 +509,20 @@ class MooncakeBackend(BytesBackend):
                 raise MooncakeError(f"upsert_parts of {len(idx)} entries", bad[0])
         return sizes
 
-    @staticmethod
-    def _upsert(store: Any, name: str, parts: Sequence[Any]) -> int:
-        """``upsert_parts``, again when it reports OBJECT_NOT_FOUND: two clients upserting
-        one key at once race inside the store (the replaced object vanishes under the
-        other's update, seen with 4 threads on one key); the retry makes the later write
-        win, as an overwrite should."""
-        rc = store.upsert_parts(name, *parts)
-        for _ in range(3):
-            if rc != OBJECT_NOT_FOUND:
-                break
-            rc = store.upsert_parts(name, *parts)
-        return rc
+    def _upsert(self, store: Any, name: str, parts: Sequence[Any], method: str = "upsert_parts") -> int:
+        """An upsert, one at a time per key in this process, again on OBJECT_NOT_FOUND. Two
+        upserts of one key at once race inside the store: the replaced object vanishes
+        under the other's update (the retry makes the later write win), and once, under
+        load, the loser's bytes landed in another key's object written then (its reader's
+        checks made it a miss). Across processes only those checks keep it from an engine."""
+        upsert = getattr(store, method)
+        with self._upsert_locks[zlib.crc32(name.encode()) % UPSERT_STRIPES]:
+            rc = upsert(name, *parts)
+            for _ in range(3):
+                if rc != OBJECT_NOT_FOUND:
+                    break
+                rc = upsert(name, *parts)
+            return rc
 
     def remove(self, keys: Sequence[str]) -> None:
         self._remove(keys)
@@ -555,7 +561,7 @@ class MooncakeBackend(BytesBackend):
         blob = b"".join(buffers)
         if len(blob) > self.local_buffer:
             raise MooncakeError(f"write of {key} ({len(blob)} bytes, more than local_buffer_size)", -600)
-        rc = self._call("upsert", "upsert", self._name(key), blob)
+        rc = self._call_with("upsert", lambda store: self._upsert(store, self._name(key), [blob], "upsert"))
         if rc != 0:
             raise MooncakeError("upsert", rc)
 

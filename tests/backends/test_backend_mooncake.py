@@ -262,6 +262,65 @@ def test_batches_larger_than_the_local_buffer(make):
     assert b.contains([make_key(9)]) == [False]
 
 
+class _Overlaps:
+    """The backend's real client, passed through; it notes how many upserts of one name
+    were in flight at once."""
+
+    def __init__(self, client):
+        self._client, self._lock = client, threading.Lock()
+        self.in_flight: dict[str, int] = {}
+        self.most = 0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def _watch(self, method: str, name: str, *parts):
+        with self._lock:
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            self.most = max(self.most, self.in_flight[name])
+        try:
+            time.sleep(0.001)  # widen the window two calls would share
+            return getattr(self._client, method)(name, *parts)
+        finally:
+            with self._lock:
+                self.in_flight[name] -= 1
+
+    def upsert_parts(self, name, *parts):
+        return self._watch("upsert_parts", name, *parts)
+
+    def upsert(self, name, blob):
+        return self._watch("upsert", name, blob)
+
+
+def test_one_keys_upserts_from_one_process_never_overlap(make):
+    """Two upserts of one key at once race inside Mooncake (once, under load, the loser's
+    bytes landed in another key's object): this process sends them one at a time, while
+    other keys' upserts still run side by side."""
+    b = make()
+    b.contains([make_key(0)])  # connects
+    watched = b._store = _Overlaps(b._store)
+    shared = make_key(10_000)
+    shared_objs = [make_obj(900 + t) for t in range(6)]
+
+    def work(t: int) -> None:
+        for r in range(10):
+            b.put([(shared, shared_objs[t])])
+            b.write(shared + "-bytes", [bytes([t]) * 64])
+            own = [(make_key(1000 * t + 10 * r + j), make_obj(1000 * t + 10 * r + j)) for j in range(2)]
+            b.put(own)
+            for (k, o), g in zip(own, b.get([k for k, _ in own])):
+                assert g is not None and torch.equal(g.tensor, o.tensor), k
+                g.unref()
+
+    with ThreadPoolExecutor(6) as ex:
+        list(ex.map(work, range(6)))
+    assert watched.most == 1, f"{watched.most} upserts of one key at once"
+    (g,) = b.get([shared])
+    assert g is not None and any(torch.equal(g.tensor, o.tensor) for o in shared_objs)
+    g.unref()
+    assert b.read(shared + "-bytes") in {bytes([t]) * 64 for t in range(6)}
+
+
 def test_read_only_backend_adds_no_memory(Mooncake, store, make):
     def segments():
         with urllib.request.urlopen(store.options["admin_url"] + "/get_all_segments", timeout=5) as r:
