@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -279,7 +281,8 @@ class CacheEngine:
             return self._puts
 
     def retrieve(self, tokens: Any, *, out: torch.Tensor | None = None, extra: KeyExtra | None = None,
-                 into: Callable[[Chunk, torch.Tensor], None] | None = None, leased: bool = False) -> RetrieveResult:
+                 into: Callable[[Chunk, torch.Tensor], Sequence[Future] | None] | None = None,
+                 leased: bool = False) -> RetrieveResult:
         """KV of the longest cached prefix of ``tokens``.
 
         With ``out`` (``(layers, 2, >= len(tokens), heads, head_size)``), KV is written
@@ -295,7 +298,9 @@ class CacheEngine:
         ready, on a file-like tier's I/O threads too, so the caller copies it once, to
         where it goes. Every chunk of the result is handed over exactly once before this
         returns; chunks read after a miss may be handed over too (not part of the
-        result, like ``out`` past ``num_tokens``). ``result.kv`` is ``None``.
+        result, like ``out`` past ``num_tokens``). ``result.kv`` is ``None``. The sink
+        may leave a copy running and return its futures: the chunk stays readable until
+        they end, and this returns after every one (an error of one is raised here).
 
         The chunks read are kept from eviction while they are read (the promotions of
         one chunk may not evict the next): by the caller's leases with ``leased=True``
@@ -317,12 +322,13 @@ class CacheEngine:
         # as each arrives, overlapping the reads of the next ones (`out` past the cached
         # prefix may then hold KV of chunks after a miss; it is not part of the result)
         copied: set[int] = set()
+        running: list[Future] = []  # copies a sink left running on the chunks in `got`
         on_ready = None
         if into is not None:
             def on_ready(j: int, obj: MemoryObj) -> None:
                 if obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype:
                     try:
-                        into(chunks[j], obj.tensor)
+                        running.extend(into(chunks[j], obj.tensor) or ())
                     except Exception:  # handed over again below, where its error reaches the caller
                         return
                     copied.add(j)
@@ -345,7 +351,9 @@ class CacheEngine:
             if into is not None:
                 for j, (chunk, obj, _) in enumerate(got):
                     if j not in copied:
-                        into(chunk, obj.tensor)
+                        running.extend(into(chunk, obj.tensor) or ())
+                for f in running:
+                    f.result()
                 return RetrieveResult(n, None, [t.name for _, _, t in got], [c for c, _, _ in got])
             if out is None and n:
                 out = torch.empty(spec.chunk_shape(n), dtype=dtype_from_name(spec.dtype))
@@ -355,6 +363,7 @@ class CacheEngine:
                 if j not in copied:
                     out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
         finally:
+            futures_wait(running)  # on an error too: no copy may read a chunk given back
             for _, obj, _ in got:
                 obj.unref()
         return RetrieveResult(n, out, [t.name for _, _, t in got], [c for c, _, _ in got])

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -129,6 +131,50 @@ def test_retrieve_into_a_sink_hands_over_each_chunk_once_from_the_pool(tmp_path,
         with pytest.raises(ValueError, match="out or into"):
             e.retrieve(toks, out=torch.zeros_like(kv), into=sink)
         assert e.pool.live == live - (top == "cpu")  # only the removed chunk is gone
+
+
+@pytest.mark.parametrize("top", ["cpu", "disk"])
+def test_a_sink_may_leave_copies_running_and_retrieve_waits_for_them(tmp_path, top):
+    """A sink returns the futures of copies it left running (the vLLM connector's block
+    copies on its other threads): each chunk stays in memory until its copy ends, the
+    retrieve returns after every one, and a failed copy is its error."""
+    toks = list(range(100))
+    kv = kv_for(toks)
+    disk = {"backend": "disk", "path": str(tmp_path / "d"), "capacity": "8MiB"}
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [{"backend": "cpu", "capacity": "4MiB"}, disk]}) as e:
+        e.store(toks, kv)
+        e.flush()
+    tiers = [disk] if top == "disk" else [{"backend": "cpu", "capacity": "4MiB"}]
+    with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": tiers}) as e, ThreadPoolExecutor(1) as ex:
+        if top == "cpu":
+            e.store(toks, kv)
+        live = e.pool.live  # disk: nothing held; every chunk read lives only while it is read
+        dst = torch.zeros_like(kv)
+        held: list[int] = []
+
+        def late_copy(chunk, t):
+            time.sleep(0.005)  # the retrieve has handed over every chunk meanwhile
+            held.append(e.pool.live)
+            dst[:, :, chunk.start : chunk.end].copy_(t)
+
+        futures: list = []
+
+        def sink(chunk, t):
+            futures.append(ex.submit(late_copy, chunk, t))
+            return futures[-1:]
+
+        assert e.retrieve(toks, into=sink).num_tokens == 100
+        assert len(futures) == 7 and all(f.done() for f in futures)
+        assert torch.equal(dst, kv)
+        assert min(held) > live if top == "disk" else min(held) == live  # read chunks held through their copies
+        assert e.pool.live == live  # and given back after
+
+        def failing(chunk, t):
+            raise RuntimeError(f"copy of chunk {chunk.start} failed")
+
+        with pytest.raises(RuntimeError, match=r"copy of chunk \d+ failed"):
+            e.retrieve(toks, into=lambda chunk, t: [ex.submit(failing, chunk, t)])
+        assert e.pool.live == live
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int32, torch.float64])

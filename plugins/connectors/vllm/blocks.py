@@ -29,7 +29,8 @@ import dataclasses
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,11 +195,15 @@ class BlockEntries:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _copy(self, pairs: list[tuple[int, int]], regions: torch.Tensor, to_blocks: bool) -> None:
+    def _copy(self, pairs: list[tuple[int, int]], regions: torch.Tensor, to_blocks: bool,
+              wait: bool = True) -> list[Future]:
         """Copy whole blocks, every layer: ``(block of the entry, block id)`` of ``pairs``
-        between ``regions`` (the entry, ``(L, elements)``) and the layers' rows."""
+        between ``regions`` (the entry, ``(L, elements)``) and the layers' rows. This
+        thread copies its share of the layers; with ``wait=False`` the other threads'
+        shares may still run when this returns: their futures (one handoff per request,
+        not per chunk: 26 chunks took 8.5-8.7 ms waited each, 7.6-7.7 ms not)."""
         if not pairs:
-            return
+            return []
         src = _bytes(regions)
         eb = self.E * regions.element_size()
 
@@ -214,7 +219,7 @@ class BlockEntries:
         L = len(self.rows)
         if self.threads == 1:
             run(range(L))
-            return
+            return []
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="lmcache-vllm-blocks",
                                             initargs=(_spare_cpus(),), initializer=_run_on)
@@ -223,17 +228,20 @@ class BlockEntries:
         try:
             run(parts[0])
         finally:
-            for f in futures:
-                f.result()
+            if wait:
+                for f in futures:
+                    f.result()
+        return [] if wait else futures
 
     def _tail(self, region: torch.Tensor, f: int, r: int) -> torch.Tensor:
         """The ``(2, r, H, D)`` per-token part of one layer's region of an entry."""
         return region[f * self.E : f * self.E + 2 * r * self.H * self.D].view(2, r, self.H, self.D)
 
-    def load(self, kv: torch.Tensor, start: int, block_ids: list[int], lo: int, hi: int) -> None:
+    def load(self, kv: torch.Tensor, start: int, block_ids: list[int], lo: int, hi: int) -> list[Future]:
         """Put one entry's tokens ``[lo, hi)`` (absolute positions; the entry's first is
         ``start``) into the request's blocks ``block_ids``. A whole block inside the range
-        is one copy per layer; the tokens of a block cut by ``lo`` or ``hi``, per token."""
+        is one copy per layer; the tokens of a block cut by ``lo`` or ``hi``, per token.
+        Returns the copies left running on other threads (``kv`` is read until they end)."""
         L = len(self.rows)
         T = kv.shape[2]
         f, r = divmod(T, self.N)
@@ -249,17 +257,22 @@ class BlockEntries:
                 whole.append((j, block_ids[a // self.N]))
             else:
                 cut.append((a2, b2))
-        self._copy(whole, regions, to_blocks=True)
-        for a, b in cut:
-            slots = _slots(block_ids, self.N, b)[a:]
-            j = (a - start) // self.N
-            for i, region in enumerate(regions):
-                if j < f:  # part of a whole block of the entry: its tokens read through the views
-                    tokens = self._block_tokens(region, j)[:, a - start - j * self.N : b - start - j * self.N]
-                else:
-                    tokens = self._tail(region, f, r)[:, a - start - f * self.N : b - start - f * self.N]
-                K.scatter_layer(tokens[0:1], VLLM_CPU_VEC, slots, self.views[2 * i])
-                K.scatter_layer(tokens[1:2], VLLM_CPU_VEC, slots, self.views[2 * i + 1])
+        running = self._copy(whole, regions, to_blocks=True, wait=False)
+        try:
+            for a, b in cut:
+                slots = _slots(block_ids, self.N, b)[a:]
+                j = (a - start) // self.N
+                for i, region in enumerate(regions):
+                    if j < f:  # part of a whole block of the entry: its tokens read through the views
+                        tokens = self._block_tokens(region, j)[:, a - start - j * self.N : b - start - j * self.N]
+                    else:
+                        tokens = self._tail(region, f, r)[:, a - start - f * self.N : b - start - f * self.N]
+                    K.scatter_layer(tokens[0:1], VLLM_CPU_VEC, slots, self.views[2 * i])
+                    K.scatter_layer(tokens[1:2], VLLM_CPU_VEC, slots, self.views[2 * i + 1])
+        except BaseException:
+            futures_wait(running)  # nothing may read kv once the caller has it back
+            raise
+        return running
 
     def _block_tokens(self, region: torch.Tensor, j: int) -> torch.Tensor:
         """Block ``j`` of one layer's region as ``(2, N, H, D)`` per-token KV."""

@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -311,14 +311,14 @@ class ConnectorWorker(Side):
             self.engine.release(ids, extra=spec.extra)
 
     def _load_blocks(self, spec: LoadSpec) -> int:
-        """:meth:`_load_direct` for whole-block entries (:mod:`.blocks`): each block of a
-        chunk is one copy per layer from the pool into the request's block."""
+        """:meth:`_load_direct` for whole-block entries (:mod:`.blocks`): each block of a chunk is
+        one copy per layer from the pool into the request's block (some left running: retrieve waits)."""
         assert self.engine is not None and self._block_entries is not None
         blocks, lo, hi = self._block_entries, spec.skip, spec.load_end
 
-        def sink(chunk: Any, kv: torch.Tensor) -> None:
-            if chunk.end > lo and chunk.start < hi:
-                blocks.load(kv, chunk.start, spec.block_ids, max(lo, chunk.start), min(hi, chunk.end))
+        def sink(chunk: Any, kv: torch.Tensor) -> list[Future]:
+            a, b = max(lo, chunk.start), min(hi, chunk.end)
+            return blocks.load(kv, chunk.start, spec.block_ids, a, b) if a < b else []
 
         ids = spec.exact_ids
         try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
