@@ -227,11 +227,14 @@ class BlockEntries:
         futures = [self._pool.submit(run, part) for part in parts[1:]]
         try:
             run(parts[0])
-        finally:
-            if wait:
-                for f in futures:
-                    f.result()
-        return [] if wait else futures
+        except BaseException:
+            futures_wait(futures)  # none may go on reading past this error
+            raise
+        if not wait:
+            return futures
+        for f in futures:
+            f.result()
+        return []
 
     def _tail(self, region: torch.Tensor, f: int, r: int) -> torch.Tensor:
         """The ``(2, r, H, D)`` per-token part of one layer's region of an entry."""
