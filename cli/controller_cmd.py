@@ -147,8 +147,8 @@ def serve(
     ] = None,
     index: Annotated[
         str, typer.Option("--index", envvar="LMCACHE_CONTROLLER_INDEX", metavar="URL", show_envvar=False,
-                          help="Where the index lives: memory (this process), valkey://HOST:PORT[/DB], "
-                               "valkey+sentinel://HOST:PORT[,...]/MASTER or valkey+cluster://HOST:PORT[,...] "
+                          help="Where the index lives: memory (this process), valkey://HOST:PORT\\[/DB], "
+                               "valkey+sentinel://HOST:PORT\\[,...]/MASTER or valkey+cluster://HOST:PORT\\[,...] "
                                "(redis:// alike; password from $LMCACHE_CONTROLLER_INDEX_PASSWORD); with Valkey any "
                                "number of controllers serve the same instances (default: $LMCACHE_CONTROLLER_INDEX).")
     ] = "memory",

@@ -30,8 +30,13 @@ def translate(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``lmcache_server`` console script (exit code 2 on bad arguments)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) in (["-h"], ["--help"]):
+        sys.stdout.write(f"{USAGE}\nRuns `lmcache server --host HOST --port PORT [OPTIONS]`; its options: "
+                         "`lmcache server --help`.\n")
+        return
     try:
-        args = translate(sys.argv[1:] if argv is None else argv)
+        args = translate(argv)
     except ValueError as exc:
         sys.stderr.write(f"lmcache_server: error: {exc}\n")
         raise SystemExit(2) from None

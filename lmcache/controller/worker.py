@@ -200,11 +200,12 @@ class ControllerWorker:
             self._down_since = time.monotonic()
             if isinstance(exc, AuthError):
                 log.error("controller %s refused this instance's token: %s", self.client.url, exc)
+            elif self._session is None:
+                log.warning("controller %s: %s; retrying every %gs, then registering again with a snapshot of "
+                            "every key", self.client.url, exc, self.cfg.heartbeat_interval)
             else:
-                log.warning(
-                    "controller %s: %s; dropping events and retrying every %gs, then resending a snapshot",
-                    self.client.url, exc, self.cfg.heartbeat_interval,
-                )
+                log.warning("controller %s: %s; keeping this session and its unsent events, retrying every %gs",
+                            self.client.url, exc, self.cfg.heartbeat_interval)
         else:
             log.debug("controller %s still failing: %s", self.client.url, exc)
 

@@ -5,6 +5,7 @@ The real-model demo and ``bench e2e`` are tested in tests/benchmarks/test_demo_e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -222,6 +223,37 @@ def test_help(args):
     result = runner.invoke(app, args)
     assert result.exit_code == 0
     assert "Usage" in result.stdout
+
+
+def _command_paths(cmd, path=()):
+    """Every command and group under ``cmd`` (hidden ones too), as argument paths."""
+    yield path
+    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_every_commands_help_renders():
+    """Each command's --help renders (before: `lmcache controller serve --help` crashed in
+    rich, which read `[/DB]` in an option's help as a closing markup tag)."""
+    import typer.main
+
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert ("controller", "serve") in paths and len(paths) > 30, paths
+    failed = []
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], terminal_width=200)
+        if result.exit_code != 0 or "Usage" not in result.stdout:
+            failed.append((" ".join(path), result.exit_code, repr(result.exception)))
+    print(f"rendered the help of {len(paths)} commands")
+    assert not failed, failed
+    # the command that crashed, as a user runs it, and LMCache's server entry point
+    texts = []
+    for argv in ([sys.executable, "-m", "lmcache.cli.main", "controller", "serve", "--help"],
+                 [sys.executable, "-c", "from lmcache.cli.legacy_server import main; main()", "--help"]):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
+        assert proc.returncode == 0 and "usage" in proc.stdout.lower(), (argv, proc.stderr[-2000:])
+        texts.append(proc.stdout)
+    assert "valkey://HOST:PORT[/DB]" in texts[0]  # shown as written, not read as markup
 
 
 def test_demo_is_a_group_with_the_synthetic_demo_and_a_hidden_restart_check():

@@ -310,7 +310,7 @@ def test_worker_session_stays_valid_on_the_other_valkey_replica(tmp_path):
             stop(b)
 
 
-def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_path):
+def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_path, caplog):
     """The index's Valkey frozen for longer than the controller's index timeout (the
     controller answers 503, as while Sentinel promotes a replica): the worker keeps its
     session and the batch it could not send, and sends it when Valkey is back; no second
@@ -348,3 +348,7 @@ def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_pa
                 until(lambda: hits() == [len(PROMPT)], "the kept batch reaches the index once Valkey answers")
                 assert w.registrations == 1 and w.dropped_events == 0, w.stats()
                 assert w.registered
+                # its log says what it does (before: "dropping events ... then resending a snapshot")
+                said = [r.getMessage() for r in caplog.records if r.name == "lmcache.controller.worker"]
+                assert any("keeping this session and its unsent events" in m for m in said), said
+                assert not any("dropping" in m or "snapshot" in m for m in said), said
