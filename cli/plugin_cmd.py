@@ -32,6 +32,16 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 MAX_NAME = 40
 
 
+def registered_name(name: str) -> str:
+    """The registered name for what the user typed: PyPI's plugins are named
+    ``lmcache-NAME``, so ``lmcache-foo`` (or ``lmcache_foo``) means the plugin ``foo`` in the
+    package ``lmcache-foo``, never ``lmcache-lmcache-foo``."""
+    for prefix in ("lmcache-", "lmcache_"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+    return name
+
+
 def check_name(name: str, kind: str) -> None:
     """Refuse (``typer.BadParameter``, exit 2) a name that cannot be a package and a
     registered name of ``kind``, or one that a plugin of this environment registers already."""
@@ -95,7 +105,9 @@ def render(name: str, kind: str) -> dict[str, str]:
 def write_package(name: str, kind: str, directory: Path) -> Path:
     """Write the package into ``directory/lmcache-NAME`` and return that path. Nothing is
     written unless all of it is: the files go to a temporary folder beside it, renamed into
-    place at the end; an existing package directory is refused (exit 2)."""
+    place at the end; an existing package directory is refused (exit 2). A name that
+    starts with ``lmcache-`` is the package's name (see :func:`registered_name`)."""
+    name = registered_name(name)
     check_name(name, kind)
     target = directory / f"lmcache-{name}"
     if target.exists() or target.is_symlink():
@@ -119,7 +131,8 @@ def write_package(name: str, kind: str, directory: Path) -> Path:
 
 @app.command("new")
 def new(
-    name: Annotated[str, typer.Argument(help="The plugin's registered name, e.g. 'my-store' (package lmcache-my-store).")],
+    name: Annotated[str, typer.Argument(help="The plugin's registered name, e.g. 'my-store' (package lmcache-my-store); "
+                                             "'lmcache-my-store' means the same.")],
     kind: Annotated[str, typer.Option("--kind", help=f"What it adds: {', '.join(KIND_NAMES)}.")],
     directory: Annotated[Path, typer.Option("--dir", help="Where to create lmcache-NAME/.")] = Path("."),
 ) -> None:
@@ -131,4 +144,5 @@ def new(
         raise typer.BadParameter(f"must be one of {', '.join(KIND_NAMES)}; got {kind!r}", param_hint="'--kind'")
     target = write_package(name, kind, directory)
     typer.echo(str(target))
-    note(f"wrote a {kind} plugin package; next: pip install -e {target} && (cd {target} && pytest)")
+    note(f"wrote a {kind} plugin package registering {registered_name(name)!r}; "
+         f"next: pip install -e {target} && (cd {target} && pytest)")

@@ -48,6 +48,20 @@ def test_new_writes_a_package_with_the_entry_point(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lmcache-my-store"]  # no temporary folder left
 
 
+@pytest.mark.parametrize("typed", ["lmcache-my-store", "lmcache_my-store"])
+def test_a_name_that_starts_with_lmcache_is_the_package_name(tmp_path, typed):
+    """PyPI's plugins are named lmcache-NAME; before, `plugin new lmcache-foo` wrote the
+    package lmcache-lmcache-foo with the module lmcache_lmcache_foo."""
+    result = new(typed, "--kind", "backend", "--dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lmcache-my-store"]
+    meta = (tmp_path / "lmcache-my-store" / "pyproject.toml").read_text()
+    assert 'name = "lmcache-my-store"' in meta
+    assert '[project.entry-points.lmcache]\nmy-store = "lmcache_my_store.plugin"\n' in meta
+    assert (tmp_path / "lmcache-my-store" / "lmcache_my_store" / "backend.py").is_file()
+    assert "registering 'my-store'" in result.stderr
+
+
 @pytest.mark.parametrize(
     "name, kind, problem",
     [
@@ -57,6 +71,8 @@ def test_new_writes_a_package_with_the_entry_point(tmp_path):
         ("my--store", "backend", "is not a plugin name"),
         ("a" * 41, "backend", "is not a plugin name"),
         ("cpu", "backend", "registered already"),
+        ("lmcache-cpu", "backend", "registered already"),
+        ("lmcache-", "backend", "is not a plugin name"),
         ("lru", "policy", "registered already"),
         ("zstd", "codec", "registered already"),
         ("fine", "cache", "must be one of backend, codec, policy, connector"),
