@@ -87,7 +87,7 @@ def show(
         path = config_path(config)
         if path is None:
             note("no config file (--config or $LMCACHE_CONFIG_FILE): showing defaults and environment")
-        report = load_config(path).report()
+        report = load_config(path, too_big=too_big).report()
     if as_json:
         print_json(report)
         return
@@ -103,6 +103,12 @@ def show(
     o.print(t)
 
 
+def too_big(exc: Exception) -> None:
+    """A config meant for a bigger machine is shown, converted or validated with a warning:
+    only an engine, which allocates the memory pool, refuses it."""
+    note(f"warning: {exc}; an engine refuses to start with it on this machine")
+
+
 @app.command("validate")
 def validate(
     file: Annotated[Path, typer.Argument(metavar="FILE", help="The YAML config file to check.", show_default=False)],
@@ -115,7 +121,7 @@ def validate(
     from lmcache.config import load_config
     from lmcache.hierarchy import check_tier
 
-    cfg = load_config(file, environ={})
+    cfg = load_config(file, environ={}, too_big=too_big)
     tiers = []
     for i, tcfg in enumerate(cfg.tiers):
         parts = check_tier(i, tcfg, source=cfg.source)
@@ -190,7 +196,7 @@ def convert(
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the no-effect keys are listed below, once
     try:
-        cfg = load_config(file, environ={})
+        cfg = load_config(file, environ={}, too_big=too_big)
     finally:
         quiet.setLevel(level)
     text = f"# converted from {file} by `lmcache config convert`\n" + yaml.safe_dump(

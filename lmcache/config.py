@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 import yaml
@@ -491,9 +491,15 @@ def load_config(
     source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
     *,
     environ: Mapping[str, str] | None = None,
+    too_big: Callable[[ConfigError], None] | None = None,
     **overrides: Any,
 ) -> Config:
     """Build a validated :class:`Config`.
+
+    A memory pool larger than this machine's memory is a :class:`ConfigError`, unless
+    ``too_big`` is given: then it gets that error and the config is returned (the CLI's
+    ``config show``/``convert``/``validate`` inspect configs meant for bigger machines; only
+    an engine, which allocates the pool, refuses).
 
     ``source`` is a YAML file path, a mapping, a ``Config`` (copied) or ``None`` (then
     ``LMCACHE_CONFIG_FILE`` names the file, if set). Environment variables
@@ -534,7 +540,12 @@ def load_config(
     translation = upstream.translate(theirs, cfg.sources, environ)
     for fragment, origin, src in translation.parts:
         cfg = _apply(cfg, fragment, src, origin)
-    _check_memory(cfg, translation.names)
+    try:
+        _check_memory(cfg, translation.names)
+    except ConfigError as exc:
+        if too_big is None:
+            raise
+        too_big(exc)
     return cfg
 
 

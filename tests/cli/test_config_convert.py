@@ -81,3 +81,47 @@ def test_show_takes_upstream_file_and_env(tmp_path, monkeypatch):
     assert report["sources"]["tiers"] == f"file:{src}, env:LMCACHE_MAX_LOCAL_CPU_SIZE"
     table = runner.invoke(app, ["config", "show"])
     assert table.exit_code == 0 and "env (LMCACHE_MAX_LOCAL_CPU_SIZE)" in table.stdout
+
+
+def _bigger_than_this_machine() -> str:
+    """LMCache's CPU size in GiB that this machine cannot hold: llm-d's 200.0 (or more on a
+    big machine)."""
+    from lmcache.config import _physical_memory
+
+    total = _physical_memory() or 0
+    return "200.0" if total < 190 << 30 else str(float((total >> 30) * 4))
+
+
+def test_show_convert_and_validate_take_a_config_bigger_than_this_machine(tmp_path):
+    """Operators inspect and convert configs for big nodes on small machines. Before: all
+    three refused with "the memory pool would need ... more than this machine has"; now
+    they translate it with a one-line warning, and only an engine refuses."""
+    import pytest
+
+    from lmcache.errors import ConfigError
+
+    size = _bigger_than_this_machine()
+    src = tmp_path / "llm-d.yaml"
+    src.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: {size}\n")
+
+    shown = runner.invoke(app, ["config", "show", "--json"],
+                          env={"LMCACHE_CONFIG_FILE": "", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": size})
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    tiers = report["values"]["tiers"]
+    assert any(t["backend"] == "cpu" and t["capacity"] >= 190 << 30 for t in tiers), tiers
+    warned = [line for line in shown.stderr.strip().splitlines() if "no config file" not in line]
+    assert len(warned) == 1 and "warning:" in warned[0] and "more than this machine has" in warned[0], shown.stderr
+    assert "max_local_cpu_size" in warned[0]  # LMCache's key, as the operator wrote it
+
+    converted = runner.invoke(app, ["config", "convert", str(src)])
+    assert converted.exit_code == 0, converted.output
+    assert "backend: cpu" in converted.stdout and "more than this machine has" in converted.stderr
+    out = tmp_path / "ours.yaml"
+    out.write_text(converted.stdout)
+    checked = runner.invoke(app, ["config", "validate", str(out)])
+    assert checked.exit_code == 0, checked.output
+    assert "more than this machine has" in checked.stderr
+
+    with pytest.raises(ConfigError, match="more than this machine has"):
+        load_config(src, environ={})  # what an engine loads: refused
