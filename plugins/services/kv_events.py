@@ -50,7 +50,11 @@ under this publisher's lock) and appends to a bounded queue (it runs under a tie
 lock); one thread hashes, encodes and sends. A full queue drops the event and counts
 it, and the next batch skips one sequence number, so a subscriber sees the gap and may
 ask the replay socket for what is still buffered (dropped events never are). The PUB
-socket itself drops at its high-water mark and never blocks. If ``pyzmq``/``msgpack``
+socket itself drops at its high-water mark and never blocks. The replay socket has a
+thread of its own (:mod:`lmcache.plugins.services.kv_replay`) that bounds what a replay
+client can cost, whether or not it reads; the publishing thread only appends to its
+buffer. :meth:`KVEventPublisher.close` returns within its timeout (and a second's grace)
+whatever the clients do. If ``pyzmq``/``msgpack``
 are missing or the endpoint cannot be bound, the publisher logs once and stays
 disabled. Token ids are known when the engine stores (or promotes) a chunk, not in the
 tier listener, so the engine hands them over first (:meth:`KVEventPublisher.remember`);
@@ -67,11 +71,12 @@ import queue
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import quote
 
 from lmcache.kv_media import MediaTracker, tier_media
+from lmcache.plugins.services.kv_replay import END_SEQ, ReplayBuffer, ReplayServer
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -90,14 +95,14 @@ META_ENTRIES = 16384
 MAX_BATCH_EVENTS = 1024
 #: the default port: vLLM's publisher defaults to 5557 in the same pod
 DEFAULT_PORT = 5558
-#: the sequence number of the replay socket's end-of-replay marker (vLLM's ``END_SEQ``)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK64 = (1 << 64) - 1
 #: what vLLM's publisher of a single-rank engine sends in every batch
 DATA_PARALLEL_RANK = 0
 #: the KV cache group of every block (a single-group model's, as vLLM numbers it)
 GROUP_IDX = 0
 _STOP = object()
+#: how long close() waits, past its timeout, for the threads to stop
+STOP_GRACE_S = 1.0
 _WILDCARDS = ("*", "0.0.0.0", "::", "")
 
 
@@ -195,9 +200,13 @@ class KVEventPublisher:
         self._held: dict[str, _Blocks] = {}  # announced and held by a tier
         self._media = MediaTracker(media)
         self._gap = False  # events were dropped since the last batch: skip a sequence number
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        #: the last ``buffer_steps`` batches, kept only for a replay socket
+        self._buffer = ReplayBuffer(cfg.buffer_steps) if cfg.replay_endpoint else None
+        self._replayer: ReplayServer | None = None
         self._seq = 0
         self._closed = False
+        self._stopping = threading.Event()  # close() was called: stop once the queue is empty
+        self._abort = False  # close()'s time is up: stop now
         #: counters (``stats()``)
         self.dropped_events = 0  # the queue was full
         self.skipped_seqs = 0  # sequence numbers left out to show drops
@@ -205,7 +214,6 @@ class KVEventPublisher:
         self.published_batches = 0
         self.published_events = 0
         self.failed_sends = 0
-        self.replays = 0
         self._ctx = self._pub = self._replay = None
         self._thread: threading.Thread | None = None
         try:
@@ -227,6 +235,8 @@ class KVEventPublisher:
         self.enabled = True
         self._thread = threading.Thread(target=self._run, name="lmcache-kv-events", daemon=True)
         self._thread.start()
+        if self._replayer is not None:
+            self._replayer.start(self.topic.encode())
         log.info("kv events: publishing on %s (topic %r)", self.endpoint, self.topic)
 
     def _disable(self, why: str) -> None:
@@ -247,12 +257,12 @@ class KVEventPublisher:
         else:  # a router that binds a SUB socket and lets publishers connect
             pub.connect(endpoint)
             self.endpoint = endpoint
-        if self.cfg.replay_endpoint:
+        if self.cfg.replay_endpoint and self._buffer is not None:
             rep = self._replay = self._ctx.socket(zmq.ROUTER)
-            rep.setsockopt(zmq.SNDHWM, 2 * (self.cfg.buffer_steps + 1))  # a full replay plus its marker
-            rep.setsockopt(zmq.LINGER, 0)
+            ReplayServer.configure(zmq, rep)
             rep.bind(self.cfg.replay_endpoint)
             self.replay_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replayer = ReplayServer(zmq, rep, self._buffer)  # its own thread, from start()
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):
@@ -325,6 +335,7 @@ class KVEventPublisher:
             self._gap = True
 
     def stats(self) -> dict[str, Any]:
+        r = self._replayer
         return {
             "enabled": self.enabled,
             "error": self.error,
@@ -342,40 +353,45 @@ class KVEventPublisher:
             "published_batches": self.published_batches,
             "published_events": self.published_events,
             "failed_sends": self.failed_sends,
-            "replays": self.replays,
+            "replays": r.requests if r else 0,
+            "replays_refused": r.refused if r else 0,
+            "replays_abandoned": r.abandoned if r else 0,
         }
 
     def close(self, timeout: float = 5.0) -> None:
-        """Publish what is queued (for at most ``timeout`` seconds), then close."""
+        """Publish what is queued, then close; returns within about ``timeout`` seconds
+        (plus ``STOP_GRACE_S``) whatever subscribers and replay clients do."""
         if self._closed:
             return
         self._closed = True
         if not self.enabled:
             return
         self.enabled = False  # later tier events (the hierarchy closing) are not published
+        deadline = time.monotonic() + timeout
+        replay_stopped = self._replayer is None or self._replayer.stop(STOP_GRACE_S)
+        self._stopping.set()  # wakes the thread even when the queue is full
         try:
-            self._queue.put(_STOP, timeout=timeout)
+            self._queue.put_nowait(_STOP)
         except queue.Full:
             pass
         assert self._thread is not None
-        self._thread.join(timeout)
-        if self._thread.is_alive():  # stuck: leave the sockets to the daemon thread
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if self._thread.is_alive():  # still draining: drop the rest
+            self._abort = True
+            self._thread.join(STOP_GRACE_S)
+        if self._thread.is_alive() or not replay_stopped:  # stuck: leave the sockets to the daemon threads
             log.warning("kv events: publisher thread did not stop within %.1fs", timeout)
             return
         self._close_sockets()
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
-        while True:
-            if self._replay is not None:
-                try:
-                    while self._replay.poll(0):
-                        self._serve_replay()
-                except Exception:
-                    log.exception("kv events: replay request failed")
+        while not self._abort:
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
+                if self._stopping.is_set():
+                    return
                 if self._gap:  # drops and nothing after them: show the gap now
                     self._send_batch([])
                 continue
@@ -449,7 +465,8 @@ class KVEventPublisher:
         payload = self._pack([time.time(), wire, DATA_PARALLEL_RANK])
         seq = self._seq
         self._seq += 1
-        self._buffer.append((seq, payload))
+        if self._buffer is not None:
+            self._buffer.append(seq, payload)
         try:
             self._pub.send_multipart(  # type: ignore[union-attr]
                 (self.topic.encode(), seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
@@ -460,25 +477,6 @@ class KVEventPublisher:
             return
         self.published_batches += 1
         self.published_events += len(events)
-
-    def _serve_replay(self) -> None:
-        """A REQ client sent an 8-byte big-endian start sequence number: resend the
-        buffered batches from there, then the end marker (vLLM's replay protocol)."""
-        zmq = self._zmq
-        frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)  # type: ignore[union-attr]
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            log.debug("kv events: ignoring a malformed replay request of %d frames", len(frames))
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
-        topic = self.topic.encode()
-        self.replays += 1
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart(  # type: ignore[union-attr]
-                    (client, b"", topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
-                )
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)  # type: ignore[union-attr]
 
 
 def request_replay(ctx: Any, endpoint: str, start_seq: int, timeout: float = 10.0) -> list[tuple[bytes, int, bytes]]:

@@ -231,3 +231,54 @@ def test_frames_match_vllms_own_publisher(tmp_path, ctx):
         g = got[i]
         assert len(f) == len(g) == 3 and f[0] == g[0] == topic.encode() and len(f[1]) == len(g[1]) == 8
         assert msgpack.unpackb(f[2]) == msgpack.unpackb(g[2])
+
+
+def test_replay_frames_match_vllms_own_publisher(tmp_path, ctx):
+    """vLLM 0.33's replay protocol, answered by our publisher and by vLLM's own
+    ``ZmqEventPublisher`` for the same batches: the same messages (``"", topic, seq,
+    payload`` to a DEALER, then ``"", "", END_SEQ, ""``), and a REQ client, as vLLM's
+    example subscriber uses, gets the same first reply from both."""
+    cfg = {"chunk_size": CHUNK, "kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "block_size": BS,
+                                              "replay_endpoint": "tcp://127.0.0.1:0"}}
+    with CacheEngine.from_config(cfg) as e:
+        pub = e.kv_events
+        for i in range(3):
+            e.store(list(range(100 * i, 100 * i + 8)), kv_for(8))
+        deadline = time.monotonic() + HANG
+        while pub.stats()["published_events"] < 3:
+            assert time.monotonic() < deadline, "our batches were never published"
+            time.sleep(0.01)
+        ours = request_replay(ctx, pub.replay_endpoint, 0, HANG)
+        first_ours = _req_first(ctx, pub.replay_endpoint)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    replay_ep = f"ipc://{tmp_path}/vllm-replay.sock"
+    vllm = ZmqEventPublisher(data_parallel_rank=0, endpoint=f"ipc://{tmp_path}/vllm.sock",
+                             replay_endpoint=replay_ep, topic=pub.topic)
+    try:
+        for _, _, payload in ours:
+            vllm.publish(decoder.decode(payload))
+        deadline = time.monotonic() + HANG
+        while len(theirs := request_replay(ctx, replay_ep, 0, HANG)) < len(ours):
+            assert time.monotonic() < deadline, f"vLLM's publisher buffered {len(theirs)} of {len(ours)} batches"
+            time.sleep(0.05)
+        first_theirs = _req_first(ctx, replay_ep)
+    finally:
+        vllm.shutdown()
+    assert [(t, s) for t, s, _ in ours] == [(t, s) for t, s, _ in theirs] == [
+        (pub.topic.encode(), s) for s in range(len(ours))]
+    assert [msgpack.unpackb(p) for _, _, p in ours] == [msgpack.unpackb(p) for _, _, p in theirs]
+    assert first_ours[:2] == first_theirs[:2] == [pub.topic.encode(), (0).to_bytes(8, "big")]
+    assert msgpack.unpackb(first_ours[2]) == msgpack.unpackb(first_theirs[2])
+
+
+def _req_first(ctx, endpoint: str) -> list[bytes]:
+    """The first reply a REQ socket gets to a replay request from seq 0."""
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(endpoint)
+        req.send((0).to_bytes(8, "big"))
+        assert req.poll(int(HANG * 1000)), f"no replay from {endpoint}"
+        return req.recv_multipart()
+    finally:
+        req.close()
