@@ -976,6 +976,67 @@ def test_lmcacheconnectorv1_skip_last_n_tokens_and_a_bad_value(model_config):
         Engine(make_config(model_config, upstream=True, skip_last_n_tokens="lots"), kv_cache_config(False))
 
 
+def _submit_params(eng: Engine, req_id: str, prompt: list[int], params: dict | None) -> Request:
+    """A request whose sampling params carry ``kv_transfer_params``, as vLLM's API server
+    builds them from a completion request's ``kv_transfer_params`` field."""
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params is not None else None)
+    r = Request(req_id, prompt, sp, None, block_hasher=eng.hasher)
+    eng.sched.add_request(r)
+    return r
+
+
+@pytest.mark.parametrize("upstream", [True, False], ids=["LMCacheConnectorV1", "LMCacheConnector"])
+def test_kv_transfer_params_skip_save_and_tags(model_config, upstream, caplog):
+    """LMCache's per-request ``kv_transfer_params``: ``lmcache.skip_save: true`` stores
+    nothing of the request but still loads its hit; ``lmcache.tag.<name>`` keys the KV
+    under its tags (hit only by the same tags, in any order); another ``lmcache.*`` entry
+    is warned about once and changes nothing."""
+    from lmcache.plugins.connectors.vllm.extra import request_extra
+
+    eng = Engine(make_config(model_config, upstream=upstream), kv_cache_config(False))
+    try:
+        layers = alloc("std_nhd")
+        w = eng.worker(layers)
+        engine = _impl(w).engine
+        gen = torch.Generator().manual_seed(11)
+        prompt = list(range(1, 201))
+
+        def run(req_id, toks, params):
+            _submit_params(eng, req_id, toks, params)
+            out = eng.step(w, layers, "std_nhd", gen)[0]
+            eng.finish(req_id)
+            eng.sched.reset_prefix_cache()
+            return new_req(out, req_id).num_computed_tokens
+
+        with caplog.at_level("WARNING"):
+            assert run("a", prompt, {"lmcache.skip_save": True, "lmcache.max_offload_tokens": 64,
+                                     "do_remote_prefill": False}) == 0
+            assert run("a2", prompt, {"lmcache.skip_save": "true", "lmcache.max_offload_tokens": 64}) == 0
+        assert engine.lookup(prompt) == 0  # nothing stored
+        assert sum("lmcache.max_offload_tokens has no effect" in r.getMessage() for r in caplog.records) == 1
+        assert not any("do_remote_prefill" in r.getMessage() for r in caplog.records)  # not ours: silent
+        assert run("b", prompt, {"lmcache.skip_save": False}) == 0
+        assert engine.lookup(prompt) == 200  # stored
+        # skip_save still loads: the hit, and nothing of the new tail is stored
+        longer = prompt + list(range(500, 600))
+        before = engine.lookup(longer)
+        assert run("c", longer, {"lmcache.skip_save": True}) == 192
+        assert engine.lookup(longer) == before < len(longer)
+
+        other = list(range(1000, 1200))
+        tags = {"lmcache.tag.user": "alice", "lmcache.tag.app": 7}
+        assert run("d", other, tags) == 0
+        assert engine.lookup(other) == 0  # not under the plain keys
+        tagged = Request("probe", other, SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": {
+            "lmcache.tag.app": "7", "lmcache.tag.user": "alice"}}), None, block_hasher=eng.hasher)
+        assert engine.lookup(other, extra=request_extra(tagged)) == 200
+        assert run("e", other + [5, 5], {"lmcache.tag.app": 7, "lmcache.tag.user": "alice"}) == 192
+        assert run("f", other + [5, 5], {"lmcache.tag.user": "bob", "lmcache.tag.app": 7}) == 0
+        assert run("g", other + [5, 5], None) == 0
+    finally:
+        eng.close()
+
+
 def test_upstream_metrics_count_what_was_loaded(model_config):
     """lmcache:* metrics in LMCache's names and labels (in the process's registry here;
     vLLM serves them from its multiprocess directory): the hit tokens are exactly the

@@ -117,6 +117,8 @@ class _ReqState:
     extra: KeyExtra | None = None
     #: False when the request's key extra is unknown or cannot be built: nothing is stored
     keyed: bool = True
+    #: the request's ``kv_transfer_params`` say ``lmcache.skip_save``: loaded, never stored
+    skip_save: bool = False
     #: vLLM's request (its block hashes, for KV events)
     request: Any = None
 

@@ -23,7 +23,7 @@ from lmcache.keys import KeyExtra
 from ...services.lookup import LookupClient, LookupReply, socket_path
 from .common import Side
 from .events import BlockInfo, LMCacheTierEvents, block_info
-from .extra import request_extra
+from .extra import SKIP_SAVE, TAG_PREFIX, request_extra, request_params
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
 from .registry import local_workers
 
@@ -70,6 +70,7 @@ class ConnectorScheduler(Side):
         self._async_pending: set[str] = set()  # async loads admitted, not reported finished yet
         self._hit_sources: dict[str, dict[str, int]] = {}
         self._unkeyed_warned: set[str] = set()
+        self._params_warned: set[str] = set()  # lmcache.* request params with no effect, warned once
         self.stats = {"lookups": 0, "lookup_timeouts": 0, "hit_tokens": 0, "async_loads": 0, "sync_loads": 0,
                       "shifted_hit_tokens": 0}
         self._tier_events: LMCacheTierEvents | None = None  # the workers' events, not yet taken
@@ -187,6 +188,19 @@ class ConnectorScheduler(Side):
                 log.warning("lmcache: %s: not cached (%s)", request.request_id, exc)
             return None, False
 
+    def _skip_save(self, request: Request) -> bool:
+        """Whether the request's ``kv_transfer_params`` ask LMCache's ``lmcache.skip_save``
+        (its KV is still looked up and loaded). Other ``lmcache.*`` entries than that and
+        the ``lmcache.tag.*`` tags (:mod:`.extra`) have no effect: one warning per name."""
+        params = request_params(request)
+        for name in params:
+            if name != SKIP_SAVE and not name.startswith(TAG_PREFIX) and name not in self._params_warned:
+                self._params_warned.add(name)
+                log.warning("lmcache: kv_transfer_params %s has no effect here (served: %s, %s<name>)",
+                            name, SKIP_SAVE, TAG_PREFIX)
+        v = params.get(SKIP_SAVE, False)
+        return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         extra, keyed = self._key_extra(request)
@@ -270,7 +284,8 @@ class ConnectorScheduler(Side):
         st = self._reqs.get(req_id)
         if st is None:
             extra, keyed = self._key_extra(request)
-            st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []), extra=extra, keyed=keyed)
+            st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []), extra=extra, keyed=keyed,
+                                                skip_save=self._skip_save(request))
         st.request = request
         if num_external_tokens <= 0:
             if req_id not in self._async_pending:  # the second call after an async load is a no-op
@@ -347,7 +362,7 @@ class ConnectorScheduler(Side):
             end = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n = len(st.prompt)
             save_end = n if end >= n else end // self.chunk_size * self.chunk_size
-            if save_end > st.saved_end and self.saves and st.keyed:
+            if save_end > st.saved_end and self.saves and st.keyed and not st.skip_save:
                 meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end, st.extra,
                                            self._blocks(st, save_end)))
                 st.saved_end = save_end
