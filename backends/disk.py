@@ -15,7 +15,10 @@ The directory is claimed with a marker file and shared safely by several process
 tensor-parallel ranks of one server): one capacity for the whole directory, kept in a
 ledger under a lock, and no process removes another's temporaries; a directory of
 another backend, or holding files the tier did not write, is refused
-(:mod:`lmcache.backends.disk_dir` says how and why).
+(:mod:`lmcache.backends.disk_dir` says how and why). No read waits for another process:
+an eviction that finds the directory's lock busy leaves the file's removal to this
+process's next holder of the lock, and a store waits for it a bounded time, then is
+skipped (counted, no backoff).
 
 Options: ``path`` (required), ``o_direct`` (bypass the page cache), ``fsync`` (make each
 write durable before it is visible; off by default: a cache may lose entries on power
@@ -39,8 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import xxhash
 
 from lmcache import payload
-from lmcache.dtypes import dtype_from_name
-from lmcache.errors import ConfigError, CorruptPayloadError, EntryPathError
+from lmcache.errors import ConfigError, CorruptPayloadError, EntryPathError, TierUnusableError
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 
@@ -54,6 +56,7 @@ from .file_io import (
     _pread_all,
     _read_all,
     _write_all,
+    load_direct,
     read_payload,
     write_raw_payload,
 )
@@ -152,31 +155,25 @@ class DiskBackend(BytesBackend):
         if self.read_only and not self.root.exists():
             log.warning("disk tier %s: directory %s does not exist (yet): no entries", self.context.tier, self.root)
             return
-        claim = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
-        if claim is None:  # unclaimed: adopted only if every file in it is of the layout
-            self._refuse_foreign(disk_dir.list_dir(self.root, self._warn))
+        claim, damaged = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
+        if claim is None:  # unclaimed (or a damaged marker): adopted only if every file in it is of the layout
+            self._refuse_foreign(disk_dir.list_dir(self.root, self._warn), damaged)
         if self.read_only:
+            if damaged:
+                self._warn(f"its marker {self.root / disk_dir.MARKER} is damaged ({damaged}); every file is this "
+                           "tier's own: an engine opening the directory rewrites it")
             found, _bad = self._index_files(disk_dir.list_dir(self.root, self._warn))
             self._admit_found(found)
             return
-        state = self._dir = disk_dir.DirState(self.root)
+        state = self._dir = disk_dir.DirState(self.root, self._warn)
         state.open()
-        with state.locked():
-            claim = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
-            listing = disk_dir.list_dir(self.root, self._warn)
-            if claim is None:
-                self._refuse_foreign(listing)
-                self._write_marker(state)
-            state.register()
-            gone = state.dead(listing.live)
-            alive = {owner for _, owner in listing.live} - gone
-            for path, owner in listing.temps:
-                if owner is None or (owner not in alive and owner != state.id):
-                    _unlink_file(path)
-            found, bad = self._index_files(listing)
-            for path in bad:
-                _unlink_file(path)
-            state.set_total(sum(size for _, _, size, _ in found))
+        try:
+            with state.locked(disk_dir.OPEN_WAIT, store=False):
+                listing, found = self._scan(state)
+        except disk_dir.DirBusy as exc:
+            raise TierUnusableError(
+                "path", f"{exc}; running without this tier: let that process finish (or end it), then restart"
+            ) from None
         if listing.foreign:
             log.warning(
                 "disk tier %s: %d files in %s are not this tier's (e.g. %s); left alone",
@@ -184,29 +181,52 @@ class DiskBackend(BytesBackend):
             )
         self._admit_found(found)
 
+    def _scan(self, state: disk_dir.DirState) -> tuple[disk_dir.Listing, list[tuple[float, str, int, str]]]:
+        """Under the directory's lock: claim it (a missing or damaged marker is written
+        again, durably, if every file is of the layout), register this opener, remove
+        the temporaries of writers that are gone and the files that fail their checks,
+        and set the ledger to the bytes of the valid entries."""
+        claim, damaged = disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
+        listing = disk_dir.list_dir(self.root, self._warn)
+        if claim is None:
+            self._refuse_foreign(listing, damaged)
+            marker = disk_dir.marker_bytes(self.CLAIM_BACKEND, disk_dir.DISK_LAYOUT)
+            if not disk_dir.write_marker(self.root, state.tmp_name("marker"), marker, replace=damaged is not None):
+                disk_dir.read_marker(self.root, self.CLAIM_BACKEND)  # another claim won: refused unless ours
+            if damaged:
+                self._warn(f"its marker {self.root / disk_dir.MARKER} was damaged ({damaged}); every file in it is "
+                           "this tier's own: adopted with its entries, marker written again")
+        state.register()
+        gone = state.dead(listing.live)
+        alive = {owner for _, owner in listing.live} - gone
+        for path, owner in listing.temps:
+            if owner is None or (owner not in alive and owner != state.id):
+                _unlink_file(path)
+        found, bad = self._index_files(listing)
+        for path in bad:
+            _unlink_file(path)
+        state.set_total(sum(size for _, _, size, _ in found))
+        return listing, found
+
     def _warn(self, message: str) -> None:
         log.warning("disk tier %s: %s", self.context.tier, message)
 
-    def _refuse_foreign(self, listing: disk_dir.Listing) -> None:
-        if listing.foreign:
-            raise ConfigError(
+    def _refuse_foreign(self, listing: disk_dir.Listing, damaged: str | None = None) -> None:
+        if not listing.foreign:
+            return
+        n, example = len(listing.foreign), listing.foreign[0]
+        if damaged is not None:  # was it ever ours? A cache still starts: without this tier
+            raise TierUnusableError(
                 "path",
-                f"{self.root} holds {len(listing.foreign)} files that a disk tier did not write "
-                f"(e.g. {listing.foreign[0]}); give the tier an empty directory of its own (nothing was changed)",
+                f"{self.root}: its marker {disk_dir.MARKER} is damaged ({damaged}) and it holds {n} files that a "
+                f"disk tier did not write (e.g. {example}); nothing was changed. To use it again, move those files "
+                "out (or give the tier an empty directory) and restart",
             )
-
-    def _write_marker(self, state: disk_dir.DirState) -> None:
-        """Claim the directory: the marker appears whole or not at all (written under a
-        temporary name and linked into place, so that an fs tier claiming it at the same
-        moment loses or wins cleanly)."""
-        tmp = self.root / state.tmp_name("marker")
-        tmp.write_bytes(disk_dir.marker_bytes(self.CLAIM_BACKEND, disk_dir.DISK_LAYOUT))
-        try:
-            os.link(tmp, self.root / disk_dir.MARKER)
-        except FileExistsError:
-            disk_dir.read_marker(self.root, self.CLAIM_BACKEND)
-        finally:
-            tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            "path",
+            f"{self.root} holds {n} files that a disk tier did not write "
+            f"(e.g. {example}); give the tier an empty directory of its own (nothing was changed)",
+        )
 
     def _index_files(self, listing: disk_dir.Listing) -> tuple[list[tuple[float, str, int, str]], list[Path]]:
         """``(mtime, key, size, codec)`` of each valid entry file, and the entry files
@@ -292,14 +312,13 @@ class DiskBackend(BytesBackend):
 
     def _unlink_entry(self, path: Path) -> None:
         """Remove an entry's file; the shared ledger loses its bytes (only the process
-        whose unlink succeeded counts it)."""
+        whose unlink succeeded counts it). Never waits for another process: when the
+        directory's lock is busy, the removal is made by this process's next holder of
+        it (:meth:`lmcache.backends.disk_dir.DirState.remove`)."""
         if self._dir is None:
             path.unlink()
             return
-        with self._dir.locked():
-            st = os.lstat(path)
-            path.unlink()
-            self._dir.set_total(self._dir.total() - (st.st_size if stat.S_ISREG(st.st_mode) else 0))
+        self._dir.remove(path)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -346,37 +365,51 @@ class DiskBackend(BytesBackend):
     def _publish(self, tmp: Path, final: Path, total: int) -> None:
         """Rename ``tmp`` into place and add its bytes to the shared ledger, in one step
         under the directory's lock. A write that would carry the directory past the
-        capacity (other processes filled it meanwhile) is refused with ``ENOSPC``: the
-        tier skips that store and keeps serving."""
-        if self._dir is None:
+        capacity (other processes filled it meanwhile) is skipped (:class:`DirFull`), and
+        so is one that cannot take the lock within its bound (:class:`DirBusy`): the tier
+        counts the store as skipped and keeps serving. A ledger that says the directory
+        is full is recounted from the files first (at most every ``RECOUNT_EVERY`` s)."""
+        state = self._dir
+        if state is None:
             os.replace(tmp, final)
             return
-        with self._dir.locked():
+        with state.locked():
             try:
                 st = os.lstat(final)
                 old = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except FileNotFoundError:
                 old = 0
-            before = self._dir.total()
+            before = state.checked_total()
             after = before - old + total
+            if after > before and after > self.context.capacity and state.recount_due():
+                before = state.recount()
+                after = before - old + total
             if after > before and after > self.context.capacity:
-                raise OSError(
-                    errno.ENOSPC,
+                raise disk_dir.DirFull(
                     f"the directory {self.root} is at its capacity ({before} of {self.context.capacity} bytes, "
-                    "shared by every process that opens it)",
+                    "shared by every process that opens it)"
                 )
             os.replace(tmp, final)
-            self._dir.set_total(after)
+            state.set_total(after)
 
     def reserve_size(self, key: str, obj: MemoryObj) -> int:
         """The payload's bound, plus the bytes other processes hold in the directory:
         the tier then evicts until the whole directory, not only this process's
-        entries, has room (its books hold this process's entries only)."""
+        entries, has room (its books hold this process's entries only). Removals still
+        waiting for the lock are not another process's bytes; a ledger that is not ours
+        counts nothing here (the store recounts it under the lock)."""
         size = super().reserve_size(key, obj)
         if self.o_direct:
             size += BLOCK  # the header padded to a block
-        if self._dir is not None:
-            size += max(0, self._dir.total() - self._used)
+        state = self._dir
+        if state is not None:
+            total = state.total()
+            others = 0 if total is None else max(0, total - self._used - state.pending_bytes())
+            if size + others > self.context.capacity and state.recount_due():
+                with contextlib.suppress(disk_dir.DirBusy):  # a ledger that drifted: counted again, if free now
+                    with state.locked(0, store=False):
+                        others = max(0, state.recount() - self._used)
+            size += others
         return size
 
     def put_one(self, key: str, obj: MemoryObj) -> int:
@@ -547,7 +580,7 @@ class DiskBackend(BytesBackend):
         try:
             size = os.fstat(fd).st_size
             if self.o_direct:
-                obj = self._load_direct(fd, size, key)
+                obj = load_direct(fd, size, key, self.context.allocate)
                 if obj is not None:
                     return obj
                 buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
@@ -559,46 +592,6 @@ class DiskBackend(BytesBackend):
                                 piece=PIECE)
         finally:
             os.close(fd)
-
-    def _load_direct(self, fd: int, size: int, key: str) -> MemoryObj | None:
-        """An O_DIRECT file whose header fills whole blocks and whose ``raw`` body is whole
-        blocks: the body is read straight into page-aligned pool memory and checked
-        there. ``None`` when the file is not laid out so (the caller then reads it whole
-        into a bounce buffer)."""
-        if size < BLOCK or size % BLOCK:
-            return None
-        head = mmap.mmap(-1, BLOCK)
-        try:
-            if _pread_all(fd, memoryview(head), 0) != BLOCK:
-                return None
-            try:
-                h = payload.parse_header(memoryview(head))
-            except CorruptPayloadError:
-                if size <= payload.HEADER_READ_HINT:
-                    raise
-                return None  # the header runs past the first block: not laid out for this path
-        finally:
-            head.close()
-        if h.header_len % BLOCK or h.codec != "raw" or h.body_len % BLOCK or h.body_len != h.nbytes:
-            return None
-        if h.key != key:
-            raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
-        if size != h.total_len:
-            raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
-        obj = self.context.allocate(h.shape, dtype_from_name(h.dtype))
-        try:
-            dst = memoryview(obj.byte_view().numpy())
-            if obj.byte_view().data_ptr() % BLOCK:
-                obj.unref()
-                return None
-            if _pread_all(fd, dst, h.header_len) != h.body_len:
-                raise CorruptPayloadError("file ended before its body")
-            if xxhash.xxh3_64_intdigest(dst) != h.body_xxh3:
-                raise CorruptPayloadError("body checksum mismatch")
-        except BaseException:
-            obj.unref()
-            raise
-        return obj
 
     def close(self) -> None:
         pool = self.__dict__.pop("_pool_exec", None)

@@ -56,6 +56,7 @@ from lmcache import payload
 from lmcache.errors import ConfigError, CorruptPayloadError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
+from lmcache.redact import redact_text
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo
 
 from . import disk_dir
@@ -241,7 +242,8 @@ class FSBackend(BytesBackend):
         except TypeError as exc:
             raise ConfigError("fs_options", f"{cls.__name__} rejected its arguments: {exc}") from None
         except Exception as exc:  # unreachable: open anyway, serve misses, retry on each call
-            log.warning("fs tier %s: %s is not reachable yet (%s: %s)", context.tier, self.url, type(exc).__name__, exc)
+            log.warning("fs tier %s: %s is not reachable yet (%s)", context.tier, redact_text(self.url),
+                        redact_text(f"{type(exc).__name__}: {exc}"))
 
     # ------------------------------------------------------------- plumbing
     def _fs(self) -> Any:

@@ -226,7 +226,8 @@ class S3Backend(BytesBackend):
         for name in ("region", "access_key_id", "secret_access_key", "session_token"):
             v = opts[name]
             if v is not None and (not isinstance(v, str) or not v):
-                raise ConfigError(name, f"expected a non-empty string, got {v!r}")
+                got = repr(v) if name == "region" else f"a {type(v).__name__}"  # a credential: never its value
+                raise ConfigError(name, f"expected a non-empty string, got {got}")
         if opts["region"] is not None and not _REGION.match(opts["region"]):
             raise ConfigError("region", f"expected a region name such as us-east-1, got {opts['region']!r}")
         if (opts["access_key_id"] is None) != (opts["secret_access_key"] is None):

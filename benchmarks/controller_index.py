@@ -111,8 +111,8 @@ def valkey_server() -> Iterator[tuple[str, int]]:
 def raw_reads(port: int, keys: list[str], instances: list[str]) -> Callable[[], Any]:
     """One redis-py pipeline reading, on the same server, what the valkey index's lookup
     must read for the chunk ``keys`` of the prompt: the namespace's live leases
-    (``ZRANGEBYSCORE lmc:{ns}:leases``) and, per instance, ``HMGET lmc:{ns}:k:<id> key...``
-    (the tier bitmask of each chunk key; :mod:`lmcache.controller.index_valkey`'s layout);
+    (``ZRANGEBYSCORE lmc:{ns}:leases``) and, per instance, ``HMGET lmc:{ns}:k:<id> hash...``
+    (the tier bitmask of each chunk, held by its hash; :mod:`lmcache.controller.index_valkey`'s layout);
     no transaction, one round trip. The index's Lua script does this and the instances'
     records, their sessions and the scoring besides, so it cannot beat this."""
     import redis
@@ -156,7 +156,7 @@ def lookup_rows(kind: str, index_url: str, chunks: list[int], instances: int, co
                 got = index.lookup(dict(body))
                 if not got["results"] or got["results"][0]["hit_chunks"] != c:
                     raise RuntimeError(f"{kind}: a lookup of {c} chunks found no instance holding all of them: {got}")
-                raw = raw_reads(valkey_port, [prefix + h for h in hashes[:c]], ids) if valkey_port else None
+                raw = raw_reads(valkey_port, hashes[:c], ids) if valkey_port else None
                 direct: list[float] = []
                 http: list[float] = []
                 limit: list[float] = []

@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 from lmcache.benchmarks.harness import err, need_pyplot, out, print_json, pyplot, size_option  # noqa: F401 (shared)
 from lmcache.errors import LMCacheError
+from lmcache.redact import redact_text
 from lmcache.units import parse_duration
 
 PROG = "lmcache"
@@ -28,7 +29,8 @@ def debug_enabled() -> bool:
 
 
 def error_line(message: str) -> None:
-    sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
+    """One line on stderr; a credential in it (a URL's password, an option's token) reads ``***``."""
+    sys.stderr.write(f"{PROG}: error: {' '.join(redact_text(str(message)).split())}\n")
     sys.stderr.flush()
 
 

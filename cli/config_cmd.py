@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from lmcache.redact import redact
 from lmcache.units import format_size
 
 from ._target import DEFAULT_TIMEOUT, JsonOpt, TimeoutOpt, TokenOpt, UrlOpt, config_path, open_target
@@ -72,7 +73,7 @@ def show(
 ) -> None:
     """Show the effective config and where each value came from (file, env, default, override).
 
-    Offline, the config is loaded as an engine would load it: the file (--config or $LMCACHE_CONFIG_FILE), then LMCACHE_<KEY> environment variables. With --url, the running instance's own config. The API token is shown as ***.
+    Offline, the config is loaded as an engine would load it: the file (--config or $LMCACHE_CONFIG_FILE), then LMCACHE_<KEY> environment variables. With --url, the running instance's own config. Credentials (tokens, secret keys, the password in a URL) are shown as ***.
     """
     if url is None and config is None:
         import os
@@ -88,6 +89,7 @@ def show(
         if path is None:
             note("no config file (--config or $LMCACHE_CONFIG_FILE): showing defaults and environment")
         report = load_config(path, too_big=too_big).report()
+    report = {**report, "values": redact(report["values"])}  # an instance of an older version may not mask them
     if as_json:
         print_json(report)
         return
@@ -178,12 +180,15 @@ def convert(
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", metavar="OUT", show_default=False,
-                     help="Write the converted config here (default: stdout)."),
+                     help="Write the converted config here, credentials included (default: stdout)."),
     ] = None,
+    show_secrets: Annotated[
+        bool, typer.Option("--show-secrets", help="On stdout, print credentials as they are instead of ***."),
+    ] = False,
 ) -> None:
     """Translate an LMCache config file (local_cpu, max_local_cpu_size, remote_url, ...) into lmcache's format (YAML).
 
-    The file is read on its own (LMCACHE_<KEY> environment variables are not applied) and checked as load_config checks it. Keys that have no effect here are listed on stderr, one per line. The output loads to the same config. See docs/migrating.md.
+    The file is read on its own (LMCACHE_<KEY> environment variables are not applied) and checked as load_config checks it. Keys that have no effect here are listed on stderr, one per line. The output loads to the same config. On stdout, credentials (secret keys, tokens, the password in a URL) read *** unless --show-secrets; --output writes them, in a file only its owner can read. See docs/migrating.md.
     """
     import logging
 
@@ -199,12 +204,31 @@ def convert(
         cfg = load_config(file, environ={}, too_big=too_big)
     finally:
         quiet.setLevel(level)
+    data = converted(cfg)
+    masked = redact(data)
+    secret = masked != data
     text = f"# converted from {file} by `lmcache config convert`\n" + yaml.safe_dump(
-        converted(cfg), sort_keys=False, default_flow_style=False)
+        data if output is not None or show_secrets else masked, sort_keys=False, default_flow_style=False)
     for key, why in no_effect_keys(_read_yaml(file)).items():
         note(f"no effect here: {key} ({why})")
     if output is None:
         sys.stdout.write(text)
+        if secret and not show_secrets:
+            note("credentials read *** above: write them with -o FILE (readable by its owner only), "
+                 "or print them with --show-secrets")
     else:
-        output.write_text(text, encoding="utf-8")
-        note(f"wrote {output}")
+        _write(output, text, private=secret)
+        note(f"wrote {output}" + (" (it holds credentials: readable by its owner only)" if secret else ""))
+
+
+def _write(path: Path, text: str, *, private: bool) -> None:
+    """``text`` into ``path``; with ``private`` (credentials in it) a regular file is made
+    owner-only before anything is written, an existing one included."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    with open(fd, "w", encoding="utf-8") as f:
+        if private and stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, 0o600)
+        f.write(text)

@@ -152,6 +152,18 @@ def serve(
                                "(redis:// alike; password from $LMCACHE_CONTROLLER_INDEX_PASSWORD); with Valkey any "
                                "number of controllers serve the same instances (default: $LMCACHE_CONTROLLER_INDEX).")
     ] = "memory",
+    allowed_hosts: Annotated[
+        list[str] | None, typer.Option("--allowed-host", metavar="NAME", show_default=False,
+                                       help="A Host name the controller answers to besides IP addresses and localhost "
+                                            "(repeatable; .domain for its subdomains, * for any). Checked when no "
+                                            "token is set, and always once given (a guard against DNS rebinding).")
+    ] = None,
+    instance_networks: Annotated[
+        list[str] | None, typer.Option("--instance-network", metavar="CIDR|NAME", show_default=False,
+                                       help="Where registered instance APIs may be, besides the address each "
+                                            "registration comes from (repeatable: a network such as 10.0.0.0/8, an "
+                                            "address or a host name).")
+    ] = None,
     write_openapi: Annotated[
         Path | None, typer.Option("--write-openapi", metavar="FILE", show_default=False,
                                   help="Write the OpenAPI document to FILE and exit.")
@@ -175,13 +187,23 @@ def serve(
             parse_url(index)
         except ConfigError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--index'") from None
+    from lmcache.controller.reach import InstancePolicy
+    from lmcache.http import check_allowed_hosts
+
+    for check, values, hint in ((check_allowed_hosts, allowed_hosts, "'--allowed-host'"),
+                                (InstancePolicy, instance_networks, "'--instance-network'")):
+        try:
+            check(values or ())
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=hint) from None
     if host not in ("127.0.0.1", "localhost", "::1") and not token and not tenants:
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
     server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,
                               expire_after=expire_after, dispatch_timeout=dispatch_timeout,
                               request_timeout=request_timeout, max_connections=max_connections,
                               max_keys_per_instance=max_keys_per_instance,
-                              max_instances_per_tenant=max_instances_per_tenant, index=index)
+                              max_instances_per_tenant=max_instances_per_tenant, index=index,
+                              allowed_hosts=tuple(allowed_hosts or ()), instance_networks=tuple(instance_networks or ()))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -34,11 +34,18 @@ def server_cmd(
         str, typer.Option("--max-value-size", help="Largest value (and frame) accepted; larger ones close the connection.")
     ] = "1GiB",
     max_connections: Annotated[
-        int, typer.Option("--max-connections", min=1, help="Connections served at once; one more is refused.")
+        int, typer.Option("--max-connections", min=1,
+                          help="Connections served at once; one more closes the one idle the longest.")
     ] = lmserver.DEFAULT_MAX_CONNECTIONS,
     auth_timeout: Annotated[
-        float, typer.Option("--auth-timeout", min=0.001, help="With --token: seconds a connection has to authenticate.")
+        float, typer.Option("--auth-timeout", min=0.001,
+                            help="Seconds a new connection has to authenticate (without --token: to send a whole frame).")
     ] = lmserver.DEFAULT_AUTH_TIMEOUT,
+    max_unauthenticated: Annotated[
+        int, typer.Option("--max-unauthenticated", min=1,
+                          help="Connections not yet authenticated at once; one more closes the oldest stuck one "
+                               "(from the address with the most).")
+    ] = lmserver.DEFAULT_MAX_UNAUTHENTICATED,
 ) -> None:
     """Run an lmcache cache server (framed binary protocol over TCP) until SIGTERM/SIGINT."""
     cap = size_option(capacity, "--capacity", auto=False)
@@ -52,6 +59,6 @@ def server_cmd(
     try:
         lmserver.run(host, port, capacity=cap, policy=policy, token=token or None, max_value_size=maxv,
                      max_connections=max_connections, announce=lambda s: print(s, flush=True),
-                     auth_timeout=auth_timeout)
+                     auth_timeout=auth_timeout, max_unauthenticated=max_unauthenticated)
     except OSError as exc:
         raise CLIError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None

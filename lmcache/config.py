@@ -27,6 +27,7 @@ from . import settings as check
 from . import upstream
 from .auth import parse_tenants
 from .errors import ConfigError
+from .redact import redact
 from .settings import copy, env_values, keys, mask, option, parse, section_type, show, touched
 
 # Environment variables with the LMCACHE_ prefix that are not config keys (LMCache's own
@@ -154,6 +155,10 @@ class TierConfig:
         if not self.name:
             self.name = self.backend
 
+    def __repr__(self) -> str:  # the backend keys hold credentials: masked, as everywhere
+        fields = redact({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return f"TierConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
 
 def _tiers(key: str, value: Any, src: str | None) -> list[TierConfig]:
     if not isinstance(value, list) or not value:
@@ -175,6 +180,9 @@ class ApiConfig:
     bounds the time one whole request may take to arrive; ``max_connections`` bounds the
     connections served at once (one more is answered 503). ``tenants`` (``{namespace: token |
     [tokens]}``) adds tokens scoped to one namespace each (see :mod:`lmcache.auth`).
+    ``allowed_hosts`` names the ``Host`` names it answers to besides IP addresses,
+    ``localhost`` and the bound name (``name``, ``.domain``, ``*``; a guard against DNS
+    rebinding, see :class:`lmcache.http.RequestGuard`).
     """
 
     enabled: bool = option(False, check.boolean, shorthand=bool)
@@ -184,10 +192,23 @@ class ApiConfig:
     timeout: float = option(10.0, check.seconds())
     tenants: dict[str, tuple[str, ...]] = option({}, parse_tenants, secret=True)
     max_connections: int = option(64, check.integer(1))
+    allowed_hosts: list[str] = option([], lambda key, v, src: _host_names(key, v, src))
 
     def validate(self, source: str | None) -> None:
         """A tenant token may not be the admin token, whichever source set each."""
         parse_tenants("api.tenants", self.tenants, source, self.token)
+
+
+def _host_names(key: str, v: Any, src: str | None) -> list[str]:
+    from .http import check_allowed_hosts
+
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list):
+        raise ConfigError(key, f"expected a list of host names, got {show(v)}", src)
+    try:
+        return list(check_allowed_hosts(items))
+    except ValueError as exc:
+        raise ConfigError(key, str(exc), src) from None
 
 
 def _http_url(key: str, url: Any, src: str | None) -> str:
@@ -259,6 +280,42 @@ class P2PConfig:
     token: str | None = option(None, check.token, secret=True, env=True)
     timeout: float = option(2.0, check.seconds())
     fetch: bool = option(True, check.boolean)
+
+
+def _names(key: str, v: Any, src: str | None) -> list[str]:
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or len(items) > 16:
+        raise ConfigError(key, f"expected a list of 1-16 names, got {show(v)}", src)
+    return [check.name(f"{key}[{j}]", n.strip() if isinstance(n, str) else n, src) for j, n in enumerate(items)]
+
+
+@dataclass
+class TransferConfig:
+    """The transfer endpoint of ``transfer_channel`` (see :mod:`lmcache.transfer` and
+    :mod:`lmcache.plugins.services.transfer`): how prefill->decode moves a request's KV
+    chunks between two instances' memory pools.
+
+    The endpoint listens on ``host:port`` (``port: 0`` picks a free one) for the control
+    messages of peers (allocate, commit, abort, pull), which must prove ``token`` (the
+    cluster's shared transfer token) first. ``buffer_size``: bytes of chunks in flight
+    into this instance at most (``null``: half the memory pool); an allocation that does
+    not fit is answered "full", and a sender retries for ``alloc_wait`` seconds, then
+    gives up (never an endless retry). ``slot_timeout``: seconds an allocation (or an
+    offer to pull) lives without commit; then it is freed and nothing of it is committed.
+    ``timeout`` bounds every control call. ``verify``: ``auto`` (the channel's own:
+    ``full`` over tcp, ``sample`` over nixl), ``full``, ``sample``, ``off``.
+    ``nixl_backends``: the NIXL backends to start (LMCache's key; ``[UCX]``).
+    """
+
+    host: str = option("127.0.0.1", check.text)
+    port: int = option(0, check.port)
+    token: str | None = option(None, check.token, secret=True, env=True)
+    buffer_size: int | None = option(None, check.optional(check.size()))
+    slot_timeout: float = option(30.0, check.seconds(minimum=0.05))
+    alloc_wait: float = option(5.0, check.seconds())
+    timeout: float = option(5.0, check.seconds())
+    verify: str = option("auto", check.choice("auto", "full", "sample", "off"))
+    nixl_backends: list[str] = option(["UCX"], lambda k, v, s: _names(k, v, s))
 
 
 def _media(key: str, v: Any, src: str | None) -> dict[str, str]:
@@ -414,6 +471,9 @@ class Config:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
+    # LMCache's key: the channel PD moves KV with (nixl, tcp, or a plugin's); null: no transfer endpoint
+    transfer_channel: str | None = option(None, check.optional(check.name))
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     approximate_reuse: ApproximateReuseConfig = field(default_factory=ApproximateReuseConfig)
     vllm: VllmOptions = field(default_factory=VllmOptions)
     source: str | None = field(default=None, compare=False)
@@ -435,12 +495,14 @@ class Config:
 
     def to_dict(self, *, mask_secrets: bool = False) -> dict[str, Any]:
         """The values as plain data (tiers with their backend keys inlined); with
-        ``mask_secrets`` every secret (tokens) reads ``"***"``."""
+        ``mask_secrets`` every secret reads ``"***"``: the tokens, a tier's credential
+        keys (``secret_access_key``, ``token``, ``fs_options.password``...) and URL
+        passwords (``redis://user:***@host``; see :mod:`lmcache.redact`)."""
         d = dataclasses.asdict(self)
         del d["source"], d["sources"]
         for t in d["tiers"]:
             t.update(t.pop("options"))
-        return mask(self, d) if mask_secrets else d
+        return redact(mask(self, d)) if mask_secrets else d
 
     def report(self) -> dict[str, Any]:
         """The effective values (secrets masked), the source of each, per field for a
@@ -479,7 +541,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("<file>", f"not valid YAML: {exc}", str(path)) from None
+        raise ConfigError("<file>", f"not valid YAML: {check.yaml_problem(exc)}", str(path)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -7,9 +7,18 @@ built-in (``FileExistsError``); everything else raised on purpose by lmcache is 
 
 from __future__ import annotations
 
+from .redact import redact_text
+
 
 class LMCacheError(Exception):
-    """Base class of every error lmcache raises on purpose."""
+    """Base class of every error lmcache raises on purpose.
+
+    Its text never carries a credential: URL passwords and the values of secret-named
+    keys in the message are masked when it is made (:func:`lmcache.redact.redact_text`),
+    so ``str``, ``repr``, logs and answers built from it show ``***``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class ConfigError(LMCacheError, ValueError):
@@ -21,7 +30,7 @@ class ConfigError(LMCacheError, ValueError):
 
     def __init__(self, key: str, problem: str, source: str | None = None):
         self.key = key
-        self.problem = problem
+        self.problem = problem = redact_text(problem)
         self.source = source
         where = f" (in {source})" if source else ""
         super().__init__(f"config key '{key}'{where}: {problem}")
@@ -53,6 +62,19 @@ class CorruptPayloadError(LMCacheError):
 class EntryPathError(LMCacheError):
     """One entry cannot be written where it belongs (a directory or a file in the way on
     a disk tier): that entry is skipped; the tier is healthy and keeps serving."""
+
+
+class StoreSkipped(LMCacheError):
+    """One store was skipped for a reason that is neither the device's nor a failure (a
+    shared disk directory at its capacity, or its lock held by another process past a
+    bound): counted in the tier's ``skipped_puts``, no backoff, not logged per store."""
+
+
+class TierUnusableError(ConfigError):
+    """A tier cannot be opened as configured, but the rest of the hierarchy can run
+    without it (a disk directory with a damaged marker that holds files the tier did not
+    write): an engine starts without that tier and logs the message, which says what to
+    do; tools that open that tier alone (``lmcache ls``) report it as an error."""
 
 
 class BackendError(LMCacheError):

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .config import Config, TierConfig
-from .errors import CorruptPayloadError
+from .errors import CorruptPayloadError, TierUnusableError
 from .ledger import Listener
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
@@ -121,9 +121,15 @@ class StorageHierarchy:
         self.codec = codec_cache(self.registries)
         self._listeners: tuple[Listener, ...] = ()
         self.tiers: list[Tier] = []
+        #: tiers of the config that could not be opened, and why: the engine runs without them
+        self.unusable: dict[str, str] = {}
         try:
             for i, tcfg in enumerate(config.tiers):
-                self.tiers.append(self._build_tier(i, tcfg))
+                try:
+                    self.tiers.append(self._build_tier(i, tcfg))
+                except TierUnusableError as exc:  # the others still make a cache
+                    self.unusable[tcfg.name] = exc.problem
+                    log.warning("tier %s: running without it: %s", tcfg.name, exc.problem)
         except BaseException:
             for t in self.tiers:
                 t.backend.close()

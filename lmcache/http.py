@@ -11,14 +11,16 @@ error, the whole-request deadline) is shared.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import parse_qs
+from typing import Any, Iterable
+from urllib.parse import parse_qs, urlsplit
 
 from .errors import LMCacheError
 
@@ -85,7 +87,7 @@ class HTTPError(LMCacheError):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = str(self)  # credentials masked (LMCacheError)
         self.headers = headers or {}
 
 
@@ -108,12 +110,139 @@ def check_field(name: str, value: Any, types: tuple[type, ...]) -> None:
         raise HTTPError(400, f"field {name!r} must be {_type_names(types)}, got {shown}")
 
 
+# ---------------------------------------------------------------- Host and Origin
+#: a Host header's value: a name or an IPv4 address, or an IPv6 address in brackets; a port
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::([0-9]{1,5}))?")
+_NAME = re.compile(r"\*|\.?[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.?")
+_WILDCARD = ("", "0.0.0.0", "::")
+#: an allow-list of Host names holds at most this many
+MAX_ALLOWED_HOSTS = 64
+_SAFE = ("GET", "HEAD", "OPTIONS")
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """``(name, port)`` of a ``Host`` header's value (the name lower case, without a
+    trailing dot or IPv6 brackets), or ``None`` when it is not ``name[:port]``."""
+    m = _HOST.fullmatch(value.strip())
+    if m is None:
+        return None
+    port = int(m.group(2)) if m.group(2) else None
+    if port is not None and port > 65535:
+        return None
+    return m.group(1).strip("[]").lower().rstrip("."), port
+
+
+def check_allowed_hosts(items: Iterable[Any]) -> tuple[str, ...]:
+    """The Host names of an allow-list (``name``, ``.domain`` for it and its subdomains,
+    or ``*`` for any), lower case; :class:`ValueError` naming a bad entry."""
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not _NAME.fullmatch(item.strip()) or len(item) > 253:
+            raise ValueError(f"not a host name: {str(item)[:80]!r} (a name, .domain for it and its subdomains, or *)")
+        name = item.strip().lower().rstrip(".")
+        if name not in out:
+            out.append(name)
+    if len(out) > MAX_ALLOWED_HOSTS:
+        raise ValueError(f"{len(out)} host names given; at most {MAX_ALLOWED_HOSTS}")
+    return tuple(out)
+
+
+class RequestGuard:
+    """What a browser can be made to send from another site, refused before routing.
+
+    **Host** (DNS rebinding: a page on a name the attacker re-points at this address
+    sends ``Host: attacker.example``): accepted when it is an IP address (a rebound page
+    always names its own domain), ``localhost`` or a ``*.localhost`` name (browsers
+    resolve those to loopback themselves), the name the server was bound to, this
+    machine's host name when bound beyond loopback, or a name in ``allowed_hosts``
+    (``name``, ``.domain``, ``*``); anything else is 403. The check is made when the
+    server takes no token (a rebound page needs no credential then), and always when
+    ``allowed_hosts`` is given; with a token every data endpoint needs it, and a page of
+    another origin never has it, so Service and Ingress names work as they are.
+
+    **Origin** (cross-origin writes): a request other than GET/HEAD/OPTIONS whose
+    ``Origin`` is present and not this server's (the ``Host`` it was sent to, or a name in
+    ``allowed_hosts``), or is ``null``, or whose ``Sec-Fetch-Site`` says another site,
+    is 403 whatever its token. Clients that are not browsers send neither header."""
+
+    def __init__(self, bound: str, allowed_hosts: Iterable[str] = (), *, token_required: bool = False):
+        self.allowed = check_allowed_hosts(allowed_hosts)
+        self.check_host = bool(self.allowed) or not token_required
+        names = {"localhost"}
+        bound_ip = _ip(bound) if bound not in _WILDCARD else None
+        if bound not in _WILDCARD and bound_ip is None:
+            names.add(bound.lower().rstrip("."))
+        if bound in _WILDCARD or (bound_ip is not None and not bound_ip.is_loopback):
+            names.add(socket.gethostname().lower().rstrip("."))
+        self.names = frozenset(names)
+
+    def host_ok(self, name: str) -> bool:
+        """Whether ``name`` (as :func:`split_host` gives it) is one this server answers to."""
+        if _ip(name) is not None or name in self.names or name.endswith(".localhost"):
+            return True
+        return self._listed(name)
+
+    def _listed(self, name: str) -> bool:
+        for a in self.allowed:
+            if a == "*" or a == name or (a.startswith(".") and (name == a[1:] or name.endswith(a))):
+                return True
+        return False
+
+    def check(self, method: str, headers: Any) -> None:
+        """:class:`HTTPError` 400/403 for a request this server must not act on."""
+        hosts = headers.get_all("Host") or []
+        if len(hosts) > 1:
+            raise HTTPError(400, f"{len(hosts)} Host headers; send one")
+        host = split_host(hosts[0]) if hosts else None
+        if hosts and host is None:
+            raise HTTPError(400, f"malformed Host header {hosts[0][:80]!r}")
+        if self.check_host and host is not None and not self.host_ok(host[0]):
+            log.info("refused a request for Host %r (not one this server answers to)", hosts[0][:80])
+            raise HTTPError(403, f"Host {hosts[0][:80]!r} is not a name this server answers to (a guard against DNS "
+                                 "rebinding): use its address, localhost, or add the name to the allowed hosts")
+        if method in _SAFE:
+            return
+        site = (headers.get("Sec-Fetch-Site") or "").strip().lower()
+        if site and site not in ("same-origin", "none"):
+            raise HTTPError(403, f"cross-site {method} refused (Sec-Fetch-Site: {site[:40]!r})")
+        origin = headers.get("Origin")
+        # "null": an opaque origin, unless the browser itself says same-origin (a no-referrer fetch)
+        if origin is not None and not self._same_origin(origin, host) \
+                and not (origin.strip() == "null" and site == "same-origin"):
+            raise HTTPError(403, f"cross-origin {method} refused: Origin {origin[:100]!r} is not this server's")
+
+    def _same_origin(self, origin: str, host: tuple[str, int | None] | None) -> bool:
+        try:
+            o = urlsplit(origin.strip())
+            o_port = o.port or {"http": 80, "https": 443}.get(o.scheme)
+        except ValueError:
+            return False
+        if o.scheme not in ("http", "https") or not o.hostname or o.path not in ("", "/") or o.query:
+            return False
+        name = o.hostname.lower().rstrip(".")
+        if any(a != "*" and (a == name or (a.startswith(".") and name.endswith(a))) for a in self.allowed):
+            return True  # a name the operator configured (e.g. an Ingress that rewrites Host)
+        if host is None or name != host[0]:
+            return False
+        return o_port == host[1] or (host[1] is None and o_port == {"http": 80, "https": 443}[o.scheme])
+
 
 class JSONHandler(BaseHTTPRequestHandler):
     """A request handler that answers JSON; subclasses route in ``_dispatch(method)``."""
 
     server_version = "lmcache"
     protocol_version = "HTTP/1.0"
+    #: Host and Origin checks made before any routing (``None``: none); set per server
+    guard: RequestGuard | None = None
 
     def _dispatch(self, method: str) -> None:  # pragma: no cover - every service routes
         raise NotImplementedError
@@ -318,21 +447,33 @@ class JSONHandler(BaseHTTPRequestHandler):
         self._request_in = False  # each request of a connection gets the deadline anew
         super().handle_one_request()
 
+    def _route(self, method: str) -> None:
+        """The :attr:`guard`'s checks, then ``_dispatch``: a refused request is answered
+        here and reaches no endpoint (not even the page)."""
+        if self.guard is not None:
+            try:
+                self.guard.check(method, self.headers)
+            except HTTPError as exc:
+                self._error(exc.status, exc.message, exc.headers)
+                return
+        self._dispatch(method)
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's names
         self._arrived()
-        self._dispatch("GET")
+        self._route("GET")
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
+        self._route("POST")
 
     def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
+        self._route("PUT")
 
     def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
+        self._route("DELETE")
 
     def do_PATCH(self) -> None:  # noqa: N802
-        self._dispatch("PATCH")
+        self._route("PATCH")
 
 
-__all__ = ["BoundedHTTPServer", "DEFAULT_MAX_CONNECTIONS", "HTTPError", "JSONHandler", "JSON_TYPE", "MAX_BODY", "check_field"]
+__all__ = ["BoundedHTTPServer", "DEFAULT_MAX_CONNECTIONS", "HTTPError", "JSONHandler", "JSON_TYPE", "MAX_BODY",
+           "RequestGuard", "check_allowed_hosts", "check_field", "split_host"]

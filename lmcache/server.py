@@ -23,9 +23,14 @@ answered FATAL and closed as soon as its header is read, before any of its key o
 value: an unauthenticated peer can make the server hold no more than one AUTH frame (at
 most 4 KiB). With ``legacy_auth`` (``lmcache server``'s default, for clients older than
 the handshake) an AUTH frame whose value is the token itself is accepted too; peer
-endpoints refuse it. Unauthenticated connections
-are bounded in time (``auth_timeout``: the AUTH frame must arrive within it) and in number
-(``max_unauthenticated``), so idle sockets cannot fill ``max_connections``.
+endpoints refuse it.
+
+Why idle sockets cannot keep clients out: a connection that has not authenticated (without
+a token: that has sent no complete frame) must do so within ``auth_timeout``; such
+connections have a budget of their own (``max_unauthenticated``) in which a newcomer
+closes the oldest (from the address holding the most) rather than being refused, and with
+``max_connections`` taken a newcomer closes the connection idle the longest
+(:mod:`lmcache.server_slots`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from . import auth
+from .server_slots import Slot, Slots, shut as _shut
 from .wire import (
     AUTH, DEFAULT_MAX_VALUE, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
     LAZY_ALLOC, LIST, LIST_PAGE, MAGIC, MORE, NOT_FOUND, OK, PUT, ProtocolError, VERSION, alloc,
@@ -54,8 +60,10 @@ FLUSH_BYTES = 4 << 20
 DEFAULT_MAX_CONNECTIONS = 256
 #: seconds an unauthenticated connection has to send its AUTH frame (with a token set)
 DEFAULT_AUTH_TIMEOUT = 5.0
-#: connections that may wait for their AUTH frame at once (with a token set)
+#: connections that may wait for their AUTH frame (or first frame, without a token) at once
 DEFAULT_MAX_UNAUTHENTICATED = 32
+#: pauses before each try to admit a connection when every slot is busy (then it is refused)
+ADMIT_WAITS = (0.0, *(0.005,) * 10)
 #: bytes each stored entry counts beyond its key and value (the dict slot, the buffer
 #: object, the eviction policy's record: about 235 bytes measured with tracemalloc)
 ENTRY_OVERHEAD = 256
@@ -191,6 +199,8 @@ class _ConnIO:
         self.out_bytes = 0
         #: called once the queued buffers are out (a store's ``release``)
         self.after: list[Callable[[], None]] = []
+        #: the connection's slot while it is pending: marked stuck while it waits for input
+        self.pending: Slot | None = None
 
     def _fill(self) -> int:
         """Receive more input (flushing queued responses first: we may wait)."""
@@ -201,7 +211,12 @@ class _ConnIO:
             n = self.end - self.start
             self.buf[:n] = self.buf[self.start : self.end]
             self.start, self.end = 0, n
+        s = self.pending
+        if s is not None:
+            s.stuck = True
         r = self.sock.recv_into(self.view[self.end :])
+        if s is not None:
+            s.stuck = False
         self.end += r
         return r
 
@@ -225,6 +240,8 @@ class _ConnIO:
             self.start += k
             if k < n:
                 self.flush()
+                if self.pending is not None:  # a first frame without a token, stalled or slow
+                    self.pending.stuck = True
                 recv_into_exact(self.sock, mv[k:])
             return out
         if not self.wait(n):
@@ -267,8 +284,9 @@ class CacheServer:
     ``port=0`` picks a free port (see :attr:`address` after :meth:`bind`). ``token``
     (optional) must be the value of each connection's first frame, AUTH.
     ``max_value_size`` bounds every frame's value, so what one connection can make the
-    server allocate is bounded; ``max_connections`` bounds the connections (one more is
-    answered FATAL and closed)."""
+    server allocate is bounded; ``max_connections`` bounds the connections (one more
+    closes one that waits to authenticate or is idle, see :mod:`lmcache.server_slots`,
+    and is answered FATAL and closed only when every connection is busy)."""
 
     def __init__(
         self,
@@ -314,14 +332,13 @@ class CacheServer:
         self.max_connections = max_connections
         self.auth_timeout = float(auth_timeout)
         self.max_unauthenticated = max_unauthenticated
-        self._unauthenticated = 0
+        self._slots = Slots(max_connections, max_unauthenticated)
         self.started = time.time()
         self._sock: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.protocol_errors = 0
+        self.refused = 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -345,31 +362,34 @@ class CacheServer:
         self._sock.settimeout(0.2)  # to notice close()
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 if self._stop.is_set():
                     break
                 raise
-            # with a token, a timer closes the connection unless AUTH arrived within auth_timeout
+            # a timer closes the connection unless it authenticated (or, without a token,
+            # sent a complete frame) within auth_timeout
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            why = None
-            with self._conns_lock:
-                if len(self._conns) >= self.max_connections:
-                    why = f"too many connections (limit {self.max_connections})"
-                elif self.token is not None and self._unauthenticated >= self.max_unauthenticated:
-                    why = f"too many connections waiting to authenticate (limit {self.max_unauthenticated})"
-                else:
-                    self._conns.add(conn)
-                    if self.token is not None:
-                        self._unauthenticated += 1
-            if why is not None:
-                self._fatal(conn, 0, 0, why)
+            source = str(peer[0]) if isinstance(peer, tuple) else ""
+            for wait in ADMIT_WAITS:  # every connection busy: one may be about to go idle
+                if wait:
+                    time.sleep(wait)
+                slot, victims = self._slots.admit(conn, source)
+                for victim, why in victims:
+                    if why:  # one waiting to authenticate is told; an idle established one just closes
+                        self._fatal(victim.sock, 0, 0, why, wait=0.0)  # never wait on the accepting thread
+                    _shut(victim.sock)
+                if slot is not None:
+                    break
+            if slot is None:
+                self.refused += 1
+                self._fatal(conn, 0, 0, f"too many connections (limit {self.max_connections}), every one busy")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True, name="lmcache-server-conn").start()
+            threading.Thread(target=self._serve_conn, args=(slot,), daemon=True, name="lmcache-server-conn").start()
 
     def start(self) -> CacheServer:
         """Serve in a background thread (tests, embedding)."""
@@ -385,13 +405,8 @@ class CacheServer:
             self._thread.join(5)
         if self._sock is not None:
             self._sock.close()
-        with self._conns_lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for c in self._slots.sockets():
+            _shut(c)
 
     def __enter__(self) -> CacheServer:
         return self.start()
@@ -400,39 +415,35 @@ class CacheServer:
         self.close()
 
     # ---------------------------------------------------------- one connection
-    def _fatal(self, conn: socket.socket, op: int, seq: int, message: str) -> None:
-        """Best effort: tell the peer why its connection is being closed."""
+    def _fatal(self, conn: socket.socket, op: int, seq: int, message: str, wait: float = 1.0) -> None:
+        """Best effort: tell the peer why its connection is being closed (waiting at most ``wait``)."""
         msg = message.encode()[:1024]
         try:
-            conn.settimeout(1.0)
+            conn.settimeout(wait)
             conn.sendall(encode(op, seq, b"", msg, status=FATAL))
         except OSError:
             pass
 
-    def _authenticated(self, conn: socket.socket) -> None:
-        with self._conns_lock:
-            self._unauthenticated -= 1
-
-    def _serve_conn(self, conn: socket.socket) -> None:
+    def _serve_conn(self, slot: Slot) -> None:
+        conn = slot.sock
         io = _ConnIO(conn)
+        io.pending = slot
         authed: list[Any] = [self.token is None]  # [done, handshake state (nc, ns) once the hello came]
-        timer = None
-        if not authed[0]:
-            # the whole AUTH frame within auth_timeout, however slowly its bytes come
-            def expire() -> None:
-                if not authed[0]:
-                    log.info("%s: closing a connection that did not authenticate within %gs", self.name, self.auth_timeout)
-                    self._fatal(conn, 0, 0, f"no AUTH frame within {self.auth_timeout:g}s")
-                    try:
-                        conn.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
 
-            timer = threading.Timer(self.auth_timeout, expire)
-            timer.daemon = True
-            timer.start()
+        # the whole AUTH frame (without a token: the first frame) within auth_timeout,
+        # however slowly its bytes come
+        def expire() -> None:
+            if slot.pending and not slot.evicted:
+                what = "AUTH frame" if self.token is not None else "complete frame"
+                log.info("%s: closing a connection that sent no %s within %gs", self.name, what, self.auth_timeout)
+                self._fatal(conn, 0, 0, f"no {what} within {self.auth_timeout:g}s")
+                _shut(conn)
+
+        timer = threading.Timer(self.auth_timeout, expire)
+        timer.daemon = True
+        timer.start()
         try:
-            self._loop(conn, io, authed)
+            self._loop(slot, io, authed)
         except ProtocolError as exc:
             self.protocol_errors += 1
             log.info("%s: closing a connection: %s", self.name, exc)
@@ -441,23 +452,25 @@ class CacheServer:
         except Exception:  # pragma: no cover - never let one connection take the server down
             log.exception("%s: unexpected error on a connection", self.name)
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
             io.release()
-            with self._conns_lock:
-                self._conns.discard(conn)
-                if not authed[0]:
-                    self._unauthenticated -= 1
+            self._slots.release(slot)
             try:
                 conn.close()
             except OSError:
                 pass
 
-    def _loop(self, conn: socket.socket, io: _ConnIO, authed: list[Any]) -> None:
+    def _loop(self, slot: Slot, io: _ConnIO, authed: list[Any]) -> None:
+        conn = slot.sock
         while True:
-            # the first byte may take forever (an idle pooled connection); EOF here is a clean close
+            # the first byte may take forever (an idle pooled connection; once every slot is
+            # taken, the one idle the longest is closed); EOF here is a clean close
+            if io.start == io.end and not slot.pending:
+                io.flush()  # nothing unanswered once idle: closing it loses no response
+                slot.idle_since = time.monotonic()
             if not io.wait(HEADER_SIZE):
                 return
+            slot.idle_since = None
             hdr = io.take(HEADER_SIZE)
             try:
                 f = parse_header(hdr, self.max_value_size)
@@ -484,7 +497,8 @@ class CacheServer:
                 answer = self._auth_step(authed, bytes(value))
                 if answer is not None:
                     if authed[0]:
-                        self._authenticated(conn)
+                        self._slots.established(slot)
+                        io.pending = None
                     io.send(encode(AUTH, f.seq, b"", answer))
                     continue
                 why = "wrong token"
@@ -492,6 +506,9 @@ class CacheServer:
                 self._fatal(conn, f.op, f.seq, why)
                 raise ProtocolError(why)
             self._handle(io, f, key, value)
+            if io.pending is not None:  # without a token: its first complete frame
+                self._slots.established(slot)
+                io.pending = None
 
     def _auth_step(self, authed: list[Any], value: bytes) -> bytes | None:
         """One AUTH frame of an unauthenticated connection: the value to answer OK with
@@ -550,8 +567,7 @@ class CacheServer:
             io.send(pack_header(AUTH, seq))
 
     def health(self) -> dict[str, Any]:
-        with self._conns_lock:
-            n = len(self._conns)
+        n = len(self._slots)
         return {
             "status": "ok",
             "protocol": VERSION,
@@ -559,6 +575,8 @@ class CacheServer:
             **self.store.stats(),
             "max_value_size": self.max_value_size,
             "connections": n,
+            "connections_refused": self.refused,
+            "connections_evicted": self._slots.stats["evicted_pending"] + self._slots.stats["evicted_idle"],
             "protocol_errors": self.protocol_errors,
             "uptime_s": round(time.time() - self.started, 3),
         }
@@ -603,13 +621,14 @@ def run(
     announce: Callable[[str], None] = print,
     auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
     warn: Callable[[str], None] = _stderr,
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
 ) -> None:
     """Bind, print ``LISTENING host:port`` once ready, serve until SIGTERM or SIGINT.
     Listening beyond loopback with no token is said through ``warn`` (stderr) first
     (:func:`exposure_warning`)."""
     server = CacheServer(host, port, capacity=capacity, policy=policy, token=token,
                          max_value_size=max_value_size, max_connections=max_connections,
-                         auth_timeout=auth_timeout).bind()
+                         auth_timeout=auth_timeout, max_unauthenticated=max_unauthenticated).bind()
     exposed = exposure_warning(host, token)
     if exposed is not None:
         warn(exposed)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from .errors import ConfigError
+from .redact import redact
 from .units import parse_size
 
 log = logging.getLogger("lmcache.config")
@@ -37,9 +38,17 @@ _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 
 
 def show(v: Any) -> str:
     """A bounded repr for error messages: a YAML alias bomb or a huge nested value costs a
-    few dozen characters, not its whole expansion."""
-    s = _REPR.repr(v)
+    few dozen characters, not its whole expansion; credentials in it read ``***``."""
+    s = _REPR.repr(redact(v, limit=256) if isinstance(v, (str, Mapping, list, tuple)) else v)
     return s if len(s) <= 200 else s[:200] + "..."
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where, without its quote of the line (a secret, maybe)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = " ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None))))
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{what or type(exc).__name__}{where}"
 
 
 def option(default: Any = dataclasses.MISSING, check: Check | None = None, *, secret: bool = False,
@@ -53,8 +62,8 @@ def option(default: Any = dataclasses.MISSING, check: Check | None = None, *, se
     default is copied for each instance."""
     md = {"check": check, "secret": secret, "env": env, "shorthand": shorthand, "rest": rest}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=lambda: copy(default), metadata=md)
-    return dataclasses.field(default=default, metadata=md)
+        return dataclasses.field(default_factory=lambda: copy(default), metadata=md, repr=not secret)
+    return dataclasses.field(default=default, metadata=md, repr=not secret)
 
 
 @functools.cache
@@ -200,7 +209,7 @@ def env_values(cls: type, environ: Mapping[str, str], prefix: str = "LMCACHE_",
         try:
             out.append((var, {key: yaml.safe_load(raw) if raw != "" else None}))
         except yaml.YAMLError as exc:
-            raise ConfigError(key, f"cannot parse {show(raw)}: {exc}", f"${var}") from None
+            raise ConfigError(key, f"cannot parse {show(raw)}: {yaml_problem(exc)}", f"${var}") from None
     out += [(var, {k: {n: environ[var]}}) for var, (k, n) in fields.items() if environ.get(var)]
     return out
 

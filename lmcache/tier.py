@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .config import TierConfig
-from .errors import EntryPathError
+from .errors import EntryPathError, StoreSkipped
 from .fit import fit
+from .redact import redact_text
 from .leases import Leases
 from .ledger import Ledger
 from .memory import MemoryObj
@@ -60,10 +61,15 @@ class _Health:
 
 #: errors with which a device refuses writes while its reads still work
 _WRITE_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+#: a device that refuses writes again within this many seconds of the last time it was
+#: said is not said again (a nearly full disk alternates refused and accepted stores)
+REFUSAL_LOG_EVERY = 60.0
 
 
 def _write_refused(exc: BaseException) -> bool:
-    return isinstance(exc, EntryPathError) or (isinstance(exc, OSError) and exc.errno in _WRITE_REFUSALS)
+    return isinstance(exc, (EntryPathError, StoreSkipped)) or (
+        isinstance(exc, OSError) and exc.errno in _WRITE_REFUSALS
+    )
 
 
 class Tier:
@@ -98,8 +104,10 @@ class Tier:
         self.resync_due = False
         #: called (without the lock) when the tier recovers from an outage
         self.on_recover: Callable[[], None] | None = None
-        #: why the device refuses writes (full, read-only), since when; None: it takes them
-        self._write_refusal: tuple[str, float, int] | None = None
+        #: why the device refuses writes (full, read-only), since when, the refusals counted
+        #: before, whether that was said; None: it takes them
+        self._write_refusal: tuple[str, float, int, bool] | None = None
+        self._refusal_said_at: float | None = None  # when "refuses writes" was last logged
         #: called with (key, obj) for each evicted entry when the hierarchy demotes
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
         #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
@@ -131,15 +139,16 @@ class Tier:
         delay = min(BACKOFF_START * (2 ** (h.failures - 1)), BACKOFF_MAX)
         h.down_until = self.clock() + delay
         self.stats.errors += 1
-        self.stats.last_error = f"{what}: {type(exc).__name__}: {exc}"
+        why = redact_text(f"{type(exc).__name__}: {exc}")  # a client library's text may hold a URL's password
+        self.stats.last_error = f"{what}: {why}"
         if h.failures == 1:
             h.since = self.clock()
             log.warning(
-                "tier %s: %s failed (%s: %s); serving misses and retrying with backoff until it recovers",
-                self.name, what, type(exc).__name__, exc,
+                "tier %s: %s failed (%s); serving misses and retrying with backoff until it recovers",
+                self.name, what, why,
             )
         else:
-            log.debug("tier %s: %s failed again (%s); next try in %.2fs", self.name, what, exc, delay)
+            log.debug("tier %s: %s failed again (%s); next try in %.2fs", self.name, what, why, delay)
 
     def retry_in(self) -> float:
         """Seconds until a tier in backoff is tried again (0 when it is available)."""
@@ -160,26 +169,36 @@ class Tier:
     def _refused(self, what: str, exc: BaseException) -> None:
         """The device refused a write (full, or remounted read-only): that write is
         skipped, and the tier keeps serving what it holds; no backoff, since reads still
-        work. Said once when it starts and once when writes are taken again, not per call."""
+        work. Said once when it starts and once when writes are taken again, not per call,
+        and not again within ``REFUSAL_LOG_EVERY`` seconds. A :class:`StoreSkipped` (a
+        shared directory at its capacity, or its lock busy) is not the device: counted in
+        ``skipped_puts`` by the caller, nothing more."""
+        if isinstance(exc, StoreSkipped):
+            return
         self.stats.refused_writes += 1
         self.stats.last_error = f"{what}: {exc}"
         if isinstance(exc, EntryPathError):
             return  # one entry's path is blocked, not the device
         if self._write_refusal is None:
-            self._write_refusal = (f"{type(exc).__name__}: {exc}", self.clock(), self.stats.refused_writes)
-            log.warning(
-                "tier %s: the device refuses writes (%s); stores to it are skipped while it keeps serving "
-                "its %d entries", self.name, exc, len(self.ledger),
-            )
+            now = self.clock()
+            say = self._refusal_said_at is None or now - self._refusal_said_at >= REFUSAL_LOG_EVERY
+            self._write_refusal = (f"{type(exc).__name__}: {exc}", now, self.stats.refused_writes, say)
+            if say:
+                self._refusal_said_at = now
+                log.warning(
+                    "tier %s: the device refuses writes (%s); stores to it are skipped while it keeps serving "
+                    "its %d entries", self.name, exc, len(self.ledger),
+                )
 
     def _writes_ok(self) -> None:
         r = self._write_refusal
         if r is not None:
             self._write_refusal = None
-            log.warning(
-                "tier %s: takes writes again after %d refused over %.1fs",
-                self.name, self.stats.refused_writes - r[2] + 1, self.clock() - r[1],
-            )
+            if r[3]:
+                log.warning(
+                    "tier %s: takes writes again after %d refused over %.1fs",
+                    self.name, self.stats.refused_writes - r[2] + 1, self.clock() - r[1],
+                )
 
     # ---------------------------------------------------------------- pins
     def pin(self, key: str) -> None:

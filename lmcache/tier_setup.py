@@ -120,8 +120,8 @@ def build_tier(
     )
     try:
         backend = parts.backend_cls(ctx)
-    except ConfigError as exc:
-        raise ConfigError(f"tiers[{i}].{exc.key}", exc.problem, source) from None
+    except ConfigError as exc:  # its class kept: a TierUnusableError lets an engine run without the tier
+        raise type(exc)(f"tiers[{i}].{exc.key}", exc.problem, source) from None
     except ModuleNotFoundError as exc:  # a client library imported lazily: the same hint as at import
         raise ConfigError(f"tiers[{i}].backend", str(regs.backends.missing(tcfg.backend, exc)), source) from exc
     return Tier(tcfg, backend, Ledger(tcfg.name, tcfg.capacity, parts.policy), clock, trim=trim)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .redact import MASK, redact_text
 from .settings import show
 
 log = logging.getLogger("lmcache.config")
@@ -39,7 +40,7 @@ UNBOUNDED = 1 << 40
 NO_STORAGE_CPU = 256 << 20
 
 #: keys both vocabularies have; ours (and our defaults) decide them
-SHARED = {"chunk_size": "chunk_size", "save_unfull_chunk": "save_unfull_chunk"}
+SHARED = {"chunk_size": "chunk_size", "save_unfull_chunk": "save_unfull_chunk", "transfer_channel": "transfer_channel"}
 
 #: upstream key -> the key of ours it sets
 MAPPED: dict[str, str] = {
@@ -68,7 +69,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     _PD: ("enable_pd", "pd_role", "pd_buffer_size", "pd_buffer_device", "pd_peer_host", "pd_peer_init_port",
           "pd_peer_alloc_port", "pd_peer_query_port", "pd_proxy_host", "pd_proxy_port", "pd_allocation_timeout_sec",
           "pd_shutdown_timeout_sec", "pd_condition_poll_interval_sec", "pd_max_prefill_len", "pd_backend_mode",
-          "pd_skip_proxy_notification", "pd_bidirectional", "transfer_channel", "nixl_backends", "nixl_buffer_size",
+          "pd_skip_proxy_notification", "pd_bidirectional", "nixl_backends", "nixl_buffer_size",
           "nixl_buffer_device",
           # older releases' NIXL keys, still in deployed configs
           "enable_nixl", "nixl_peer_port", "nixl_receiver_host", "nixl_receiver_port", "nixl_enable_gc"),
@@ -284,8 +285,8 @@ def _json(key: str, v: Any, src: str | None) -> dict[str, Any]:
     if isinstance(v, str):
         try:
             v = json.loads(v)
-        except ValueError as exc:
-            raise ConfigError(key, f"expected a JSON object, got {show(v)}: {exc}", src) from None
+        except ValueError as exc:  # the text is not shown: it holds credentials (aws_secret_access_key)
+            raise ConfigError(key, f"expected a JSON object, got text that is not JSON ({exc})", src) from None
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise ConfigError(key, f"expected a mapping of names to values, got {type(v).__name__}", src)
     return v
@@ -450,21 +451,14 @@ def _local_disk(v: str | None, settings: Mapping[str, Setting]) -> list[str]:
     return paths
 
 
-def _redact(url: str) -> str:
-    """``url`` without its user and password, for messages."""
-    scheme, sep, rest = url.partition("://")
-    netloc, slash, tail = rest.partition("/")
-    return f"{scheme}{sep}{netloc.rpartition('@')[2]}{slash}{tail}" if sep else url
-
-
 def _hostport(url: str, scheme: str, src: str | None, *, need_host: bool = True) -> tuple[str, int | None, str]:
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ConfigError("remote_url", f"malformed {scheme}:// URL {show(_redact(url))}: {exc}", src) from None
+        raise ConfigError("remote_url", f"malformed {scheme}:// URL {show(redact_text(url))}: {exc}", src) from None
     if need_host and not parts.hostname:
-        raise ConfigError("remote_url", f"the {scheme}:// URL {show(_redact(url))} names no host", src)
+        raise ConfigError("remote_url", f"the {scheme}:// URL {show(redact_text(url))} names no host", src)
     return parts.hostname or "", port, parts.path
 
 
@@ -475,7 +469,8 @@ def remote_tier(url: str, extra: Mapping[str, Any], environ: Mapping[str, str], 
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
     if not sep or not scheme:
-        raise ConfigError("remote_url", f"{show(_redact(url))} has no scheme; expected e.g. lm://host:port", src)
+        shown = f"{MASK}@{url.rpartition('@')[2]}" if "@" in url else url  # user info without a scheme
+        raise ConfigError("remote_url", f"{show(shown)} has no scheme; expected e.g. lm://host:port", src)
     if scheme not in SCHEMES:
         raise ConfigError("remote_url", f"scheme '{scheme}' has no backend here (supported: "
                                         f"{', '.join(SCHEMES)})", src)
@@ -532,7 +527,8 @@ def _controller_url(v: str, s: Setting) -> str:
     except ValueError:
         ok = False
     if not ok:
-        raise ConfigError("controller_pull_url", f"expected host:port of `lmcache controller`, got {show(v)}", s.source)
+        raise ConfigError("controller_pull_url", f"expected host:port of `lmcache controller`, got "
+                                                 f"{show(redact_text(url))}", s.source)
     return url.rstrip("/")
 
 

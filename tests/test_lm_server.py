@@ -298,15 +298,19 @@ def test_unauthenticated_frames_are_refused_before_their_value_is_read():
 def test_unauthenticated_connections_are_bounded_in_time_and_number():
     """Idle sockets that never authenticate cannot hold the server: each is closed after
     ``auth_timeout`` (also one that trickles its AUTH frame a byte at a time), at most
-    ``max_unauthenticated`` wait at once, and an authenticating client gets in meanwhile."""
+    ``max_unauthenticated`` wait at once (a 4th closes the oldest: issue 44, item 8), and
+    an authenticating client gets in meanwhile."""
     srv = CacheServer(token="s3cret", auth_timeout=0.5, max_unauthenticated=3, max_connections=8).start()
     try:
         host, port = srv.address
         idle = [socket.create_connection((host, port), timeout=5) for _ in range(3)]
         time.sleep(0.1)
-        with socket.create_connection((host, port), timeout=5) as extra:  # a 4th waits: refused at once
-            f, msg = _recv_frame(extra)
-            assert f.status == proto.FATAL and b"authenticate" in msg, msg
+        extra = socket.create_connection((host, port), timeout=5)  # a 4th waits: the oldest is closed
+        f, msg = _recv_frame(idle[0])
+        assert f.status == proto.FATAL and b"waiting to authenticate" in msg, msg
+        assert _closed(idle[0])
+        idle[0].close()
+        idle[0] = extra
         t0 = time.monotonic()
         for c in idle:
             f, msg = _recv_frame(c)
@@ -431,11 +435,12 @@ def test_fuzz_leaves_rss_bounded_and_the_server_serving(fuzz_server):
         assert closed and frames(reply)[-1][0].status == proto.FATAL
         assert b"exceeds the limit" in frames(reply)[-1][1]
     # many connections that declare the largest allowed value (64 MiB) and then stall
-    # mid-frame: memory follows the bytes received, not the lengths declared
+    # mid-frame: memory follows the bytes received, not the lengths declared (each sends a
+    # HEALTH frame first: a connection with no complete frame is closed to make room)
     socks = []
     for _ in range(40):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        s.sendall(struct.pack("<4sBBBBIIQ", proto.MAGIC, proto.VERSION, proto.PUT, 0, 0, 1, 1, 64 << 20) + b"k" + b"a" * 1000)
+        s.sendall(proto.encode(proto.HEALTH, 0, b"", b"") + struct.pack("<4sBBBBIIQ", proto.MAGIC, proto.VERSION, proto.PUT, 0, 0, 1, 1, 64 << 20) + b"k" + b"a" * 1000)
         socks.append(s)
     b = LMBackend(BackendContext.standalone(fuzz_server.options))
     assert b.health()["connections"] >= 40

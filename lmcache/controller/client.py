@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from lmcache.errors import AdminError
+from lmcache.redact import redact_text
 from lmcache.plugins.services.api_client import DEFAULT_TIMEOUT, ApiClient, check_url
 
 #: at most this many controller URLs in one list
@@ -72,8 +73,9 @@ class ControllerClient:
 
     @property
     def url(self) -> str:
-        """The URL that answered last (the first one until a call was made)."""
-        return self.urls[self._current]
+        """The URL that answered last (the first one until a call was made), for messages,
+        logs and stats: a password in it reads ``***`` (:func:`lmcache.redact.redact_text`)."""
+        return redact_text(self.urls[self._current])
 
     def request(self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None) -> Any:
         """One call, on the URL that answered last, then on the next ones while a URL

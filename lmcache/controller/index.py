@@ -26,6 +26,7 @@ from urllib.parse import quote, urlsplit
 from ..auth import ADMIN, foreign
 from ..http import HTTPError
 from ..keys import KEY_PREFIX, TokenProcessor
+from .limits import Processors, check_count, check_model, check_registration
 
 log = logging.getLogger("lmcache.controller.service")
 
@@ -137,6 +138,13 @@ class KeyMap:
     def get(self, key: str) -> int:
         return self._d.get(self._enc(key), 0)
 
+    def get_hash(self, prefix: str, h: str) -> int:
+        """``get(prefix + h)`` for a chunk hash ``h`` (32 lowercase hex) without building
+        that string when ``prefix`` is the map's (issue 44: a lookup built one per chunk)."""
+        if prefix == self.prefix:
+            return self._d.get(bytes.fromhex(h), 0)
+        return 0 if self.prefix is None else self._d.get(prefix + h, 0)
+
     def set(self, key: str, mask: int) -> None:
         """Hold ``key`` in the tiers of ``mask``; 0 forgets it."""
         k = self._enc(key, fix=True)
@@ -186,7 +194,7 @@ class IndexBase:
         self.expire_after = expire_after
         self.max_keys_per_instance = max_keys_per_instance
         self.max_instances_per_tenant = max_instances_per_tenant
-        self._processors: dict[tuple[int, str, bool], TokenProcessor] = {}
+        self._processors = Processors()  # bounded: chunkings come and go (issue 44)
 
     # ------------------------------------------------------------ storage (per implementation)
     def _put(self, inst: Instance, tenant: str | None) -> Instance:
@@ -232,10 +240,7 @@ class IndexBase:
         _check_name("namespace", body["namespace"])
         if foreign(tenant, body["namespace"]):
             raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; it cannot register an instance of namespace {body['namespace']!r}")
-        if not body["model"]:
-            raise HTTPError(400, "field 'model' must not be empty")
-        if body["chunk_size"] <= 0:
-            raise HTTPError(400, f"field 'chunk_size' must be > 0, got {body['chunk_size']}")
+        check_registration(body)  # every field bounded: model, urls, token, version, numbers
         algo = body.get("hash_algorithm") or "xxh3_128"
         if algo not in HASH_ALGORITHMS:
             raise HTTPError(400, f"field 'hash_algorithm' must be one of {', '.join(HASH_ALGORITHMS)}, got {algo!r}")
@@ -243,6 +248,8 @@ class IndexBase:
         if not tiers or not all(isinstance(t, str) and t for t in tiers) or len(set(tiers)) != len(tiers) \
                 or len(tiers) > 30:
             raise HTTPError(400, "field 'tiers' must be a non-empty list of at most 30 distinct tier names")
+        for i, t in enumerate(tiers):
+            _check_name(f"tiers[{i}]", t)
         sig = body.get("kv_signature")
         if sig is not None:
             _check_name("kv_signature", sig)
@@ -289,6 +296,7 @@ class IndexBase:
                               "--max-keys-per-instance); the batch was refused, nothing applied")
 
     def heartbeat(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
+        check_count("dropped_events", body.get("dropped_events"))
         sig = body.get("kv_signature")
         if sig is not None:
             _check_name("kv_signature", sig)
@@ -318,11 +326,7 @@ class IndexBase:
 
     # ------------------------------------------------------------ the routers' side
     def _processor(self, inst: Instance) -> TokenProcessor:
-        k = (inst.chunk_size, inst.hash_algorithm, inst.save_unfull_chunk)
-        tp = self._processors.get(k)
-        if tp is None:
-            tp = self._processors[k] = TokenProcessor(k[0], save_unfull_chunk=k[2], hash_algorithm=k[1])
-        return tp
+        return self._processors.get((inst.chunk_size, inst.hash_algorithm, inst.save_unfull_chunk))
 
     def query(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Query:
         """A lookup body checked (400/403), tokens as an array."""
@@ -333,6 +337,10 @@ class IndexBase:
         if num_tokens is not None and num_tokens < 0:
             raise HTTPError(400, f"field 'num_tokens' must be >= 0, got {num_tokens}")
         ns, model = body.get("namespace"), body.get("model")
+        if ns is not None:
+            _check_name("namespace", ns)
+        if model is not None:
+            check_model(model)
         if tenant is not ADMIN:
             if ns is not None and ns != tenant:
                 raise HTTPError(403, f"this token is scoped to namespace {tenant!r}; namespace {ns!r} is out of its reach")
@@ -352,23 +360,26 @@ class IndexBase:
                 own_keys(tenant, q.keys)
         return q
 
-    def chain(self, inst: Instance, q: Query, hashed: dict[tuple[int, str, bool], list[tuple[int, str]]]
-              ) -> tuple[list[int], list[str]] | None:
-        """(chunk ends, keys) of ``q`` as ``inst`` would key it; None when its signature
-        is unknown. ``hashed`` caches the hashing (the costly part) per chunking."""
+    def chain(self, inst: Instance, q: Query, hashed: dict[tuple[int, str, bool], tuple[list[int], list[str]]]
+              ) -> tuple[list[int], list[str], str | None] | None:
+        """(chunk ends, items, prefix) of ``q`` as ``inst`` would key it: the caller's keys
+        (prefix None) or the chunk hashes, each key being prefix + hash (never built: a
+        long prefix made them a tenant's lever, issue 44); None when its signature is
+        unknown. ``hashed`` caches the hashing (the costly part) per chunking."""
         c = inst.chunk_size
         if q.keys is not None:
-            return [(j + 1) * c for j in range(len(q.keys))], list(q.keys)
+            return [(j + 1) * c for j in range(len(q.keys))], q.keys, None
         prefix = inst.key_prefix()
         if prefix is None:  # stored nothing yet: its signature is unknown
             return None
         if q.tokens is not None:
             ck = (c, inst.hash_algorithm, inst.save_unfull_chunk)
             if ck not in hashed:
-                hashed[ck] = [(ch.end, ch.chunk_hash) for ch in self._processor(inst).chunks(q.tokens)]
-            return [e for e, _ in hashed[ck]], [prefix + h for _, h in hashed[ck]]
+                chunks = self._processor(inst).chunks(q.tokens)
+                hashed[ck] = ([ch.end for ch in chunks], [ch.chunk_hash for ch in chunks])
+            return hashed[ck][0], hashed[ck][1], prefix
         hashes = q.hashes or []
-        return [(j + 1) * c for j in range(len(hashes))], [prefix + h for h in hashes]
+        return [(j + 1) * c for j in range(len(hashes))], hashes, prefix
 
     def lookup(self, body: dict[str, Any], tenant: str | None = ADMIN) -> dict[str, Any]:
         q = self.query(body, tenant)
@@ -531,16 +542,16 @@ class Index(IndexBase):
                 if now - i.last_seen <= self.instance_timeout and (q.namespace is None or i.namespace == q.namespace)
                 and (q.model is None or i.model == q.model)
             ]
-        hashed: dict[tuple[int, str, bool], list[tuple[int, str]]] = {}
+        hashed: dict[tuple[int, str, bool], tuple[list[int], list[str]]] = {}
         plans = [(inst, c) for inst in candidates if (c := self.chain(inst, q, hashed)) is not None]
         out = []
         with self.lock:
-            for inst, (ends, keys) in plans:
+            for inst, (ends, items, prefix) in plans:
                 if self.instances.get(inst.instance_id) is not inst:
                     continue  # re-registered or gone meanwhile
                 masks = []
-                for k in keys:
-                    m = inst.keys.get(k)
+                for k in items:
+                    m = inst.keys.get(k) if prefix is None else inst.keys.get_hash(prefix, k)
                     if not m:
                         break
                     masks.append(m)
@@ -614,8 +625,9 @@ def tier_stats(raw: Any, tiers: list[str]) -> dict[str, dict[str, Any]]:
 def _check_name(name: str, v: str) -> None:
     import re
 
-    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", v):
-        raise HTTPError(400, f"field {name!r} may only contain letters, digits, '.', '_' and '-', got {v[:100]!r}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", v):  # not match(...$): it passes "a\n"
+        raise HTTPError(400, f"field {name!r} may only contain letters, digits, '.', '_' and '-' (1 to 200, the "
+                             f"first a letter or digit), got {v[:100]!r}{'...' if len(v) > 100 else ''}")
 
 
 def _check_url(name: str, v: str, schemes: tuple[str, ...] = ("http", "https")) -> None:

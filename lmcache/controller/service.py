@@ -22,8 +22,11 @@ registers again, which resets what the controller knew of it, and resends a snap
 
 Commands (``clear``, ``pin``, ``unpin``, ``compress``, ``decompress``) go to the
 instance's own API with the token the worker registered, and are answered when the
-instance answered. ``move`` tells the source instance (through its API's ``/v1/push``)
-to send the chunks to the destination instance, named by its id: the source resolves
+instance answered. Which ``api_url`` a registration may name, and which of an instance's
+answers are passed on, is :mod:`lmcache.controller.reach`; the ``Host`` and ``Origin``
+checks are :class:`lmcache.http.RequestGuard`. ``move`` tells the source instance
+(through its API's ``/v1/push``) to send the chunks to the destination instance, named
+by its id: the source resolves
 it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
 and the endpoint must prove it knows the cluster's peer token and announce that id, so a
 ``peer_url`` registered with a tenant token that points elsewhere gets nothing. It
@@ -39,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .. import web
-from ..http import BoundedHTTPServer, HTTPError, JSONHandler
+from ..http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from .index import (
@@ -107,6 +110,8 @@ class ControllerServer:
         max_instances_per_tenant: int = DEFAULT_MAX_INSTANCES_PER_TENANT,
         index: str = "memory",
         index_timeout: float = 2.0,
+        allowed_hosts: tuple[str, ...] = (),
+        instance_networks: tuple[str, ...] = (),
     ):
         """``max_keys_per_instance`` and ``max_instances_per_tenant`` cap the index
         (see :mod:`lmcache.controller.index`): over them a call is answered 429.
@@ -126,7 +131,14 @@ class ControllerServer:
             self.index = ValkeyIndex(index, instance_timeout, expire, timeout=index_timeout, **caps)
         self.dispatch_timeout = dispatch_timeout
         self.creds = Credentials(token, tenants)
-        handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout})
+        from .reach import InstancePolicy
+
+        try:  # which api_url hosts a registration may name; which Host names it answers to (lmcache.http)
+            self.reach = InstancePolicy(instance_networks)
+            guard = RequestGuard(host, allowed_hosts, token_required=not self.creds.open)
+        except ValueError as exc:
+            raise ConfigError("controller", str(exc)) from None
+        handler = type("Handler", (_ControllerHandler,), {"ctl": self, "timeout": request_timeout, "guard": guard})
         try:
             self.server = BoundedHTTPServer((host, port), handler, max_connections)
         except OSError as exc:
@@ -271,20 +283,27 @@ class ControllerServer:
     def _ask(self, inst: Instance, call: Any, passed: tuple[int, ...] = (400, 403, 404, 409, 501)) -> Any:
         """``call(api)`` on ``inst``'s API with the token it registered; its errors as
         the controller's (502 for an instance that does not answer or refuses us)."""
-        from lmcache.plugins.services.api_client import ApiClient
+        from .reach import InstanceClient
 
         if inst.api_url is None:
             raise HTTPError(409, f"instance {inst.instance_id!r} has no instance API: enable it with api: {{enabled: true}}")
-        try:
-            with ApiClient(inst.api_url, inst.api_token, self.dispatch_timeout) as api:
+        try:  # answers and errors passed on only in the instance API's own shape (lmcache.controller.reach)
+            with InstanceClient(inst.api_url, inst.api_token, self.dispatch_timeout) as api:
                 return call(api)
-        except UnreachableError as exc:
-            raise HTTPError(502, f"instance {inst.instance_id!r} did not answer: {exc}") from None
+        except UnreachableError as exc:  # the same line whatever the reason: no port scanner (details logged)
+            log.warning("instance %s (%s) unreachable: %s", inst.instance_id, inst.api_url, exc)
+            raise HTTPError(502, f"instance {inst.instance_id!r} unreachable (the controller's log says why)") from None
         except AdminError as exc:
             status = getattr(exc, "status", 400)
+            said = getattr(exc, "api_message", None)
+            if said is None:  # not the API's own error (e.g. a URL it cannot call)
+                log.warning("instance %s (%s) cannot be called: %s", inst.instance_id, inst.api_url, exc)
+                raise HTTPError(502, f"instance {inst.instance_id!r} unreachable (the controller's log says why)") from None
+            said = said[:500]
             if status == 401:
-                raise HTTPError(502, f"instance {inst.instance_id!r} refused the controller: {exc}") from None
-            raise HTTPError(status if status in passed else 502, f"instance {inst.instance_id!r}: {exc}") from None
+                log.warning("instance %s (%s) refused the controller's call: %s", inst.instance_id, inst.api_url, exc)
+                raise HTTPError(502, f"instance {inst.instance_id!r} refused the controller: {said}") from None
+            raise HTTPError(status if status in passed else 502, f"instance {inst.instance_id!r}: {said}") from None
 
     def move(self, body: dict[str, Any], tenant: str | None = ADMIN) -> Any:
         if body.get("tokens") is None and body.get("keys") is None:
@@ -400,7 +419,10 @@ class _ControllerHandler(JSONHandler):
                 if method != "POST":
                     raise HTTPError(405, f"{path} takes POST, not {method}", {"Allow": "POST"})
                 fields, required = _BODIES[path]
-                self._send(200, self.ctl.post(path, self._body(fields, required), tenant))
+                body = self._body(fields, required)
+                if path == "/v1/register" and body.get("api_url") is not None:  # one it may call (controller.reach)
+                    body["api_url"] = self.ctl.reach.admit(body["api_url"], self.client_address[0])
+                self._send(200, self.ctl.post(path, body, tenant))
             else:
                 raise HTTPError(404, f"no such endpoint: {method} {path}")
         except HTTPError as exc:

@@ -186,9 +186,10 @@ class ControllerWorker:
     def _failed(self, exc: BaseException) -> None:
         """A call failed. Only "register again" (404) ends the session: a controller that
         did not answer, or answered 5xx (its index unavailable: Valkey failing over), still
-        knows it, so the session and the unsent batch are kept and sent again later; the
-        lease may lapse meanwhile (lookups skip this instance) and the next heartbeat
-        renews it. Re-registering instead would start a new epoch whose entries count
+        knows it, so the session and the unsent batch are kept and sent again later. A
+        lease does not lapse while the index itself is away (the Valkey index extends live
+        leases by its outage); while only this worker cannot reach the controllers it may,
+        and lookups then skip this instance until the next heartbeat renews it. Re-registering instead would start a new epoch whose entries count
         only once the whole snapshot is sent again."""
         self.failed_calls += 1
         if isinstance(exc, NotFoundError) or self._session is None:

@@ -65,7 +65,9 @@ async function api(method, path, body) {
   const headers = { "Accept": "application/json" };
   const t = token();
   if (t) headers["Authorization"] = "Bearer " + t;
-  const opts = { method, headers, cache: "no-store", credentials: "omit", redirect: "error", referrerPolicy: "no-referrer" };
+  const opts = { method, headers, cache: "no-store", credentials: "omit", redirect: "error",
+                 // same-origin: the browser sends this page's Origin with a POST (the server refuses other origins)
+                 referrerPolicy: "same-origin" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
     opts.body = JSON.stringify(body);

@@ -35,7 +35,9 @@ GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 
 Errors are JSON ``{"error": "...", "status": n}``: 400 for a malformed request (the
 message names the field), 401 for a missing or wrong token, 403 for what a tenant token
-may not reach, 404 for an unknown path,
+may not reach (and, before any route, for a ``Host`` name it does not answer to with no
+token set, or a write from another ``Origin``: :class:`lmcache.http.RequestGuard`,
+``api.allowed_hosts``), 404 for an unknown path,
 tier or key, 405 for a wrong method, 413 for a body over 1 MiB, 503 when
 ``api.max_connections`` connections are open already. A client that does not finish
 sending its whole request (line, headers and body) within ``api.timeout`` seconds is
@@ -53,7 +55,7 @@ from lmcache import web
 from lmcache.auth import ADMIN, Credentials, Unauthorized, foreign
 from lmcache.config import ApiConfig
 from lmcache.errors import AdminError, ConfigError
-from lmcache.http import BoundedHTTPServer, HTTPError, JSONHandler
+from lmcache.http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmcache.admin import Admin
@@ -112,7 +114,9 @@ class ApiServer:
         self.creds = Credentials(cfg.token, cfg.tenants)
         self._metrics: tuple[Any, Callable[[Any], bytes], str] | None = None
         self._metrics_lock = threading.Lock()
-        handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout})
+        # Host and Origin checked before any route (DNS rebinding, cross-origin writes: lmcache.http)
+        guard = RequestGuard(cfg.host, cfg.allowed_hosts, token_required=not self.creds.open)
+        handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout, "guard": guard})
         try:
             self.server = BoundedHTTPServer((cfg.host, cfg.port), handler, cfg.max_connections)
         except OSError as exc:

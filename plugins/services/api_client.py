@@ -53,6 +53,8 @@ class ApiClient:
     """Calls one instance's API. ``token`` is sent as a bearer token when given."""
 
     live = True
+    #: the largest answer read (bytes; ``None``: any); over it the call raises UnreachableError
+    max_answer: int | None = None
 
     def __init__(self, url: str, token: str | None = None, timeout: float = DEFAULT_TIMEOUT):
         self.url = check_url(url)
@@ -75,8 +77,10 @@ class ApiClient:
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with _OPENER.open(req, timeout=self.timeout) as resp:
-                raw = resp.read()
+                raw = resp.read() if self.max_answer is None else resp.read(self.max_answer + 1)
                 ctype = resp.headers.get("Content-Type", "")
+            if self.max_answer is not None and len(raw) > self.max_answer:
+                raise UnreachableError(f"{self.url} answered more than {self.max_answer} bytes")
         except urllib.error.HTTPError as exc:
             raise _from_http_error(exc, self.url) from None
         except urllib.error.URLError as exc:
@@ -185,14 +189,21 @@ def _from_http_error(exc: urllib.error.HTTPError, url: str) -> AdminError:
     except Exception:  # pragma: no cover - a broken connection
         raw = b""
     message = ""
+    own = None  # the message when the answer is an lmcache API's own error: {"error": text, "status": code}
     try:
-        message = json.loads(raw).get("error", "")
+        parsed = json.loads(raw)
+        message = parsed.get("error", "")
+        if set(parsed) == {"error", "status"} and isinstance(message, str) and parsed["status"] == exc.code:
+            own = message
     except (ValueError, AttributeError):
         pass
+    if not isinstance(message, str):
+        message = ""
     message = message or f"HTTP {exc.code} {exc.reason}"
     cls = {401: AuthError, 404: NotFoundError}.get(exc.code, AdminError)
     err = cls(f"{url}: {message}")
     err.status = exc.code
+    err.api_message = own
     return err
 
 
