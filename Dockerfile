@@ -56,6 +56,9 @@ RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check --no-de
  && /opt/venv/bin/python -c 'import lmcache.integration.vllm.vllm_v1_adapter, vllm.entrypoints.openai.api_server' \
  && useradd --create-home --uid 1000 --user-group lmcache \
  && mkdir -p /workspace && chown lmcache:lmcache /workspace
+# the cache server's liveness probe where the production stack's chart, operator and init
+# containers run it: /opt/venv/bin/python3 /workspace/LMCache/examples/kubernetes/health_probe.py HOST PORT
+COPY deploy/image/health_probe.py /workspace/LMCache/examples/kubernetes/health_probe.py
 ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/workspace/.cache/huggingface \
     PYTHONHASHSEED=123 \
@@ -79,6 +82,7 @@ COPY --from=build /dist/ /opt/lmcache/dist/
 RUN /opt/venv/bin/pip install --no-cache-dir "$(ls /opt/lmcache/dist/lmcache-*.whl)[redis,valkey,s3,fs,events]" \
  && useradd --create-home --uid 1000 --user-group lmcache \
  && mkdir -p /workspace && chown lmcache:lmcache /workspace
+COPY deploy/image/health_probe.py /workspace/LMCache/examples/kubernetes/health_probe.py
 ENV PATH=/opt/venv/bin:$PATH HF_HOME=/workspace/.cache/huggingface PYTHONHASHSEED=123 VLLM_NO_USAGE_STATS=1
 WORKDIR /workspace
 USER lmcache

@@ -5,7 +5,8 @@ and operator run ``/opt/venv/bin/lmcache_server 0.0.0.0 <port>``).
 It runs our ``lmcache server --host HOST --port PORT [OPTIONS]``, which speaks lmcache's
 wire protocol (the ``lm://`` backend of this package), not LMCache's ``lmcache.v1.protocol``:
 engines that point ``LMCACHE_REMOTE_URL=lm://...`` at it must run this lmcache too, and
-LMCache's ``health_probe.py`` cannot talk to it (probe the TCP port instead).
+the image puts our own probe (:mod:`lmcache.cli.health_probe`) at the path of LMCache's
+``examples/kubernetes/health_probe.py``, which the production stack runs.
 """
 
 from __future__ import annotations

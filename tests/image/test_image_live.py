@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from _missing import missing  # noqa: E402
-from _podman import IMAGE, UPSTREAM_KV, Container, VllmContainer, podman_problem, readable_model  # noqa: E402
+from _podman import IMAGE, UPSTREAM_KV, Container, VllmContainer, podman, podman_problem, readable_model  # noqa: E402
 
 from lmcache.errors import LMCacheError  # noqa: E402
 
@@ -123,6 +124,52 @@ def _listening(server: Container, timeout: float = 120.0) -> None:
             raise LMCacheError(f"lmcache_server exited: {server.logs()}")
         time.sleep(0.5)
     raise LMCacheError(f"lmcache_server not listening within {timeout:g}s: {server.logs()}")
+
+
+#: the production stack's liveness probe and init-container command, as its chart writes them
+PROBE = ["/opt/venv/bin/python3", "/workspace/LMCache/examples/kubernetes/health_probe.py"]
+
+
+def _server_pid(server: Container) -> int:
+    rows = podman("top", server.name, "hpid", "args").stdout.splitlines()[1:]
+    pids = [int(r.split()[0]) for r in rows if "lmcache_server" in r and r.split()[0].isdigit()]
+    assert len(pids) == 1, rows
+    return pids[0]
+
+
+def test_production_stacks_cache_server_probe_and_init_container(image):
+    """production-stack's cache-server pod on our image: `lmcache_server 0.0.0.0 PORT`, its
+    liveness probe (`python3 .../health_probe.py 127.0.0.1 PORT`, timeout 5 s) exec'd in
+    the container and the vLLM pods' init container looping on the same script against
+    the server's address. Before: the probe exited 2 ("can't open file"), so the pod
+    would be restarted every ~30 s and the vLLM pods would never start."""
+    server = Container(["--entrypoint", "/opt/venv/bin/lmcache_server", image, "0.0.0.0", "7171"])
+    init = None
+    try:
+        _listening(server)
+        ok = podman("exec", server.name, *PROBE, "127.0.0.1", "7171", check=False, timeout=60)
+        assert ok.returncode == 0 and ok.stdout.startswith("healthy"), (ok.stdout, ok.stderr)
+        init = Container(["--entrypoint", "sh", image, "-c",
+                          f"until {' '.join(PROBE)} {server.ip()} 7171; do sleep 1; done"])
+        code = podman("wait", init.name, timeout=120).stdout.strip()
+        assert code == "0", (code, init.logs())
+        pid = _server_pid(server)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            bad = podman("exec", server.name, *PROBE, "127.0.0.1", "7171", check=False, timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print(f"probe: green; init container: done; stopped server: red after {took:.1f} s ({bad.stderr.strip()})")
+        assert bad.returncode == 1 and "no answer" in bad.stderr, (bad.stdout, bad.stderr)
+        assert took < 5 + 30, took  # a hang guard (the probe's own timeout is 5 s; podman exec adds its start)
+        again = podman("exec", server.name, *PROBE, "127.0.0.1", "7171", check=False, timeout=60)
+        assert again.returncode == 0, again.stderr
+    finally:
+        if init is not None:
+            init.remove()
+        server.remove()
 
 
 @pytest.mark.timeout(1500)
