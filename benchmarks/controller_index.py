@@ -230,11 +230,14 @@ def _used_memory(port: int | None) -> int:
 
 
 # --------------------------------------------------------------------------- failover
-def _lookup_loop(client: Any, body: dict[str, Any], stop: threading.Event, log: list[tuple[float, bool]]) -> None:
+def _lookup_loop(client: Any, body: dict[str, Any], stop: threading.Event, log: list[tuple[float, bool]],
+                 tally: Callable[[Any], None] | None = None) -> None:
     while not stop.is_set():
         try:
-            client.request("POST", "/v1/lookup", body=body)
+            answer = client.request("POST", "/v1/lookup", body=body)
             log.append((time.monotonic(), True))
+            if tally is not None:
+                tally(answer)
         except Exception:  # noqa: BLE001 - counted, the point of the measurement
             log.append((time.monotonic(), False))
             time.sleep(0.005)
@@ -264,7 +267,7 @@ def _recovered(log: list[tuple[float, bool]], killed_at: float, quiet: float) ->
 
 
 def _kill_under_lookups(urls: list[str], token: str, kill: Callable[[], None], seconds: float,
-                        quiet: float) -> dict[str, Any]:
+                        quiet: float, tally: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Lookups in a loop through a client given ``urls``; ``kill()`` after ``seconds``;
     the loop runs until lookups are answered again (:func:`_recovered`, at most 30 s),
     then ``seconds`` more: :func:`_gaps`."""
@@ -274,7 +277,7 @@ def _kill_under_lookups(urls: list[str], token: str, kill: Callable[[], None], s
     body = {"chunk_hashes": _hashes(32, "prompt"), "namespace": NAMESPACE, "model": MODEL}
     log: list[tuple[float, bool]] = []
     stop = threading.Event()
-    t = threading.Thread(target=_lookup_loop, args=(client, body, stop, log), daemon=True)
+    t = threading.Thread(target=_lookup_loop, args=(client, body, stop, log, tally), daemon=True)
     t.start()
     try:
         time.sleep(seconds)
@@ -344,7 +347,7 @@ def sentinel_pair(down_after_ms: int) -> Iterator[dict[str, Any]]:
         servers.append(sentinel)
         sentinel.start()
         yield {"url": f"valkey+sentinel://127.0.0.1:{sport}/lmcache", "primary": primary, "down_after_ms": down_after_ms,
-               "sentinel_port": sport, "replica_port": rport}
+               "sentinel_port": sport, "replica_port": rport, "primary_port": pport}
     finally:
         for s in reversed(servers):
             s.close()
@@ -371,14 +374,41 @@ def _watch_promotion(sp: dict[str, Any], t0: float, promoted: list[float], limit
 
 def primary_failover(workdir: Path, spawn: Callable[..., Any], seconds: float = 1.5,
                      down_after_ms: int = 1000) -> dict[str, Any]:
-    """A controller over ``valkey+sentinel://`` (started by ``spawn``); its primary SIGKILLed
-    under a lookup loop; the loop runs until lookups are answered again (at most 30 s)."""
+    """A controller over ``valkey+sentinel://`` (started by ``spawn``) with one instance
+    holding the looked-up chunks (heartbeating); its primary SIGKILLed under a lookup loop;
+    the loop runs until lookups are answered again (at most 30 s). Failed lookups, and
+    answered ones that missed the instance (incomplete) or came from the replica (stale)."""
     _spawn = spawn
+    from lmcache.controller.client import ControllerClient
+    from lmcache.testing.stores.redis import command
 
     with sentinel_pair(down_after_ms) as sp:
         token = secrets.token_hex(8)
         ctl, (url,) = _spawn("controller", {"token": token, "index": sp["url"]}, workdir, "controller-sentinel")
         promoted: list[float] = []
+        writer = ControllerClient(url, token, timeout=2.0)
+        info = {"instance_id": "bench-held", "namespace": NAMESPACE, "model": MODEL, "kv_signature": SIG,
+                "chunk_size": 256, "tiers": TIERS}
+        session = writer.register(info)["session"]
+        writer.events("bench-held", session, [["admit", "cpu", _prefix() + h] for h in _hashes(32, "prompt")])
+        end = time.monotonic() + 30  # the replica's first sync waits repl-diskless-sync-delay (5 s)
+        while command(sp["primary_port"], "WAIT", "1", "100") != 1 and time.monotonic() < end:
+            pass
+        counts = {"incomplete": 0, "stale": 0}
+
+        def tally(answer: Any) -> None:
+            rows = {r["instance_id"]: r["hit_chunks"] for r in answer.get("results", ())}
+            counts["incomplete"] += rows.get("bench-held") != 32
+            counts["stale"] += bool(answer.get("stale"))
+
+        beating = threading.Event()
+
+        def beat() -> None:  # the instance stays live through the run (lease 10 s)
+            while not beating.wait(1.0):
+                try:
+                    writer.heartbeat("bench-held", session)
+                except Exception:  # noqa: BLE001 - 503 while the primary is away: the next one lands
+                    pass
 
         def kill() -> None:
             """SIGKILL the primary; a thread notes when Sentinel names the replica primary."""
@@ -386,12 +416,15 @@ def primary_failover(workdir: Path, spawn: Callable[..., Any], seconds: float = 
             sp["primary"].kill()
             threading.Thread(target=_watch_promotion, args=(sp, t0, promoted), daemon=True).start()
 
+        threading.Thread(target=beat, daemon=True).start()
         try:
-            gaps = _kill_under_lookups([url], token, kill, seconds, down_after_ms / 1000 + 3)
+            gaps = _kill_under_lookups([url], token, kill, seconds, down_after_ms / 1000 + 3, tally)
             return {"what": "valkey primary SIGKILLed (Sentinel)", "index": "valkey+sentinel",
                     "sentinel_down_after_ms": down_after_ms,
-                    "promoted_after_ms": round(promoted[0] * 1000, 1) if promoted else None, **gaps}
+                    "promoted_after_ms": round(promoted[0] * 1000, 1) if promoted else None, **gaps, **counts}
         finally:
+            beating.set()
+            writer.close()
             child_procs().stop(ctl)
 
 
@@ -454,8 +487,9 @@ def print_index(data: dict[str, Any], o: Any) -> None:
                 f"{m['mib_per_million']} MiB per million, {m['gib_for_10m']} GiB for 10 M")
     for f in data["failover"]:
         promo = f" (Sentinel promoted the replica after {f['promoted_after_ms']} ms)" if "promoted_after_ms" in f else ""
-        o.print(f"failover: {f['what']} ({f['index']}): {f['failed']} of {f['lookups']} lookups failed, longest gap "
-                f"{f['longest_gap_ms']} ms, answered again {f['answered_again_after_ms']} ms after the kill{promo}")
+        more = f", {f['incomplete']} incomplete, {f['stale']} from the replica (stale)" if "incomplete" in f else ""
+        o.print(f"failover: {f['what']} ({f['index']}): {f['failed']} of {f['lookups']} lookups failed{more}, longest "
+                f"gap {f['longest_gap_ms']} ms, answered again {f['answered_again_after_ms']} ms after the kill{promo}")
     if data["valkey"] != "available":
         o.print(data["valkey"])
 

@@ -31,6 +31,12 @@ first moves ``seen`` to the return, so the next finds ``m`` there). What it cost
 instance that died after the last heartbeat that landed in its namespace keeps the rest
 of its lease, at most ``instance_timeout``, once the controller resumes. A call waits for
 its own namespace only, so on a Cluster the namespaces of the nodes that answer go on.
+
+While the primary is still away, lookups over ``valkey+sentinel://`` are read from a
+replica, where nothing can be written: the read-only lookup there
+(``index_valkey._LOOKUP_STALE``) counts exactly the leases this resume would keep live
+(those live at ``s`` that hold at ``max(s, m)``), so its answers and the first ones after
+the resume agree.
 """
 
 from __future__ import annotations

@@ -441,7 +441,9 @@ _DOCS = {
     "/v1/events": "A worker's batch of [op, tier, key] events, op 'admit' or 'evict'; 404 means: register again.",
     "/v1/deregister": "A worker leaves (its instance drops out of lookups at once).",
     "/v1/lookup": "Which healthy instances hold the longest cached prefix of tokens (or chunk hashes, or keys, or a text: "
-                  "tokenized by an instance of each model through its API's /v1/tokenize).",
+                  "tokenized by an instance of each model through its API's /v1/tokenize). Over a valkey+sentinel:// "
+                  "index, while the primary is away the answer is read from a replica and carries stale: true and "
+                  "stale_s (seconds: how long before now the copy it read was last known current).",
     "/v1/move": "Copy (or, with remove_source, move) chunks from an instance's tier into another instance's tier "
                  "over the peer protocol; answered when the destination stored them.",
     "/v1/clear": "Evict an instance's entries (of a tier; of tokens' chunks; every entry only with all: true) "

@@ -48,6 +48,8 @@ def test_bench_controller_index_part_reports_every_field():
             assert f["failed"] == 0, f  # a client with two URLs loses no lookup
         else:  # the primary's kill: Sentinel's promotion, timed next to the lookups' gap
             assert f["sentinel_down_after_ms"] > 0 and f["promoted_after_ms"] is not None, f
+            # answered from the replica meanwhile (issue 45): none failed, none missed the instance
+            assert f["failed"] == 0 and f["incomplete"] == 0 and f["stale"] > 0, f
 
 
 def test_bench_controller_human_output_and_bad_chunks():
