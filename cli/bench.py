@@ -4,7 +4,8 @@ Each command parses its options and calls one benchmark module, imported inside 
 command so that ``lmcache --help`` stays fast: ``tiers`` (:mod:`lmcache.benchmarks.tiers`,
 ``--matrix``: :mod:`~lmcache.benchmarks.matrix`, ``--backend``:
 :mod:`~lmcache.benchmarks.backends`), ``e2e``, ``vllm``, ``codecs``, ``compare``,
-``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`), ``lookup`` and ``truncation``.
+``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`), ``lookup``, ``truncation`` and
+``channel`` (:mod:`~lmcache.benchmarks.channel`).
 """
 
 from __future__ import annotations
@@ -269,3 +270,18 @@ def codecs_cmd(
 
     bench_codecs.main(codec or list(bench_codecs.DEFAULT_ROWS), text, tokens, chunk_size, prompts, gen_prompts,
                       gen_tokens, repeats, group_size, threads, as_json, plot)
+
+
+@app.command("channel")
+def channel_cmd(
+    channels: Annotated[str, typer.Option("--channels", help="Transfer channels to measure, comma-separated.")] = "nixl,tcp",
+    chunks: Annotated[int, typer.Option("--chunks", min=1, help="Chunks in the one request.")] = 32,
+    chunk_mib: Annotated[float, typer.Option("--chunk-mib", min=0.01, help="MiB per chunk.")] = 4.0,
+    passes: Annotated[int, typer.Option("--passes", min=1, help="Timed passes (medians; one warm-up pass first).")] = 7,
+    out: Annotated[Path | None, typer.Option("--out", dir_okay=False, help="Also append the markdown table here.")] = None,
+) -> None:
+    """One request's KV, sender pool -> receiver pool, over each transfer channel (nixl, tcp), against a memcpy."""
+    from lmcache.benchmarks import channel as bench_channel
+
+    argv = ["--channels", channels, "--chunks", str(chunks), "--chunk-mib", str(chunk_mib), "--passes", str(passes)]
+    bench_channel.main(argv + (["--out", str(out)] if out else []))

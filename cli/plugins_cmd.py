@@ -11,7 +11,7 @@ from ._util import out, print_json
 
 app = typer.Typer(add_completion=False)
 
-KINDS = ("backend", "codec", "connector", "policy", "layout", "service", "baseline", "launcher")
+KINDS = ("backend", "codec", "connector", "policy", "layout", "service", "channel", "baseline", "launcher")
 
 
 def plugin_rows() -> list[dict[str, Any]]:
@@ -21,7 +21,7 @@ def plugin_rows() -> list[dict[str, Any]]:
 
     regs = Registries(create_plugin_manager())
     rows = []
-    for registry in (regs.backends, regs.codecs, regs.connectors, regs.policies, regs.layouts, regs.services, regs.baselines,
+    for registry in (regs.backends, regs.codecs, regs.connectors, regs.policies, regs.layouts, regs.services, regs.channels, regs.baselines,
                      regs.launchers):
         for e in registry.entries():
             dist, version = plugin_source(e.plugin)

@@ -99,6 +99,21 @@ def lmcache_register_services(registry: Registry) -> None:
 
 
 @hookspec
+def lmcache_register_channels(registry: Registry) -> None:
+    """Register transfer channels (how prefill->decode moves a request's KV chunks between
+    two instances' memory pools; config ``transfer_channel`` names one).
+
+    Called once per plugin manager. ``registry.add(name, "module:Class", requires=...)``;
+    the class implements :class:`lmcache.transfer.Channel` and is built as
+    ``Class(endpoint)`` with the :class:`lmcache.transfer.ChannelEndpoint` that owns the
+    pool, the receive buffer and the control connections; it only moves bytes (``write``,
+    ``read`` and their serving halves, ``describe``, ``progress``). A package it imports
+    lazily that is missing is one line naming ``requires``. Names are unique across all
+    plugins. Returns nothing.
+    """
+
+
+@hookspec
 def lmcache_register_bench_baselines(registry: Registry) -> None:
     """Register raw-client baselines for ``lmcache bench tiers --backend NAME``.
 

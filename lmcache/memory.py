@@ -249,6 +249,12 @@ class MemoryPool:
             self._buf = torch.empty(0, dtype=torch.uint8)
 
     @property
+    def region(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the pool's one buffer: what a transfer channel registers
+        once with NIXL (every pooled object lies inside it)."""
+        return self._buf.data_ptr(), self.capacity
+
+    @property
     def free_bytes(self) -> int:
         return self.capacity - self.used
 

@@ -50,6 +50,7 @@ KINDS = {
     "policy": "lmcache_register_policies",
     "layout": "lmcache_register_layouts",
     "service": "lmcache_register_services",
+    "channel": "lmcache_register_channels",
     "baseline": "lmcache_register_bench_baselines",
     "launcher": "lmcache_register_store_launchers",
 }
@@ -368,6 +369,8 @@ class Registries:
         self.policies = Registry("policy")
         self.layouts = Registry("layout")
         self.services = Registry("service")
+        #: transfer channels of PD (:mod:`lmcache.transfer`)
+        self.channels = Registry("channel")
         #: raw-client baselines of ``lmcache bench tiers --backend`` (:mod:`lmcache.benchmarks.raw_baselines`)
         self.baselines = Registry("baseline")
         #: loopback store launchers of tests and ``lmcache bench tiers`` (:mod:`lmcache.testing.stores`)
@@ -379,6 +382,7 @@ class Registries:
             "policy": self.policies,
             "layout": self.layouts,
             "service": self.services,
+            "channel": self.channels,
             "baseline": self.baselines,
             "launcher": self.launchers,
         }

@@ -19,3 +19,5 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias o
 echo lmcache > "$alias/INSTALLER"
 "$venv/bin/vllm" --version >/dev/null
 "$venv/bin/python" -c 'import vllm, vllm.entrypoints.openai.api_server, lmcache.plugins.connectors.vllm, torch; assert torch.__version__.endswith("+cpu"), torch.__version__'
+# vLLM's NixlConnector imports nixl._api: NIXL comes from the main venv (the Makefile installs it there)
+"$venv/bin/python" -c 'import nixl._api'

@@ -183,6 +183,10 @@ class _ThirdParty:
         registry.add("counter", CountingService)
 
     @hookimpl
+    def lmcache_register_channels(self, registry):
+        registry.add("tcp2", "lmcache.plugins.channels.tcp:TcpChannel")
+
+    @hookimpl
     def lmcache_register_bench_baselines(self, registry):
         registry.add("cpu2", "lmcache.benchmarks.raw_baselines:lm")
 
@@ -226,6 +230,7 @@ def test_a_third_party_plugin_using_every_hook_works_in_a_tier():
     assert regs.baselines.entry("cpu2").plugin == "thirdparty" and callable(regs.baselines.load("cpu2"))
     assert regs.launchers.entry("lm2").plugin == "thirdparty" and callable(regs.launchers.load("lm2"))
     assert regs.connectors.entry("echo").plugin == "thirdparty"
+    assert regs.channels.entry("tcp2").plugin == "thirdparty"
     cfg = lmcache.load_config(
         {"chunk_size": 4, "tiers": [{"backend": "cpu2", "capacity": 3 * 4 * 2 * 4 * 4, "codec": "raw2", "policy": "mru"}]}
     )

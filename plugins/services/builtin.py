@@ -21,3 +21,14 @@ def lmcache_register_services(registry):
                  description="answers lookups of a scheduler in another process on a Unix socket (lookup_socket)")
     registry.add("approximate_reuse", "lmcache.plugins.services.shifted:ShiftedReuse",
                  description="reuse of KV computed at other positions, for truncated prompts (approximate_reuse.enabled)")
+    registry.add("transfer", "lmcache.plugins.services.transfer:TransferService",
+                 description="the transfer endpoint of prefill->decode: pushes and pulls over NIXL or tcp (transfer_channel)")
+
+
+@hookimpl
+def lmcache_register_channels(registry):
+    # transfer channels (lmcache.transfer): how PD moves a request's chunks between two pools
+    registry.add("tcp", "lmcache.plugins.channels.tcp:TcpChannel",
+                 description="chunk bytes over the authenticated control connection, from and into pool memory")
+    registry.add("nixl", "lmcache.plugins.channels.nixl:NixlChannel", requires="nixl-cu12==1.5.1",
+                 description="NIXL (UCX): one WRITE or READ per request between the registered pools, no copy")

@@ -1,0 +1,1123 @@
+"""Transfer channels: moving a request's KV chunks from one instance's memory pool into
+another's, as prefill->decode (PD) disaggregation needs.
+
+Two directions, one contract (:class:`ChannelEndpoint`):
+
+* **push** (LMCache's PD flow): the sender asks the receiver to *allocate* slots for a
+  request (``alloc``), writes its chunks straight from its own pool memory into those
+  slots, and *commits* them (``commit``): the receiver checks each chunk and hands it to
+  its sink (an engine's top tier), or the sender *aborts* (``abort``).
+* **pull** (vLLM's flow, ``do_remote_decode`` / ``remote_block_ids``): the prefiller
+  *offers* a request's chunks (:meth:`ChannelEndpoint.offer`: it holds them, and returns a
+  JSON-able description with the chunks' addresses); the decoder *pulls* them
+  (:meth:`ChannelEndpoint.pull`: allocates its own slots, reads, checks, commits locally)
+  and *releases* the offer. An offer not released within its ``ttl`` is dropped.
+
+What moves the bytes is the channel (a plugin, ``lmcache_register_channels``): ``nixl``
+(:mod:`lmcache.plugins.channels.nixl`: one NIXL WRITE or READ per batch between the two
+registered pools, no copy on either side) or ``tcp`` (:mod:`lmcache.plugins.channels.tcp`:
+the bytes follow the control message on the same authenticated connection, sent from and
+received into pool memory, no copy beyond the socket's). Config ``transfer_channel``
+(LMCache's key) picks one; see :func:`open_channel`.
+
+Why a receive buffer of slots with deadlines (:class:`ReceiveBuffer`): LMCache users
+report requests that hang forever on a full buffer and buffers that leak when a prefiller
+dies. Here the in-flight bytes are bounded (``buffer_size``); an ``alloc`` that does not
+fit is answered *full* at once and the sender retries with backoff for at most
+``alloc_wait`` seconds, then gives up (:class:`TransferRefused`, counted on both sides):
+never an endless retry. Every allocation has a deadline (``slot_timeout``): one neither
+committed nor aborted by then (its sender was killed, or hangs) is freed by the reaper and
+nothing of it is committed. A sender gives up on its own transfer well before that
+deadline, so freed slots are never written late. Slots are ordinary pool objects: a
+committed chunk *is* the tier's entry (no copy), and the receive buffer is a budget over
+the pool rather than a second region.
+
+Why a control protocol of its own (:class:`ControlServer`, ``LMCT`` frames) rather than
+the ``lm`` server's frames: those are a key/value store's (PUT answers OK or an error);
+a transfer needs answers with data (slot addresses, NIXL agent metadata). It keeps the
+same rules: the mutual token handshake of :mod:`lmcache.auth` first (nothing else is read
+before it, within ``auth_timeout``), every frame's length checked against a bound before
+it is read, JSON only (nothing pickled: NIXL's own ``get_serialized_descs`` pickles, we
+send addresses as numbers), a timeout on every remote call, bounded connections.
+
+Progress costs nothing while idle: the endpoint's background thread waits on a condition
+while no allocation or offer is open; while one is, it drives the channel's progress
+(``Channel.progress``: NIXL notifications, which also progress UCX for a peer's one-sided
+operations over TCP) and frees what expired.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import xxhash
+
+from . import auth
+from .dtypes import dtype_from_name, dtype_name
+from .errors import LMCacheError
+from .memory import MemoryObj, MemoryPool
+from .wire import recv_into_exact, send_buffers
+
+log = logging.getLogger(__name__)
+
+#: channel names of config ``transfer_channel`` (LMCache's key)
+CHANNELS = ("nixl", "tcp")
+MAGIC = b"LMCT"
+VERSION = 1
+_HDR = struct.Struct("<4sBBHI")  # magic, version, kind, reserved, body length
+KIND_AUTH, KIND_MSG = 1, 2
+#: the largest control message (JSON) either side reads
+MAX_MSG = 4 << 20
+#: the most chunks one request may carry
+MAX_CHUNKS = 8192
+MAX_KEY = 1024
+DEFAULT_PORT = 7300  # production-stack's nixlPeerInitPort
+
+
+class TransferError(LMCacheError):
+    """A transfer failed (peer down, timeout, refused handshake, bad answer)."""
+
+
+class TransferRefused(TransferError):
+    """The receiver had no room within the sender's bounded wait, or refused the request."""
+
+
+class ChannelUnavailable(LMCacheError):
+    """The configured channel cannot run here (its package is missing or unusable)."""
+
+
+# ------------------------------------------------------------------ chunks
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a receiver needs to allocate one chunk: its key, shape and dtype."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+    @classmethod
+    def of(cls, key: str, obj: MemoryObj) -> ChunkMeta:
+        return cls(key, tuple(int(d) for d in obj.shape), dtype_name(obj.dtype))
+
+    def to_json(self) -> list[Any]:
+        return [self.key, list(self.shape), self.dtype]
+
+    @classmethod
+    def from_json(cls, v: Any) -> ChunkMeta:
+        """Checked: a key of at most :data:`MAX_KEY` characters, up to 8 non-negative dims,
+        a known dtype (ValueError otherwise)."""
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and 0 < len(v[0]) <= MAX_KEY
+                and isinstance(v[1], list) and len(v[1]) <= 8 and isinstance(v[2], str)
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in v[1])):
+            raise ValueError("malformed chunk description")
+        dtype_from_name(v[2])
+        return cls(v[0], tuple(v[1]), v[2])
+
+
+#: bytes of each window a ``sample`` checksum hashes (the first, the middle and the last)
+SAMPLE = 64 << 10
+VERIFY = ("full", "sample", "off")
+
+
+def checksum(obj: MemoryObj, mode: str = "full") -> int:
+    """xxh3-64 of a chunk's bytes (the payload checksum of :mod:`lmcache.payload`); with
+    ``mode="sample"`` of its first, middle and last :data:`SAMPLE` bytes only (and the
+    length): enough to catch a slot never written or written elsewhere, at a cost that does
+    not grow with the chunk."""
+    mv = memoryview(obj.byte_view().numpy())
+    n = len(mv)
+    if mode != "sample" or n <= 3 * SAMPLE:
+        return xxhash.xxh3_64_intdigest(mv)
+    h = xxhash.xxh3_64(n.to_bytes(8, "little"))
+    mid = (n - SAMPLE) // 2 // 256 * 256
+    for start in (0, mid, n - SAMPLE):
+        h.update(mv[start : start + SAMPLE])
+    return h.intdigest()
+
+
+def verify_mode(v: Any) -> str:
+    """``True`` -> ``full``, ``False`` -> ``off``, or one of :data:`VERIFY`."""
+    if v is True:
+        return "full"
+    if v is False:
+        return "off"
+    if v not in VERIFY:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY)}; got {v!r}")
+    return v
+
+
+def byte_buffer(obj: MemoryObj) -> memoryview:
+    """A writable memoryview of the object's bytes (no copy)."""
+    return memoryview(obj.byte_view().numpy())
+
+
+# ------------------------------------------------------------------ receive buffer
+@dataclass
+class Allocation:
+    """Slots of one request: pool objects awaiting their bytes, until a deadline."""
+
+    id: str
+    request: str
+    metas: list[ChunkMeta]
+    objs: list[MemoryObj]
+    nbytes: int
+    deadline: float
+    written: bool = False  # the channel saw the sender's completion notification
+
+    def release(self) -> None:
+        objs, self.objs = self.objs, []
+        for o in objs:
+            o.unref()
+
+
+@dataclass
+class BufferStats:
+    allocated: int = 0  # allocations granted
+    full: int = 0  # allocation requests answered "full" (the sender may retry)
+    refused: int = 0  # requests given up on (the sender's wait ran out, or never fits)
+    committed: int = 0  # allocations committed
+    committed_chunks: int = 0
+    rejected_chunks: int = 0  # failed their checksum or the sink's check
+    aborted: int = 0
+    expired: int = 0  # freed by the reaper: neither committed nor aborted in time
+
+
+class ReceiveBuffer:
+    """In-flight slots, bounded by ``capacity`` bytes, each allocation with a deadline.
+
+    ``allocate(shape, dtype)`` gives one pool object or ``None`` (an engine passes its
+    gateway's, which checks the chunk's shape first and evicts from the CPU tier);
+    ``reserve`` takes all of a request's slots or none."""
+
+    def __init__(self, allocate: Callable[[Sequence[int], torch.dtype], MemoryObj | None], capacity: int,
+                 slot_timeout: float, clock: Callable[[], float] = time.monotonic):
+        self._allocate = allocate
+        self.capacity = int(capacity)
+        self.slot_timeout = float(slot_timeout)
+        self.clock = clock
+        self._open: dict[str, Allocation] = {}
+        self.in_flight = 0
+        self.stats = BufferStats()
+        self._lock = threading.Lock()
+
+    def reserve(self, request: str, metas: Sequence[ChunkMeta], timeout: float | None = None) -> Allocation | None:
+        """All slots of ``metas``, or ``None`` when they do not fit now (counted as full).
+        :class:`TransferRefused` when they can never fit (more than the whole buffer)."""
+        need = sum(m.nbytes for m in metas)
+        if need > self.capacity:
+            with self._lock:
+                self.stats.refused += 1
+            raise TransferRefused(f"request {request[:100]!r} needs {need} bytes, more than the whole receive "
+                                  f"buffer ({self.capacity})")
+        with self._lock:
+            if self.in_flight + need > self.capacity:
+                self.stats.full += 1
+                return None
+            self.in_flight += need  # reserved before allocating: concurrent requests cannot overshoot
+        objs: list[MemoryObj] = []
+        try:
+            for m in metas:
+                o = self._allocate(m.shape, dtype_from_name(m.dtype))
+                if o is None:
+                    break
+                objs.append(o)
+        except BaseException:
+            for o in objs:
+                o.unref()
+            with self._lock:
+                self.in_flight -= need
+            raise
+        if len(objs) < len(metas):  # the pool itself is full: the same as a full buffer
+            for o in objs:
+                o.unref()
+            with self._lock:
+                self.in_flight -= need
+                self.stats.full += 1
+            return None
+        a = Allocation(secrets.token_hex(8), request, list(metas), objs, need,
+                       self.clock() + (self.slot_timeout if timeout is None else timeout))
+        with self._lock:
+            self._open[a.id] = a
+            self.stats.allocated += 1
+        return a
+
+    def get(self, alloc_id: str) -> Allocation | None:
+        with self._lock:
+            return self._open.get(alloc_id)
+
+    def take(self, alloc_id: str) -> Allocation | None:
+        """Remove an open allocation to commit it (the caller then owns its objects)."""
+        with self._lock:
+            a = self._open.pop(alloc_id, None)
+            if a is not None:
+                self.in_flight -= a.nbytes
+            return a
+
+    def abort(self, alloc_id: str) -> bool:
+        a = self.take(alloc_id)
+        if a is None:
+            return False
+        a.release()
+        with self._lock:
+            self.stats.aborted += 1
+        return True
+
+    def expire(self) -> list[Allocation]:
+        """Free every allocation past its deadline; returns them (already released)."""
+        now = self.clock()
+        with self._lock:
+            gone = [a for a in self._open.values() if a.deadline <= now]
+            for a in gone:
+                del self._open[a.id]
+                self.in_flight -= a.nbytes
+            self.stats.expired += len(gone)
+        for a in gone:
+            log.warning("transfer: request %r: %d slot(s) neither committed nor aborted within %gs; freed, "
+                        "nothing committed", a.request[:100], len(a.objs), self.slot_timeout)
+            a.release()
+        return gone
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((a.deadline for a in self._open.values()), default=None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def close(self) -> None:
+        with self._lock:
+            gone, self._open = list(self._open.values()), {}
+            self.in_flight = 0
+        for a in gone:
+            a.release()
+
+
+# ------------------------------------------------------------------ control protocol
+def _send_frame(sock: socket.socket, kind: int, body: bytes, extra: Sequence[Any] = ()) -> None:
+    send_buffers(sock, [_HDR.pack(MAGIC, VERSION, kind, 0, len(body)), body, *extra])
+
+
+def _recv_frame(sock: socket.socket, limit: int) -> tuple[int, bytes]:
+    hdr = bytearray(_HDR.size)
+    recv_into_exact(sock, memoryview(hdr))
+    magic, version, kind, _, n = _HDR.unpack(hdr)
+    if magic != MAGIC:
+        raise TransferError(f"bad magic {bytes(magic)!r}: not an lmcache transfer endpoint")
+    if version != VERSION:
+        raise TransferError(f"transfer protocol version {version}, this side speaks {VERSION}")
+    if n > limit:
+        raise TransferError(f"a frame of {n} bytes exceeds the limit of {limit}")
+    body = bytearray(n)
+    recv_into_exact(sock, memoryview(body))
+    return kind, bytes(body)
+
+
+def _send_msg(sock: socket.socket, msg: dict[str, Any], extra: Sequence[Any] = ()) -> None:
+    _send_frame(sock, KIND_MSG, json.dumps(msg, separators=(",", ":")).encode(), extra)
+
+
+def _recv_msg(sock: socket.socket) -> dict[str, Any]:
+    kind, body = _recv_frame(sock, MAX_MSG)
+    if kind != KIND_MSG:
+        raise TransferError(f"expected a message frame, got kind {kind}")
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        raise TransferError("a control message is not JSON") from None
+    if not isinstance(msg, dict):
+        raise TransferError("a control message is not a JSON object")
+    return msg
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+def _unb64(s: Any, limit: int = MAX_MSG) -> bytes | None:
+    if s is None:
+        return None
+    if not isinstance(s, str) or len(s) > limit:
+        raise ValueError("malformed binary field")
+    return base64.b64decode(s, validate=True)
+
+
+class Connection:
+    """One authenticated control connection to a peer endpoint (client side)."""
+
+    def __init__(self, url: str, token: str | None, timeout: float, identity: str | None = None):
+        host, port = split_url(url)
+        self.url = url
+        self.timeout = timeout
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TransferError(f"cannot reach transfer endpoint {url}: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer_identity = ""
+        try:
+            self._handshake((token or "").encode(), identity)
+        except BaseException:
+            self.close()
+            raise
+        self.state: dict[str, Any] = {}  # what a channel keeps per connection (the peer's agent name)
+
+    def _handshake(self, token: bytes, identity: str | None) -> None:
+        nc = auth.nonce()
+        try:
+            _send_frame(self.sock, KIND_AUTH, auth.HELLO + nc)
+            kind, body = _recv_frame(self.sock, 4096)
+        except (OSError, ConnectionError) as exc:
+            raise TransferError(f"transfer endpoint {self.url}: handshake failed: {exc}") from None
+        if kind != KIND_AUTH or len(body) < auth.NONCE + 32:
+            raise TransferError(f"transfer endpoint {self.url}: handshake refused")
+        ns, proof, ident = body[: auth.NONCE], body[auth.NONCE : auth.NONCE + 32], body[auth.NONCE + 32 :]
+        import hmac
+
+        if not hmac.compare_digest(proof, auth.proof(token, "server", nc, ns, ident)):
+            raise TransferError(f"transfer endpoint {self.url} does not know the transfer token")
+        if identity is not None and ident.decode(errors="replace") != identity:
+            raise TransferError(f"transfer endpoint {self.url} is {ident[:100]!r}, not {identity!r}")
+        self.peer_identity = ident.decode(errors="replace")
+        _send_frame(self.sock, KIND_AUTH, auth.HELLO + auth.proof(token, "client", nc, ns, ident))
+        kind, body = _recv_frame(self.sock, 4096)
+        if kind != KIND_AUTH or body != b"OK":
+            raise TransferError(f"transfer endpoint {self.url} refused this side's token proof")
+
+    def call(self, msg: dict[str, Any], extra: Sequence[Any] = (), timeout: float | None = None) -> dict[str, Any]:
+        """Send ``msg`` (then the raw buffers ``extra``) and return the answer; an answer
+        ``{"ok": false}`` raises :class:`TransferRefused` (``full``) or :class:`TransferError`."""
+        self.sock.settimeout(self.timeout if timeout is None else timeout)
+        try:
+            _send_msg(self.sock, msg, extra)
+            r = _recv_msg(self.sock)
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise TransferError(f"transfer endpoint {self.url}: {msg.get('op')} failed: {exc}") from None
+        except TransferError:
+            self.close()
+            raise
+        if not r.get("ok"):
+            why = str(r.get("error", "refused"))[:1000]
+            if r.get("full") or r.get("refused"):
+                raise TransferRefused(why)
+            raise TransferError(f"transfer endpoint {self.url}: {msg.get('op')}: {why}")
+        return r
+
+    def send(self, msg: dict[str, Any], extra: Sequence[Any] = ()) -> None:
+        """Send without waiting for an answer."""
+        self.sock.settimeout(self.timeout)
+        try:
+            _send_msg(self.sock, msg, extra)
+        except OSError as exc:
+            self.close()
+            raise TransferError(f"transfer endpoint {self.url}: {msg.get('op')} failed: {exc}") from None
+
+    def recv_into(self, views: Iterable[memoryview], timeout: float | None = None) -> None:
+        self.sock.settimeout(self.timeout if timeout is None else timeout)
+        try:
+            for v in views:
+                recv_into_exact(self.sock, v)
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise TransferError(f"transfer endpoint {self.url}: receiving chunk bytes failed: {exc}") from None
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
+    def stale(self) -> bool:
+        """Whether the peer closed this idle connection (readable with nothing asked: EOF)."""
+        import select
+
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def split_url(url: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; an optional ``lmct://``) -> (host, port)."""
+    u = url.split("://", 1)[1] if "://" in url else url
+    host, sep, port = u.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{url[:100]!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _ServerConn:
+    """The server side of one control connection (what handlers may keep per peer)."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self.state: dict[str, Any] = {}
+
+    def send(self, msg: dict[str, Any], extra: Sequence[Any] = ()) -> None:
+        _send_msg(self.sock, msg, extra)
+
+    def recv_into(self, views: Iterable[memoryview]) -> None:
+        for v in views:
+            recv_into_exact(self.sock, v)
+
+
+class ControlServer:
+    """The control endpoint: one thread per connection, the handshake first, then JSON
+    requests answered in order by ``handler(conn, msg) -> dict | None`` (``None``: the
+    handler answered itself, or the op takes no answer). ``on_close(conn)`` runs when a
+    connection ends."""
+
+    def __init__(self, host: str, port: int, token: str | None, identity: str,
+                 handler: Callable[[_ServerConn, dict[str, Any]], dict[str, Any] | None],
+                 on_close: Callable[[_ServerConn], None] = lambda c: None, *, auth_timeout: float = 5.0,
+                 idle_timeout: float = 600.0, max_connections: int = 64):
+        self.token = (token or "").encode()
+        self.identity = identity.encode()[: auth.MAX_IDENTITY]
+        self.handler, self.on_close = handler, on_close
+        self.auth_timeout, self.idle_timeout = auth_timeout, idle_timeout
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(64)
+        self._sock = s
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.refused = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="lmcache-transfer-ctl")
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._sock.getsockname()[:2]
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()  # blocks: costs nothing while idle
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    self.refused += 1
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), daemon=True,
+                             name="lmcache-transfer-conn").start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        c = _ServerConn(sock, peer)
+        try:
+            sock.settimeout(self.auth_timeout)  # the whole handshake, however slowly it comes
+            deadline = time.monotonic() + self.auth_timeout
+            if not self._handshake(sock, deadline):
+                return
+            while not self._stop.is_set():
+                sock.settimeout(self.idle_timeout)
+                try:
+                    msg = _recv_msg(sock)
+                except TransferError as exc:
+                    log.info("transfer endpoint: closing a connection from %s: %s", peer, exc)
+                    return
+                try:
+                    answer = self.handler(c, msg)
+                except TransferRefused as exc:
+                    answer = {"ok": False, "refused": True, "error": str(exc)}
+                except (TransferError, ValueError, KeyError, TypeError) as exc:
+                    answer = {"ok": False, "error": str(exc) or type(exc).__name__}
+                if answer is not None:
+                    sock.settimeout(self.idle_timeout)
+                    _send_msg(sock, answer)
+        except (OSError, ConnectionError):
+            pass
+        except Exception:  # pragma: no cover - one connection never takes the endpoint down
+            log.exception("transfer endpoint: unexpected error on a connection from %s", peer)
+        finally:
+            try:
+                self.on_close(c)
+            finally:
+                with self._lock:
+                    self._conns.discard(sock)
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> bool:
+        import hmac
+
+        kind, body = _recv_frame(sock, 4096)
+        if kind != KIND_AUTH or len(body) != len(auth.HELLO) + auth.NONCE or not body.startswith(auth.HELLO):
+            return False
+        nc, ns = body[len(auth.HELLO):], auth.nonce()
+        _send_frame(sock, KIND_AUTH, ns + auth.proof(self.token, "server", nc, ns, self.identity) + self.identity)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        kind, body = _recv_frame(sock, 4096)
+        want = auth.HELLO + auth.proof(self.token, "client", nc, ns, self.identity)
+        if kind != KIND_AUTH or not hmac.compare_digest(body, want):
+            log.info("transfer endpoint: a peer failed the token handshake")
+            return False
+        _send_frame(sock, KIND_AUTH, b"OK")
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns = list(self._conns)
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------ channel plugin contract
+class Channel:
+    """What a channel plugin implements: how bytes move. Built as ``Class(endpoint)``;
+    the endpoint (:class:`ChannelEndpoint`) does everything else (slots, deadlines,
+    checks, control messages). Methods run on the endpoint's threads.
+
+    * ``hello() -> dict``: what this side tells a peer when a connection opens (NIXL:
+      its agent name and metadata); ``on_hello(conn, msg) -> dict`` takes the peer's.
+    * ``write(conn, objs, slots, alloc_id, deadline)``: push ``objs`` into the peer's
+      ``slots`` (``[[addr, nbytes], ...]`` from its ``alloc`` answer) before ``deadline``.
+    * ``serve_write(conn, msg, alloc)``: the receiver's part of a write (TCP: receive the
+      bytes into the slots); ``written(alloc, deadline) -> bool``: whether the bytes
+      have landed (NIXL: its notification came).
+    * ``read(conn, offer, objs, deadline)``: pull an offer's chunks into ``objs``;
+      ``serve_read(conn, msg, objs)``: the offering side's part.
+    * ``describe(obj) -> [addr, nbytes]``: where a peer can reach this pool object.
+    * ``progress()``: called while transfers are open (and only then); ``close()``.
+    """
+
+    name = "?"
+    #: whether :meth:`progress` must be called while transfers are open (NIXL: yes)
+    needs_progress = False
+
+    def __init__(self, endpoint: ChannelEndpoint):
+        self.endpoint = endpoint
+
+    def hello(self) -> dict[str, Any]:
+        return {}
+
+    def on_hello(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def describe(self, obj: MemoryObj) -> list[int]:
+        return [obj.tensor.data_ptr(), obj.nbytes]
+
+    def progress(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class EndpointStats:
+    pushed_requests: int = 0
+    pushed_chunks: int = 0
+    pushed_bytes: int = 0
+    push_seconds: float = 0.0
+    push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
+    push_failed: int = 0
+    pulled_requests: int = 0
+    pulled_chunks: int = 0
+    pulled_bytes: int = 0
+    pull_failed: int = 0
+    offers: int = 0
+    offers_released: int = 0
+    offers_expired: int = 0
+
+
+@dataclass
+class Offer:
+    id: str
+    request: str
+    items: list[tuple[ChunkMeta, MemoryObj]]
+    deadline: float
+    sums: list[int] | None = None
+
+    def release(self) -> None:
+        items, self.items = self.items, []
+        for _, o in items:
+            o.unref()
+
+
+Sink = Callable[[str, MemoryObj], bool]
+
+
+class ChannelEndpoint:
+    """One instance's side of the transfer channel: both roles (it receives pushes and
+    serves pulls on its control endpoint, and pushes to and pulls from peers).
+
+    ``pool``: the memory pool chunks are sent from and received into (registered with
+    the channel once). ``allocate``: how slots are allocated (default ``pool.allocate``;
+    an engine passes its gateway's, which checks the chunk's shape first).
+    ``sink(key, obj) -> bool`` takes each committed chunk (it takes over the reference;
+    an engine puts it into its top tier). ``buffer_size``: bytes in flight at most.
+    ``slot_timeout``: seconds an allocation or offer lives without commit/release.
+    ``alloc_wait``: how long a push retries a full receiver before giving up.
+    ``timeout``: every control call. ``verify``: the checksums a sender sends and the
+    receiver checks before it commits: ``full`` (xxh3-64 of every byte, as a p2p PUT
+    checks its payload), ``sample`` (of each chunk's first, middle and last 64 KiB: a
+    slot never written or written elsewhere), ``off``; ``None`` is the channel's default
+    (``tcp``: full; ``nixl``: sample, since the transport moves the bytes and the full
+    hash on both sides costs more than the move itself). The sender's choice travels
+    with the chunks and the receiver checks accordingly."""
+
+    def __init__(self, channel: str, pool: MemoryPool, *, sink: Sink | None = None,
+                 allocate: Callable[[Sequence[int], torch.dtype], MemoryObj | None] | None = None,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 buffer_size: int | None = None, slot_timeout: float = 10.0, alloc_wait: float = 2.0,
+                 timeout: float = 5.0, verify: bool | str | None = None, identity: str | None = None,
+                 options: dict[str, Any] | None = None, registries: Any = None):
+        self.pool = pool
+        self.sink: Sink = sink if sink is not None else _drop
+        self.token = token
+        self.timeout = float(timeout)
+        self.alloc_wait = float(alloc_wait)
+        self.slot_timeout = float(slot_timeout)
+        self._verify = verify
+        self.options = dict(options or {})
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.buffer = ReceiveBuffer(allocate or pool.allocate, buffer_size or pool.capacity // 2, slot_timeout)
+        self.stats = EndpointStats()
+        self._offers: dict[str, Offer] = {}
+        self._conns: dict[str, list[Connection]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._closed = False
+        if registries is None:
+            from .plugin_manager import get_registries
+
+            registries = get_registries()
+        cls = registries.channels.load(channel)  # an unknown name: one line naming the registered ones
+        try:
+            self.channel: Channel = cls(self)
+        except ModuleNotFoundError as exc:
+            raise ChannelUnavailable(str(registries.channels.missing(channel, exc))) from None
+        self.name = channel
+        self.verify = verify_mode(getattr(cls, "default_verify", "full") if verify is None else verify)
+        try:
+            self.server = ControlServer(host, port, token, self.identity, self._handle, self._conn_closed)
+        except OSError as exc:
+            self.channel.close()
+            raise TransferError(f"transfer endpoint cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        h, p = self.server.address
+        self.url = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+        self._thread = threading.Thread(target=self._background, daemon=True, name="lmcache-transfer-progress")
+        self._thread.start()
+
+    # ------------------------------------------------------------ background: progress and expiry
+    def _busy(self) -> bool:
+        return bool(len(self.buffer) or self._offers)
+
+    def _background(self) -> None:
+        """Idle (no open allocation or offer): waits on a condition, no CPU. Busy: drives
+        the channel's progress every millisecond (a channel that needs none: sleeps until
+        the next deadline) and frees what expired."""
+        poll = getattr(self.channel, "needs_progress", False)
+        while not self._closed:
+            with self._wake:
+                if not self._busy():
+                    self._wake.wait()  # woken by reserve/offer/close
+                    continue
+                if not poll:
+                    due = [d for d in (self.buffer.next_deadline(), self._next_offer_deadline()) if d is not None]
+                    wait = min(due) - time.monotonic() if due else 1.0
+                    if wait > 0:
+                        self._wake.wait(min(wait + 0.001, 1.0))  # a new allocation wakes it too
+            if poll:
+                self.channel.progress()
+            self.buffer.expire()
+            self._expire_offers()
+            if poll:
+                time.sleep(0.001)
+
+    def _next_offer_deadline(self) -> float | None:
+        with self._lock:
+            return min((o.deadline for o in self._offers.values()), default=None)
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _expire_offers(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [o for o in self._offers.values() if o.deadline <= now]
+            for o in gone:
+                del self._offers[o.id]
+        for o in gone:
+            self.stats.offers_expired += 1
+            log.warning("transfer: offer of request %r not pulled within its ttl; released", o.request[:100])
+            o.release()
+
+    # ------------------------------------------------------------ server side
+    def _handle(self, conn: _ServerConn, msg: dict[str, Any]) -> dict[str, Any] | None:
+        op = msg.get("op")
+        if op == "hello":
+            return {"ok": True, "identity": self.identity, "channel": self.name, **self.channel.on_hello(conn, msg)}
+        if op == "alloc":
+            return self._serve_alloc(msg)
+        if op == "write":
+            a = self._alloc_of(msg)
+            self.channel.serve_write(conn, msg, a)  # type: ignore[attr-defined]
+            return None
+        if op == "commit":
+            return self._serve_commit(msg)
+        if op == "abort":
+            return {"ok": True, "aborted": self.buffer.abort(str(msg.get("alloc")))}
+        if op == "read":
+            o = self._offer_of(msg)
+            idx = msg.get("index")
+            if not isinstance(idx, list) or not all(isinstance(i, int) and 0 <= i < len(o.items) for i in idx):
+                raise ValueError("read: bad chunk indices")
+            self.channel.serve_read(conn, msg, [o.items[i][1] for i in idx])  # type: ignore[attr-defined]
+            return None
+        if op == "claim":  # a puller starts reading: the offer lives for slot_timeout from now
+            o = self._offer_of(msg)
+            with self._lock:
+                o.deadline = max(o.deadline, time.monotonic() + self.slot_timeout)
+                left = o.deadline - time.monotonic()
+            return {"ok": True, "expires_in": round(left, 3)}
+        if op == "release":
+            with self._lock:
+                o = self._offers.pop(str(msg.get("offer")), None)
+            if o is not None:
+                o.release()
+                self.stats.offers_released += 1
+            return {"ok": True, "released": o is not None}
+        if op == "stats":
+            return {"ok": True, **self.info()}
+        raise ValueError(f"unknown op {str(op)[:40]!r}")
+
+    def _alloc_of(self, msg: dict[str, Any]) -> Allocation:
+        a = self.buffer.get(str(msg.get("alloc")))
+        if a is None:
+            raise TransferError("unknown or expired allocation")
+        return a
+
+    def _offer_of(self, msg: dict[str, Any]) -> Offer:
+        with self._lock:
+            o = self._offers.get(str(msg.get("offer")))
+        if o is None:
+            raise TransferError("unknown or expired offer")
+        return o
+
+    def _serve_alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        request = msg.get("request")
+        chunks = msg.get("chunks")
+        if not isinstance(request, str) or not 0 < len(request) <= MAX_KEY:
+            raise ValueError("alloc: request id must be a string of 1-1024 characters")
+        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
+            raise ValueError(f"alloc: 1-{MAX_CHUNKS} chunks")
+        metas = [ChunkMeta.from_json(c) for c in chunks]
+        a = self.buffer.reserve(request, metas)
+        if a is None:
+            return {"ok": False, "full": True, "error": f"receive buffer full ({self.buffer.in_flight} of "
+                                                        f"{self.buffer.capacity} bytes in flight)"}
+        self._kick()
+        return {"ok": True, "alloc": a.id, "slots": [self.channel.describe(o) for o in a.objs],
+                "expires_in": round(a.deadline - self.buffer.clock(), 3)}
+
+    def _serve_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        a = self._alloc_of(msg)
+        sums = msg.get("checksums")
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(a.objs)):
+            raise ValueError("commit: one checksum per chunk")
+        if not self.channel.written(a, a.deadline):  # type: ignore[attr-defined]
+            raise TransferError("commit: the chunks' bytes have not arrived")
+        a = self.buffer.take(a.id)
+        if a is None:
+            raise TransferError("unknown or expired allocation")
+        n, bad = self._commit(a.metas, a.objs, sums, str(msg.get("verify", "full")))
+        a.objs = []
+        self.buffer.stats.committed += 1
+        return {"ok": True, "committed": n, "rejected": bad}
+
+    def _commit(self, metas: Sequence[ChunkMeta], objs: Sequence[MemoryObj], sums: Sequence[Any] | None,
+                mode: str) -> tuple[int, list[str]]:
+        """Check and sink each chunk (references taken over); returns (committed, rejected keys)."""
+        n, bad = 0, []
+        for j, (m, o) in enumerate(zip(metas, objs)):
+            want = sums[j] if sums is not None else None
+            if want is not None and mode in ("full", "sample") and checksum(o, mode) != want:
+                o.unref()
+                bad.append(m.key)
+                log.error("transfer: chunk %s failed its checksum; dropped", m.key[:100])
+                continue
+            try:
+                ok = self.sink(m.key, o)  # takes over o's reference
+            except Exception as exc:
+                log.error("transfer: chunk %s refused: %s", m.key[:100], exc)
+                ok = False
+            if ok:
+                n += 1
+            else:
+                bad.append(m.key)
+        self.buffer.stats.committed_chunks += n
+        self.buffer.stats.rejected_chunks += len(bad)
+        return n, bad
+
+    def _conn_closed(self, conn: _ServerConn) -> None:
+        close = getattr(self.channel, "on_close", None)
+        if close is not None:
+            close(conn)
+
+    # ------------------------------------------------------------ client side
+    def _connect(self, url: str, identity: str | None = None) -> Connection:
+        """An authenticated connection to ``url`` (pooled); with ``identity``, the endpoint
+        must announce that identity in the handshake (an offer names its endpoint's)."""
+        with self._lock:
+            idle = self._conns.get(url)
+            while idle:
+                c = idle.pop()
+                if not c.closed and not c.stale() and identity in (None, c.peer_identity):
+                    return c
+                c.close()
+        c = Connection(url, self.token, self.timeout, identity)
+        r = c.call({"op": "hello", "identity": self.identity, "channel": self.name, **self.channel.hello()})
+        if r.get("channel") != self.name:
+            c.close()
+            raise TransferError(f"transfer endpoint {url} runs channel {str(r.get('channel'))[:20]!r}, "
+                                f"this side {self.name!r}")
+        self.channel.on_hello(c, r)
+        return c
+
+    def _done(self, c: Connection) -> None:
+        if c.closed:
+            return
+        with self._lock:
+            idle = self._conns.setdefault(c.url, [])
+            if len(idle) < 4:
+                idle.append(c)
+                return
+        c.close()
+
+    def push(self, url: str, request: str, items: Sequence[tuple[str, MemoryObj]], *,
+             alloc_wait: float | None = None) -> dict[str, Any]:
+        """Send ``items`` (``(key, pool object)``; the caller keeps its references) to the
+        endpoint at ``url`` as request ``request``: allocate there (retrying a full buffer
+        with backoff for at most ``alloc_wait`` seconds, then :class:`TransferRefused`),
+        write, commit. Returns ``{chunks, bytes, seconds, waited, write_seconds, commit_seconds,
+        committed, rejected}`` (``waited``: until the slots were granted);
+        :class:`TransferError` on any failure (the receiver's slots are aborted, or freed
+        by its deadline)."""
+        if not items:
+            return {"chunks": 0, "bytes": 0, "seconds": 0.0, "waited": 0.0, "committed": 0, "rejected": []}
+        t0 = time.perf_counter()
+        metas = [ChunkMeta.of(k, o) for k, o in items]
+        objs = [o for _, o in items]
+        wait = self.alloc_wait if alloc_wait is None else alloc_wait
+        c = self._connect(url)
+        try:
+            msg = {"op": "alloc", "request": request, "chunks": [m.to_json() for m in metas]}
+            deadline, backoff = time.monotonic() + wait, 0.005
+            while True:
+                try:
+                    r = c.call(msg)
+                    break
+                except TransferRefused as exc:
+                    if "full" not in str(exc) or time.monotonic() + backoff > deadline:
+                        self.stats.push_refused += 1
+                        raise TransferRefused(f"push of request {request[:100]!r} to {url}: {exc} "
+                                              f"(gave up after {wait:g}s)") from None
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 0.1)
+            waited = time.perf_counter() - t0
+            alloc, slots = r.get("alloc"), r.get("slots")
+            if not isinstance(alloc, str) or not isinstance(slots, list) or len(slots) != len(objs):
+                raise TransferError(f"transfer endpoint {url}: a malformed alloc answer for {len(objs)} chunks")
+            # give up well before the receiver frees the slots, so a late write never lands in reused memory
+            expires = r.get("expires_in", self.slot_timeout)
+            expires = float(expires) if isinstance(expires, (int, float)) else self.slot_timeout
+            xfer_deadline = time.monotonic() + max(expires * 0.8, 0.05)
+            try:
+                sums = [checksum(o, self.verify) for o in objs] if self.verify != "off" else None
+                tw = time.perf_counter()
+                self.channel.write(c, objs, slots, alloc, xfer_deadline)  # type: ignore[attr-defined]
+                tc = time.perf_counter()
+                write_seconds = tc - tw
+                r = c.call({"op": "commit", "alloc": alloc, "checksums": sums, "verify": self.verify},
+                           timeout=max(xfer_deadline - time.monotonic(), 0.05) + self.timeout)
+            except BaseException:
+                try:
+                    if not c.closed:
+                        c.call({"op": "abort", "alloc": alloc})
+                except TransferError:
+                    pass
+                raise
+        except TransferRefused:
+            c.close()
+            raise
+        except TransferError:
+            self.stats.push_failed += 1
+            c.close()
+            raise
+        self._done(c)
+        nbytes = sum(m.nbytes for m in metas)
+        seconds = time.perf_counter() - t0
+        commit_seconds = time.perf_counter() - tc
+        self.stats.pushed_requests += 1
+        self.stats.pushed_chunks += len(items)
+        self.stats.pushed_bytes += nbytes
+        self.stats.push_seconds += seconds
+        return {"chunks": len(items), "bytes": nbytes, "seconds": seconds, "waited": waited,
+                "write_seconds": write_seconds, "commit_seconds": commit_seconds,
+                "committed": int(r.get("committed", 0)), "rejected": list(r.get("rejected", []))}
+
+    def offer(self, request: str, items: Sequence[tuple[str, MemoryObj]], ttl: float | None = None) -> dict[str, Any]:
+        """Hold ``items`` (a reference each is taken) for a peer to pull, for at most
+        ``ttl`` seconds (default ``slot_timeout``). Returns a JSON-able description to hand
+        to the puller (through a proxy: vLLM's ``kv_transfer_params``)."""
+        metas = [ChunkMeta.of(k, o) for k, o in items]
+        for _, o in items:
+            o.ref()
+        sums = [checksum(o, self.verify) for _, o in items] if self.verify != "off" else None
+        o = Offer(secrets.token_hex(8), request, list(zip(metas, [x for _, x in items])),
+                  time.monotonic() + (self.slot_timeout if ttl is None else ttl), sums)
+        with self._lock:
+            self._offers[o.id] = o
+        self.stats.offers += 1
+        self._kick()
+        return {"url": self.url, "identity": self.identity, "channel": self.name, "offer": o.id,
+                "request": request, "chunks": [m.to_json() for m in metas],
+                "addrs": [self.channel.describe(x) for _, x in o.items], "checksums": sums, "verify": self.verify}
+
+    def pull(self, offer: dict[str, Any], *, alloc_wait: float | None = None) -> dict[str, Any]:
+        """Fetch the chunks of a peer's :meth:`offer` into this side's slots, check them,
+        sink them, and release the offer. Returns ``{chunks, bytes, seconds, committed,
+        rejected}``; :class:`TransferRefused` when this side's buffer stays full for
+        ``alloc_wait``; :class:`TransferError` on failure (nothing committed)."""
+        t0 = time.perf_counter()
+        metas = [ChunkMeta.from_json(c) for c in offer["chunks"]]
+        sums = offer.get("checksums")
+        wait = self.alloc_wait if alloc_wait is None else alloc_wait
+        deadline, backoff = time.monotonic() + wait, 0.005
+        while True:
+            a = self.buffer.reserve(str(offer.get("request", "?")), metas)
+            if a is not None:
+                break
+            if time.monotonic() + backoff > deadline:
+                self.buffer.stats.refused += 1
+                raise TransferRefused(f"pull of request {str(offer.get('request'))[:100]!r}: receive buffer full "
+                                      f"for {wait:g}s")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.1)
+        self._kick()
+        try:
+            a = self.buffer.take(a.id)  # ours alone now: the reaper cannot free it under the read
+            assert a is not None
+            ident = offer.get("identity")
+            c = self._connect(str(offer["url"]), ident if isinstance(ident, str) else None)
+            try:
+                # the offering side keeps the chunks for expires_in from now; the read ends well before
+                left = float(c.call({"op": "claim", "offer": offer["offer"]}).get("expires_in", 0))
+                self.channel.read(c, offer, a.objs, time.monotonic() + left * 0.8)  # type: ignore[attr-defined]
+                c.call({"op": "release", "offer": offer["offer"]})
+            except BaseException:
+                c.close()
+                raise
+            self._done(c)
+        except BaseException:
+            a.release()
+            self.stats.pull_failed += 1
+            raise
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(metas)):
+            a.release()
+            raise TransferError("the offer carries another number of checksums than chunks")
+        n, bad = self._commit(a.metas, a.objs, sums, str(offer.get("verify", "full")))
+        a.objs = []
+        nbytes = sum(m.nbytes for m in metas)
+        self.stats.pulled_requests += 1
+        self.stats.pulled_chunks += n
+        self.stats.pulled_bytes += nbytes
+        return {"chunks": len(metas), "bytes": nbytes, "seconds": time.perf_counter() - t0, "committed": n,
+                "rejected": bad}
+
+    def remote_stats(self, url: str) -> dict[str, Any]:
+        c = self._connect(url)
+        try:
+            r = c.call({"op": "stats"})
+        except TransferError:
+            c.close()
+            raise
+        self._done(c)
+        return r
+
+    def info(self) -> dict[str, Any]:
+        import dataclasses
+
+        b = self.buffer
+        return {"channel": self.name, "url": self.url, "buffer_bytes": b.capacity, "in_flight_bytes": b.in_flight,
+                "open_allocations": len(b), "open_offers": len(self._offers), "verify": self.verify, **dataclasses.asdict(b.stats),
+                **dataclasses.asdict(self.stats)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kick()
+        self.server.close()
+        with self._lock:
+            conns = [c for cs in self._conns.values() for c in cs]
+            self._conns.clear()
+            offers, self._offers = list(self._offers.values()), {}
+        for c in conns:
+            c.close()
+        for o in offers:
+            o.release()
+        self._thread.join(2)
+        self.buffer.close()
+        self.channel.close()
+
+
+def _drop(key: str, obj: MemoryObj) -> bool:
+    obj.unref()
+    return False
+
+
+def open_channel(channel: str, pool: MemoryPool, **kw: Any) -> ChannelEndpoint:
+    """A :class:`ChannelEndpoint` on ``pool`` moving bytes with the registered channel
+    ``channel`` (``nixl`` or ``tcp``, or a plugin's). A channel that cannot run here
+    raises :class:`ChannelUnavailable` with one line saying what to install or fix."""
+    return ChannelEndpoint(channel, pool, **kw)
+
+
+__all__ = ["CHANNELS", "Allocation", "Channel", "ChannelEndpoint", "ChannelUnavailable", "ChunkMeta", "Connection",
+           "ControlServer", "ReceiveBuffer", "TransferError", "TransferRefused", "byte_buffer", "checksum",
+           "open_channel", "split_url", "verify_mode"]
