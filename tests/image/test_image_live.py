@@ -132,7 +132,9 @@ PROBE = ["/opt/venv/bin/python3", "/workspace/LMCache/examples/kubernetes/health
 
 def _server_pid(server: Container) -> int:
     rows = podman("top", server.name, "hpid", "args").stdout.splitlines()[1:]
-    pids = [int(r.split()[0]) for r in rows if "lmcache_server" in r and r.split()[0].isdigit()]
+    # the server's own process, not the init (`podman run --init`) that started it
+    pids = [int(r.split()[0]) for r in rows
+            if "lmcache_server" in r and r.split()[0].isdigit() and "init" not in r.split()[1]]
     assert len(pids) == 1, rows
     return pids[0]
 
