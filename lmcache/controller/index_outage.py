@@ -34,7 +34,7 @@ its own namespace only, so on a Cluster the namespaces of the nodes that answer 
 
 While the primary is still away, lookups over ``valkey+sentinel://`` are read from a
 replica, where nothing can be written: the read-only lookup there
-(``index_valkey._LOOKUP_STALE``) counts exactly the leases this resume would keep live
+(``valkey_scripts._LOOKUP_STALE``) counts exactly the leases this resume would keep live
 (those live at ``s`` that hold at ``max(s, m)``), so its answers and the first ones after
 the resume agree.
 """

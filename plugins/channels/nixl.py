@@ -39,8 +39,9 @@ from typing import Any, Sequence
 
 from lmcache.memory import MemoryObj
 from lmcache.transfer import (
-    Allocation, Channel, ChannelUnavailable, TransferError, _b64, _unb64,
+    Allocation, Channel, ChannelUnavailable, TransferError,
 )
+from lmcache.transfer_wire import _b64, _unb64
 
 log = logging.getLogger(__name__)
 NOTIF = b"lmct:"
