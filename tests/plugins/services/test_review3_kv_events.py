@@ -18,22 +18,9 @@ import torch
 from lmcache.engine import CacheEngine
 from lmcache.plugins.services.kv_events import request_replay
 
-from _missing import missing
-
-try:
-    import msgpack
-    import zmq
-except ImportError as exc:  # make test installs lmcache[events]: absent, CI fails and elsewhere it skips
-    msgpack = zmq = None
-    _ABSENT = f"{exc.name} is not installed: pip install 'lmcache[events]'"
-else:
-    _ABSENT = None
-
-
-@pytest.fixture(autouse=True)
-def _needs_zmq_and_msgpack():
-    if _ABSENT is not None:
-        missing(_ABSENT)
+# zmq and msgpack (lmcache[events]) as the KV-events tests import them, and their autouse
+# fixture: absent, CI fails with what to install and elsewhere it skips
+from test_kv_events import _needs_zmq_and_msgpack, msgpack, zmq  # noqa: F401
 
 
 CHUNK = 4
