@@ -26,7 +26,7 @@ from . import settings as check
 from . import upstream
 from .errors import ConfigError
 from .redact import redact
-from .config_services import ApiConfig, ControllerConfig, P2PConfig, TransferConfig  # noqa: F401 (sections of Config)
+from .config_services import ApiConfig, ControllerConfig, P2PConfig, PDConfig, TransferConfig  # noqa: F401 (sections of Config)
 from .settings import copy, env_values, keys, mask, option, parse, section_type, show, touched
 
 # Environment variables with the LMCACHE_ prefix that are not config keys (LMCache's own
@@ -276,6 +276,8 @@ class VllmOptions:
     read them; docs/engines.md); ``tokens`` stores per-token KV everywhere, which any engine
     of the same model and KV shape reads (the CPU backend's vec kernels; its other kernels
     pack blocks with no per-token view: whole blocks, keyed apart, either way).
+    ``skip_last_n_tokens``: lookups leave out a prompt's last n tokens (LMCache's connector
+    key; 1 on LMCache's PD decoders).
     """
 
     layerwise: bool = option(False, check.boolean)
@@ -285,6 +287,7 @@ class VllmOptions:
     load_failure_policy: str = option("recompute", check.choice("recompute", "fail"))
     lookup: str = option("auto", check.choice("auto", "socket", "inband"))
     entries: str = option("auto", check.choice("auto", "tokens"))
+    skip_last_n_tokens: int = option(0, check.integer(0))
 
     def validate(self, source: str | None) -> None:
         if self.lookup_wait > self.lookup_timeout:
@@ -326,6 +329,7 @@ class Config:
     # LMCache's key: the channel PD moves KV with (nixl, tcp, or a plugin's); null: no transfer endpoint
     transfer_channel: str | None = option(None, check.optional(check.name))
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
     approximate_reuse: ApproximateReuseConfig = field(default_factory=ApproximateReuseConfig)
     vllm: VllmOptions = field(default_factory=VllmOptions)
     source: str | None = field(default=None, compare=False)
@@ -439,21 +443,22 @@ def load_config(
             path = Path(source)
             cfg.source = str(path)
             layers.append((_read_yaml(path), str(path), f"file:{path}"))
-    theirs: dict[str, upstream.Setting] = {}
+    theirs: dict[str, upstream.Setting] = {}  # an old name never replaces its current name's value
     ours = keys(Config)
     for data, src, origin in layers:
         own, up = upstream.split(data, ours, src)
         cfg = _apply(cfg, own, src, origin)
-        theirs.update({k: upstream.Setting(v, origin, src) for k, v in up.items()})
+        upstream.merge(theirs, {k: upstream.Setting(v, origin, src) for k, v in up.items()})
     for var, data in env_values(type(cfg), environ, not_keys=_ENV_NOT_KEYS | upstream.env_names(environ)):
         cfg = _apply(cfg, data, f"${var}", f"env:{var}")
-    theirs.update(upstream.env_settings(environ, skip=_ENV_NOT_KEYS))
+    upstream.merge(theirs, upstream.env_settings(environ, skip=_ENV_NOT_KEYS))
     own, up = upstream.split(overrides, ours)
     cfg = _apply(cfg, own, None, "override")
-    theirs.update({k: upstream.Setting(v, "override", None) for k, v in up.items()})
+    upstream.merge(theirs, {k: upstream.Setting(v, "override", None) for k, v in up.items()})
     translation = upstream.translate(theirs, cfg.sources, environ)
     for fragment, origin, src in translation.parts:
         cfg = _apply(cfg, fragment, src, origin)
+    _across_sections(cfg)
     try:
         _check_memory(cfg, translation.names)
     except ConfigError as exc:
@@ -461,6 +466,14 @@ def load_config(
             raise
         too_big(exc)
     return cfg
+
+
+def _across_sections(cfg: Config) -> None:
+    """The rules between sections, once every source is merged: PD on with no channel named
+    moves KV over ``nixl`` (LMCache's only channel)."""
+    if cfg.pd.role != "off" and cfg.transfer_channel is None:
+        cfg.transfer_channel = "nixl"
+        cfg.sources["transfer_channel"] = "default:pd.role"
 
 
 def _check_memory(cfg: Config, names: Mapping[str, tuple[str, str | None]] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The config sections of lmcache's network services (see :mod:`lmcache.config`): the
-instance API, the controller worker, the P2P endpoint and the PD transfer endpoint. Each
-is a dataclass of :func:`~lmcache.settings.option` fields, one field of
+instance API, the controller worker, the P2P endpoint, the PD transfer endpoint and the PD
+role. Each is a dataclass of :func:`~lmcache.settings.option` fields, one field of
 :class:`lmcache.config.Config`."""
 
 from __future__ import annotations
@@ -149,10 +149,12 @@ class TransferConfig:
     ``timeout`` bounds every control call. ``verify``: ``auto`` (the channel's own:
     ``full`` over tcp, ``sample`` over nixl), ``full``, ``sample``, ``off``.
     ``nixl_backends``: the NIXL backends to start (LMCache's key; ``[UCX]``).
+    ``advertise_host``: the host peers use to reach this endpoint (``null``: derived at run time).
     """
 
     host: str = option("127.0.0.1", check.text)
     port: int = option(0, check.port)
+    advertise_host: str | None = option(None, check.optional(check.text))
     token: str | None = option(None, check.token, secret=True, env=True)
     buffer_size: int | None = option(None, check.optional(check.size()))
     slot_timeout: float = option(30.0, check.seconds(minimum=0.05))
@@ -160,3 +162,46 @@ class TransferConfig:
     timeout: float = option(5.0, check.seconds())
     verify: str = option("auto", check.choice("auto", "full", "sample", "off"))
     nixl_backends: list[str] = option(["UCX"], lambda k, v, s: _names(k, v, s))
+
+
+_PEER_PORT = check.rule(lambda v: v <= 65535, "must be <= 65535, got {}", after=check.integer(1))
+
+
+def _ports(key: str, v: Any, src: str | None) -> list[int]:
+    """A port, a list of ports or a comma-separated string of them (``"7300,7301"``)."""
+    items = [] if v is None else [p for p in v.split(",") if p.strip()] if isinstance(v, str) else \
+        v if isinstance(v, list) else [v]
+    if len(items) > 1024:
+        raise ConfigError(key, f"expected a port, a list of ports or \"7300,7301\", got {show(v)}", src)
+    return [_PEER_PORT(key, int(p) if isinstance(p, str) and p.strip().isdigit() else p, src) for p in items]
+
+
+@dataclass
+class PDConfig:
+    """Prefill->decode disaggregation (PD; see :mod:`lmcache.plugins.services.transfer`): this
+    instance's role, over the endpoint of ``transfer_channel`` (the ``transfer`` section;
+    ``nixl`` when PD is on and no channel is named). ``pd: receiver`` is short for
+    ``{role: receiver}``.
+
+    ``role``: ``off`` (no PD), ``sender`` (a prefiller: sends each request's KV), ``receiver``
+    (a decoder: takes it in) or ``both``. A receiver's transfer endpoint binds to
+    ``peer_host`` (LMCache's ``pd_peer_host``; ``0.0.0.0`` for every interface); TP rank r
+    listens on ``peer_init_port[r]`` (empty: ``transfer.port``). ``peer_alloc_port`` is
+    accepted for LMCache's configs (the endpoint uses one port per rank, the init port).
+    A sender tells LMCache's proxy (ZMQ, ``proxy_host:proxy_port``) that a request's KV was
+    sent, unless ``notify`` is false (LMCache's ``pd_skip_proxy_notification``), waiting
+    ``notify_timeout`` seconds at most. A decoder waits ``recv_timeout`` seconds at most
+    for a request's KV, then recomputes it; a prefiller holds a request's KV ``offer_ttl``
+    seconds for a decoder to pull (vLLM's ``kv_transfer_params`` flow).
+    """
+
+    role: str = option("off", check.choice("off", "sender", "receiver", "both"), shorthand=str)
+    peer_host: str = option("127.0.0.1", check.text)
+    peer_init_port: list[int] = option([], _ports)
+    peer_alloc_port: list[int] = option([], _ports)
+    proxy_host: str | None = option(None, check.optional(check.text))
+    proxy_port: int | None = option(None, check.optional(_PEER_PORT))
+    notify: bool = option(True, check.boolean)
+    notify_timeout: float = option(2.0, check.seconds())
+    recv_timeout: float = option(30.0, check.seconds())
+    offer_ttl: float = option(120.0, check.seconds())

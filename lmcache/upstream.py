@@ -14,7 +14,8 @@ Every upstream key is in exactly one table: :data:`MAPPED` (the key of ours it s
 set, upstream's defaults decide the storage the user did not describe (a 5 GB ``cpu``
 tier); the keys both vocabularies share (``chunk_size``, ``save_unfull_chunk``) are
 ours, with our defaults. Setting one thing in both vocabularies (``tiers`` and
-``local_cpu``) is a :class:`~lmcache.errors.ConfigError` naming both keys.
+``local_cpu``) is a :class:`~lmcache.errors.ConfigError` naming both keys. The PD keys
+(``enable_pd``, ``pd_*``, the older ``nixl_*``) are :mod:`lmcache.upstream_pd`'s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit
 from .errors import ConfigError
 from .redact import MASK, redact_text
 from .settings import show
+from . import upstream_pd
 
 log = logging.getLogger("lmcache.config")
 
@@ -62,17 +64,11 @@ MAPPED: dict[str, str] = {
     "p2p_host": "p2p.host",
     "p2p_init_ports": "p2p.port",
     "enable_kv_events": "kv_events.enabled",
+    **upstream_pd.MAPPED,  # enable_pd, pd_role, pd_peer_*, pd_proxy_*, pd_buffer_size, nixl_backends, ...
 }
 
-_PD = "PD over NIXL is not implemented here; prefill instances push KV with p2p (docs/distributed.md)"
 _GROUPS: dict[str, tuple[str, ...]] = {
-    _PD: ("enable_pd", "pd_role", "pd_buffer_size", "pd_buffer_device", "pd_peer_host", "pd_peer_init_port",
-          "pd_peer_alloc_port", "pd_peer_query_port", "pd_proxy_host", "pd_proxy_port", "pd_allocation_timeout_sec",
-          "pd_shutdown_timeout_sec", "pd_condition_poll_interval_sec", "pd_max_prefill_len", "pd_backend_mode",
-          "pd_skip_proxy_notification", "pd_bidirectional", "nixl_backends", "nixl_buffer_size",
-          "nixl_buffer_device",
-          # older releases' NIXL keys, still in deployed configs
-          "enable_nixl", "nixl_peer_port", "nixl_receiver_host", "nixl_receiver_port", "nixl_enable_gc"),
+    **upstream_pd.GROUPS,
     "CacheBlend is not implemented; approximate_reuse is the nearest (docs/truncation.md)":
         ("enable_blending", "blend_recompute_ratios", "blend_thresholds", "blend_check_layers", "blend_min_tokens",
          "blend_special_str"),
@@ -114,12 +110,10 @@ _GROUPS: dict[str, tuple[str, ...]] = {
 #: upstream key -> why it has no effect here
 NO_EFFECT: dict[str, str] = {k: why for why, ks in _GROUPS.items() for k in ks}
 
-#: upstream's old names (its ``_CONFIG_ALIASES``, less ``nixl_buffer_size``, a key of its own
-#: there too) -> the current key
+#: upstream's old names (its ``_CONFIG_ALIASES``, and older releases' NIXL keys) -> the current
+#: key; when both are set, in any order or sources, the current name's value wins (:func:`merge`)
 ALIASES: dict[str, str] = {
-    "enable_xpyd": "enable_pd", "nixl_peer_host": "pd_peer_host", "nixl_peer_init_port": "pd_peer_init_port",
-    "nixl_peer_alloc_port": "pd_peer_alloc_port", "nixl_proxy_host": "pd_proxy_host",
-    "nixl_proxy_port": "pd_proxy_port", "nixl_role": "pd_role",
+    **upstream_pd.ALIASES,  # enable_xpyd, enable_nixl, nixl_role, nixl_peer_*, ..., pd_transfer_channel
     "controller_url": "controller_pull_url", "lmcache_worker_port": "lmcache_worker_ports",
     "plugin_locations": "runtime_plugin_locations", "external_backends": "storage_plugins",
 }
@@ -129,7 +123,7 @@ KEYS = (set(MAPPED) | set(NO_EFFECT) | set(ALIASES)) - set(SHARED)
 #: ``LMCACHE_*`` variables upstream deployments set that name no key: quiet, or one warning
 #: (LMCACHE_FORCE_SKIP_SAVE is read by lmcache.integration.vllm's LMCacheConnectorV1 adapter)
 QUIET_ENV = {"LMCACHE_USE_EXPERIMENTAL", "LMCACHE_SERVER_SERVICE_PORT", "LMCACHE_INSTANCE_ID",
-             "LMCACHE_WORKER_PORT", "LMCACHE_FORCE_SKIP_SAVE"}
+             "LMCACHE_WORKER_PORT", "LMCACHE_FORCE_SKIP_SAVE", "LMCACHE_RPC_PORT"}
 IGNORED_ENV: dict[str, str] = {}
 
 #: ``extra_config`` keys that have a meaning here (the rest: no effect)
@@ -154,6 +148,7 @@ class Setting(NamedTuple):
     value: Any
     origin: str  #: what ``Config.sources`` records: ``file:<path>``, ``env:<VAR>``, ``mapping``, ``override``
     source: str | None  #: what a ConfigError names: the file, ``$VAR``, or None
+    alias: str | None = None  #: the old name (:data:`ALIASES`) it was set by, if any
 
 
 @dataclass
@@ -184,14 +179,15 @@ def warn_once(key: str, message: str) -> None:
 # ------------------------------------------------------------------ picking the keys out of a source
 def split(data: Mapping[Any, Any], ours: Collection[str],
           src: str | None = None) -> tuple[dict[Any, Any], dict[str, Any]]:
-    """``data`` as ``(our keys and unknown ones, upstream keys with aliases resolved)``.
-    An unknown key close to an upstream key (``local_cpus``) is a ConfigError naming it
-    with the hint; other unknown keys stay with ours, so that our parser refuses them."""
+    """``data`` as ``(our keys and unknown ones, upstream keys as written)``; :func:`merge`
+    resolves the old names. An unknown key close to an upstream key (``local_cpus``) is a
+    ConfigError naming it with the hint; other unknown keys stay with ours, so that our
+    parser refuses them."""
     own: dict[Any, Any] = {}
     theirs: dict[str, Any] = {}
     for k, v in data.items():
         if isinstance(k, str) and k not in ours and k in KEYS:
-            theirs[ALIASES.get(k, k)] = v
+            theirs[k] = v
             continue
         if isinstance(k, str) and k not in ours:
             hint = difflib.get_close_matches(k, [*ours, *sorted(KEYS)], n=1)
@@ -199,6 +195,20 @@ def split(data: Mapping[Any, Any], ours: Collection[str],
                 raise ConfigError(k, f"unknown key; did you mean '{hint[0]}' (LMCache's)?", src)
         own[k] = v
     return own, theirs
+
+
+def merge(into: dict[str, Setting], new: Mapping[str, Setting]) -> None:
+    """``new`` (upstream keys as written, old names included) over ``into`` (current names):
+    a later value wins, except that an old name never replaces a value set by its current
+    name, whatever the order or the sources (the production stack sets LMCACHE_ENABLE_PD=True
+    with LMCACHE_ENABLE_XPYD=False, and LMCACHE_PD_ROLE with LMCACHE_NIXL_ROLE)."""
+    for k, s in new.items():
+        key = ALIASES.get(k, k)
+        old = s.alias or (k if key != k else None)
+        if old and key in into and into[key].alias is None:
+            log.debug("LMCache key %s (%s) ignored: %s is set", old, s.origin, key)
+            continue
+        into[key] = s._replace(alias=old)
 
 
 def env_names(environ: Mapping[str, str]) -> set[str]:
@@ -210,7 +220,7 @@ def env_names(environ: Mapping[str, str]) -> set[str]:
 def env_settings(environ: Mapping[str, str], skip: Collection[str] = ()) -> dict[str, Setting]:
     """The upstream keys set by ``LMCACHE_<KEY>`` variables (``LMCACHE_LMCACHE_INSTANCE_ID``
     for ``lmcache_instance_id``), as raw strings with upstream's quoting undone; the
-    variables in ``skip`` have another meaning here."""
+    variables in ``skip`` have another meaning here. Keyed by current names: see :func:`merge`."""
     out: dict[str, Setting] = {}
     for var in sorted(env_names(environ) - set(skip)):
         if var in IGNORED_ENV:
@@ -219,7 +229,7 @@ def env_settings(environ: Mapping[str, str], skip: Collection[str] = ()) -> dict
             continue
         if var in QUIET_ENV:
             continue
-        out[ALIASES.get(var[8:].lower(), var[8:].lower())] = Setting(_unquote(environ[var]), f"env:{var}", f"${var}")
+        merge(out, {var[8:].lower(): Setting(_unquote(environ[var]), f"env:{var}", f"${var}")})
     return out
 
 
@@ -303,6 +313,10 @@ _CONVERT: dict[str, Callable[[str, Any, str | None], Any]] = {
                      "lmcache_instance_id", "p2p_host"), _text),
     "p2p_init_ports": _ints,
     "extra_config": _json,
+    **dict.fromkeys(("enable_pd", "pd_skip_proxy_notification"), _bool),
+    **dict.fromkeys(("pd_peer_host", "pd_proxy_host", "pd_buffer_device"), _text),
+    "skip_last_n_tokens": _number(int),
+    **upstream_pd.CONVERT,  # pd_role, pd_buffer_size, the ports, pd_allocation_timeout_sec, nixl_backends
 }
 
 
@@ -315,6 +329,13 @@ def translate(settings: Mapping[str, Setting], ours: Mapping[str, str],
     ConfigError naming both keys. ``environ`` is read for what upstream reads from it
     (``REDIS_SERVICE_NAME``). Empty ``settings`` translate to nothing."""
     tr = Translation()
+    channel = settings.get("transfer_channel")  # LMCACHE_PD_TRANSFER_CHANNEL: ours, unless ours names it
+    name = _text("transfer_channel", channel.value, channel.source) if channel is not None else None
+    if name is not None and "transfer_channel" not in ours:
+        tr.parts.append(({"transfer_channel": name}, channel.origin, channel.source))
+    # the connector's own skip_last_n_tokens (vllm.skip_last_n_tokens) wins over LMCACHE_SKIP_LAST_N_TOKENS, quietly
+    settings = {k: s for k, s in settings.items()
+                if k != "transfer_channel" and not (k == "skip_last_n_tokens" and MAPPED[k] in ours)}
     if not settings:
         return tr
     val = {k: _CONVERT[k](k, s.value, s.source) for k, s in settings.items() if k in _CONVERT}
@@ -360,6 +381,7 @@ def translate(settings: Mapping[str, Setting], ours: Mapping[str, str],
                                                      "(host:port of `lmcache controller`)", s.source)
         put("controller.url", _controller_url(val["controller_pull_url"], settings["controller_pull_url"]),
             "controller_pull_url")
+    upstream_pd.translate_pd(settings, val, put)
     return tr
 
 
@@ -396,8 +418,11 @@ def _storage(tr: Translation, settings: Mapping[str, Setting], val: Mapping[str,
         tiers.append(tier)
 
     cpu = val.get("max_local_cpu_size", 5.0)
+    pd_cpu = upstream_pd.cpu_capacity(val)
     if val.get("local_cpu", True) and cpu > 0:
         add({"backend": "cpu", "capacity": max(1, int(cpu * GB))}, "max_local_cpu_size")
+    elif pd_cpu is not None:  # PD: received KV lives in the top tier, the size of LMCache's PD buffer
+        add({"backend": "cpu", "capacity": pd_cpu}, "pd_buffer_size" if "pd_buffer_size" in val else None)
     disks = _local_disk(val.get("local_disk"), settings)
     disk_size = val.get("max_local_disk_size", 0.0)
     if disks and disk_size > 0:
@@ -428,7 +453,8 @@ def _storage(tr: Translation, settings: Mapping[str, Setting], val: Mapping[str,
                   "gds_path or remote_url): a 256 MiB cpu tier keeps the engine running (docs/migrating.md)")
         tiers.append({"backend": "cpu", "capacity": NO_STORAGE_CPU, "policy": policy})
     used = [k for k in ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "gds_path",
-                        "use_gds", "remote_url", "remote_serde", "cache_policy", "extra_config") if k in settings]
+                        "use_gds", "remote_url", "remote_serde", "cache_policy", "extra_config")
+            + (("enable_pd", "pd_buffer_size") if pd_cpu is not None else ()) if k in settings]
     origin = ", ".join(dict.fromkeys(settings[k].origin for k in used)) or "default:LMCache"
     source = settings[used[-1]].source if used else None
     tr.parts.insert(0, ({"tiers": tiers}, origin, source))
@@ -535,8 +561,11 @@ def _controller_url(v: str, s: Setting) -> str:
 def no_effect_keys(data: Mapping[Any, Any]) -> dict[str, str]:
     """The keys of a raw upstream mapping that have no effect here, with the reason (for
     ``lmcache config convert``)."""
-    _, theirs = split(data, ())
-    out = {k: NO_EFFECT[k] for k in theirs if k in NO_EFFECT}
+    from .config import Config
+    from .settings import keys
+
+    _, theirs = split(data, keys(Config))
+    out = {k: NO_EFFECT[ALIASES.get(k, k)] for k in theirs if ALIASES.get(k, k) in NO_EFFECT}
     extra = theirs.get("extra_config")
     if isinstance(extra, (dict, str)):
         try:

@@ -111,6 +111,17 @@ def test_unknown_env_variable_is_only_warned(caplog):
         ("kv_spec: {num_layers: 2, num_kv_heads: 1, head_size: 8, dtype: float17}\n", "kv_spec.dtype", "unknown dtype"),
         ("kv_spec: {layers: 2}\n", "kv_spec.layers", "unknown key"),
         ("lookup_pin_timeout: -1\n", "lookup_pin_timeout", "positive"),
+        ("pd: {role: decoder}\n", "pd.role", "must be one of off, sender, receiver, both; got 'decoder'"),
+        ("pd: decoder\n", "pd.role", "must be one of off, sender, receiver, both"),
+        ("pd: {role: receiver, peer_init_port: 70000}\n", "pd.peer_init_port", "must be <= 65535, got 70000"),
+        ("pd: {peer_init_port: '7300,x'}\n", "pd.peer_init_port", "expected an integer"),
+        ("pd: {peer_alloc_port: [7400, 0]}\n", "pd.peer_alloc_port", "must be >= 1"),
+        ("pd: {proxy_port: 70000}\n", "pd.proxy_port", "must be <= 65535"),
+        ("pd: {recv_timeout: 0}\n", "pd.recv_timeout", "positive"),
+        ("pd: {notify: maybe}\n", "pd.notify", "true or false"),
+        ("pd: {rol: sender}\n", "pd.rol", "did you mean 'role'"),
+        ("transfer: {advertise_host: ''}\n", "transfer.advertise_host", "non-empty string"),
+        ("vllm: {skip_last_n_tokens: -1}\n", "vllm.skip_last_n_tokens", "must be >= 0"),
         ("- 1\n- 2\n", "<file>", "mapping"),
         ("chunk_size: [\n", "<file>", "not valid YAML"),
     ],
@@ -124,6 +135,59 @@ def test_errors_name_the_key_and_the_file(tmp_path, yaml_text, key, fragment):
     assert err.key == key
     assert str(f) in str(err)
     assert fragment in str(err)
+
+
+PD_SECTION = """\
+pd:
+  role: receiver
+  peer_host: 0.0.0.0
+  peer_init_port: "7300,7301"
+  peer_alloc_port: 7400
+  proxy_host: pd-proxy
+  proxy_port: 7500
+  notify: false
+  notify_timeout: 1.5
+  recv_timeout: 10
+  offer_ttl: 60
+transfer: {advertise_host: decode-0.example, buffer_size: 64MiB}
+vllm: {skip_last_n_tokens: 1}
+"""
+
+
+def test_pd_section_loads_round_trips_and_turns_on_nixl(tmp_path):
+    import yaml
+
+    f = tmp_path / "pd.yaml"
+    f.write_text(PD_SECTION)
+    cfg = load_config(f, environ={})
+    pd = cfg.pd
+    assert (pd.role, pd.peer_host, pd.peer_init_port, pd.peer_alloc_port) == ("receiver", "0.0.0.0", [7300, 7301], [7400])
+    assert (pd.proxy_host, pd.proxy_port, pd.notify, pd.notify_timeout, pd.recv_timeout, pd.offer_ttl) == \
+        ("pd-proxy", 7500, False, 1.5, 10.0, 60.0)
+    assert (cfg.transfer.advertise_host, cfg.transfer.buffer_size, cfg.vllm.skip_last_n_tokens) == \
+        ("decode-0.example", 64 << 20, 1)
+    # PD on, no channel named: LMCache's only one
+    assert cfg.transfer_channel == "nixl" and cfg.source_of("transfer_channel") == "default:pd.role"
+    assert cfg.source_of("pd.peer_init_port") == f"file:{f}"
+    # what `lmcache config show` prints loads back to the same config
+    report = cfg.report()
+    assert report["values"]["pd"]["peer_init_port"] == [7300, 7301] and report["sources"]["pd.role"] == f"file:{f}"
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(cfg.to_dict()))
+    back = load_config(again, environ={})
+    assert (back.pd, back.transfer, back.vllm, back.transfer_channel) == (cfg.pd, cfg.transfer, cfg.vllm, "nixl")
+    # the defaults, the shorthand, ports as one int, a list or a string, the environment
+    d = load_config({}, environ={}).pd
+    assert (d.role, d.peer_host, d.peer_init_port, d.peer_alloc_port, d.proxy_host, d.proxy_port) == \
+        ("off", "127.0.0.1", [], [], None, None)
+    assert (d.notify, d.notify_timeout, d.recv_timeout, d.offer_ttl) == (True, 2.0, 30.0, 120.0)
+    assert load_config({}, environ={}).transfer_channel is None and load_config({}, environ={}).transfer.advertise_host is None
+    assert load_config({"pd": "sender"}, environ={}).pd.role == "sender"
+    for ports in (7300, [7300], "7300", " 7300 ,"):
+        assert load_config({"pd": {"peer_init_port": ports}}, environ={}).pd.peer_init_port == [7300]
+    env = load_config({}, environ={"LMCACHE_PD": "{role: both, peer_init_port: 7300}"})
+    assert (env.pd.role, env.pd.peer_init_port, env.transfer_channel) == ("both", [7300], "nixl")
+    assert load_config({"pd": "sender", "transfer_channel": "tcp"}, environ={}).transfer_channel == "tcp"
 
 
 def test_missing_file_is_a_config_error(tmp_path):

@@ -88,13 +88,14 @@ def test_local_disk_forms(tmp_path, caplog):
 
 
 def test_no_storage_at_all_is_a_small_cpu_tier(caplog):
-    """The production stack's PD env: nothing to store in; the engine still runs."""
+    """The production stack's PD storage env with PD off: nothing to store in; the engine still runs."""
     env = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_REMOTE_SERDE": "NULL",
-           "LMCACHE_ENABLE_NIXL": "True", "LMCACHE_NIXL_ROLE": "sender"}
+           "LMCACHE_ENABLE_NIXL": "False", "LMCACHE_NIXL_ROLE": "sender", "LMCACHE_NIXL_ENABLE_GC": "True"}
     with caplog.at_level(logging.WARNING, "lmcache.config"):
         cfg = load_config(None, environ=env)
-    assert tiers(cfg) == [("cpu", upstream.NO_STORAGE_CPU, "raw", "lru", {})]
-    assert "ask for no storage" in caplog.text and "enable_nixl" in caplog.text and "pd_role" in caplog.text
+    assert tiers(cfg) == [("cpu", upstream.NO_STORAGE_CPU, "raw", "lru", {})] and cfg.pd.role == "off"
+    assert "ask for no storage" in caplog.text and "nixl_enable_gc" in caplog.text
+    assert "PD keys (nixl_role) have no effect: enable_pd is not true" in caplog.text
 
 
 @pytest.mark.parametrize("url,backend,our_url", [
@@ -221,6 +222,147 @@ def test_internal_api_server():
     assert (cfg.api.enabled, cfg.api.host, cfg.api.port) == (True, "0.0.0.0", 6999)
 
 
+# ------------------------------------------------------------------ prefill->decode (PD)
+PD_PREFILLER = ('enable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\npd_proxy_host: "localhost"\n'
+                'pd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\nnixl_backends: [UCX]\n')
+PD_DECODER = ('enable_pd: True\ntransfer_channel: "nixl"\npd_role: "receiver"\npd_peer_host: "localhost"\n'
+              'pd_peer_init_port: 7300\npd_peer_alloc_port: 7400\npd_buffer_size: 2147483648\n'
+              'pd_buffer_device: "cuda"\nnixl_backends: [UCX]\n')
+
+
+def test_lmcache_1p1d_prefiller_and_decoder_files(tmp_path, caplog):
+    """LMCache's 1P1D example files (docs, disagg_prefill/1p1d): a PD sender and a PD receiver."""
+    files = {}
+    for name, text in (("prefiller", PD_PREFILLER), ("decoder", PD_DECODER)):
+        files[name] = tmp_path / f"lmcache-{name}-config.yaml"
+        files[name].write_text(text)
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        pre = load_config(files["prefiller"], environ={}, too_big=lambda e: None)  # LMCache's 5 GB cpu default
+        dec = load_config(files["decoder"], environ={}, too_big=lambda e: None)
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]
+    assert (pre.pd.role, pre.pd.proxy_host, pre.pd.proxy_port, pre.pd.notify) == ("sender", "localhost", 7500, True)
+    assert (pre.transfer_channel, pre.transfer.buffer_size, pre.transfer.nixl_backends) == ("nixl", GB, ["UCX"])
+    assert pre.source_of("pd.role") == pre.source_of("transfer.buffer_size") == f"file:{files['prefiller']}"
+    assert (dec.pd.role, dec.pd.peer_host, dec.pd.peer_init_port, dec.pd.peer_alloc_port) == \
+        ("receiver", "localhost", [7300], [7400])
+    assert (dec.transfer_channel, dec.transfer.buffer_size, dec.transfer.nixl_backends) == ("nixl", 2 * GB, ["UCX"])
+    assert dec.vllm.skip_last_n_tokens == 0  # LMCache's decoders set it in kv_connector_extra_config
+    # with local_cpu: False (the docs' prefiller) the cpu tier is the PD buffer: received KV lives in the top tier
+    f = tmp_path / "no-cpu.yaml"
+    f.write_text(PD_PREFILLER + "local_cpu: False\n")
+    assert tiers(load_config(f, environ={})) == [("cpu", GB, "raw", "lru", {})]
+
+
+PS_DECODE_POD = {
+    "LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_ENABLE_PD": "True",
+    "LMCACHE_ENABLE_NIXL": "True", "LMCACHE_TRANSFER_CHANNEL": "nixl", "LMCACHE_PD_TRANSFER_CHANNEL": "nixl",
+    "LMCACHE_PD_ROLE": "receiver", "LMCACHE_NIXL_ROLE": "receiver", "LMCACHE_PD_BUFFER_SIZE": "58720256",
+    "LMCACHE_NIXL_BUFFER_SIZE": "58720256", "LMCACHE_PD_BUFFER_DEVICE": "cuda", "LMCACHE_NIXL_BUFFER_DEVICE": "cuda",
+    "LMCACHE_PD_PEER_HOST": "0.0.0.0", "LMCACHE_NIXL_PEER_HOST": "0.0.0.0", "LMCACHE_PD_PEER_INIT_PORT": "7300",
+    "LMCACHE_NIXL_PEER_INIT_PORT": "7300", "LMCACHE_PD_PEER_ALLOC_PORT": "7400", "LMCACHE_NIXL_PEER_ALLOC_PORT": "7400",
+    "LMCACHE_ENABLE_XPYD": "False", "LMCACHE_RPC_PORT": "consumer1", "LMCACHE_SKIP_LAST_N_TOKENS": "1",
+    "LMCACHE_REMOTE_SERDE": "naive",
+}
+
+
+def test_production_stack_pd_pods_env(caplog):
+    """production-stack's operator environment for a decode pod and a prefill pod: PD on
+    (its LMCACHE_ENABLE_XPYD=False beside LMCACHE_ENABLE_PD=True does not switch it off),
+    the cpu tier the size of the PD buffer, no warning but the CUDA note."""
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        dec = load_config(None, environ=PS_DECODE_POD)
+    assert (dec.pd.role, dec.pd.peer_host, dec.pd.peer_init_port, dec.pd.peer_alloc_port) == \
+        ("receiver", "0.0.0.0", [7300], [7400])
+    assert tiers(dec) == [("cpu", 58720256, "raw", "lru", {})] and dec.transfer.buffer_size == 58720256
+    assert (dec.transfer_channel, dec.vllm.skip_last_n_tokens) == ("nixl", 1)
+    assert (dec.source_of("pd.role"), dec.source_of("transfer_channel")) == ("env:LMCACHE_PD_ROLE", "env:LMCACHE_TRANSFER_CHANNEL")
+    assert dec.source_of("tiers") == "env:LMCACHE_LOCAL_CPU, env:LMCACHE_MAX_LOCAL_CPU_SIZE, env:LMCACHE_REMOTE_SERDE, " \
+                                     "env:LMCACHE_ENABLE_PD, env:LMCACHE_PD_BUFFER_SIZE"
+    assert not [r for r in caplog.records if "no CUDA" not in r.getMessage()], caplog.text
+    prefill = {k: v for k, v in PS_DECODE_POD.items() if "PEER" not in k and k != "LMCACHE_SKIP_LAST_N_TOKENS"}
+    prefill.update({"LMCACHE_PD_ROLE": "sender", "LMCACHE_NIXL_ROLE": "sender", "LMCACHE_RPC_PORT": "producer1",
+                    "LMCACHE_PD_PROXY_HOST": "pd-proxy", "LMCACHE_PD_PROXY_PORT": "7500",
+                    "LMCACHE_NIXL_PROXY_HOST": "pd-proxy", "LMCACHE_NIXL_PROXY_PORT": "7500"})
+    pre = load_config(None, environ=prefill)
+    assert (pre.pd.role, pre.pd.proxy_host, pre.pd.proxy_port, pre.pd.peer_init_port) == ("sender", "pd-proxy", 7500, [])
+    assert (tiers(pre), pre.vllm.skip_last_n_tokens, pre.transfer_channel) == ([("cpu", 58720256, "raw", "lru", {})], 0, "nixl")
+
+
+def test_old_nixl_prefiller_file(tmp_path, caplog):
+    """lmcache-prefiller-config.yaml of LMCache's NIXL days: the old names, the same PD sender."""
+    f = tmp_path / "lmcache-prefiller-config.yaml"
+    f.write_text(ANCHOR_FILES["lmcache-prefiller-config.yaml @5ee0c1f (old NIXL keys)"][0])
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        cfg = load_config(f, environ={})
+    assert (cfg.pd.role, cfg.pd.peer_host, cfg.pd.peer_init_port) == ("sender", "localhost", [55555])
+    assert tiers(cfg) == [("cpu", GB, "raw", "lru", {})] and cfg.transfer.buffer_size == GB
+    assert cfg.transfer_channel == "nixl" and cfg.source_of("transfer_channel") == "default:pd.role"
+    assert [m.split(" has no effect")[0] for m in (r.getMessage() for r in caplog.records) if "no effect" in m] == \
+        ["LMCache config key nixl_enable_gc"]
+
+
+@pytest.mark.parametrize("file,env,overrides,role", [
+    ({}, {"LMCACHE_ENABLE_XPYD": "False", "LMCACHE_ENABLE_PD": "True", "LMCACHE_PD_ROLE": "receiver"}, {}, "receiver"),
+    ({"enable_xpyd": False, "enable_pd": True, "pd_role": "sender"}, {}, {}, "sender"),
+    ({"enable_pd": True, "enable_xpyd": False, "nixl_role": "receiver", "pd_role": "sender"}, {}, {}, "sender"),
+    ({"enable_pd": True, "pd_role": "sender"}, {"LMCACHE_NIXL_ROLE": "receiver", "LMCACHE_ENABLE_NIXL": "0"}, {},
+     "sender"),
+    ({"nixl_role": "receiver", "enable_xpyd": True}, {"LMCACHE_PD_ROLE": "sender"}, {}, "sender"),
+    ({"enable_pd": True, "pd_role": "sender"}, {}, {"nixl_role": "receiver", "enable_xpyd": False}, "sender"),
+    ({"nixl_role": "receiver", "enable_nixl": True}, {"LMCACHE_NIXL_ROLE": "sender"}, {}, "sender"),  # old over old: later
+])
+def test_current_name_wins_over_its_old_name(file, env, overrides, role, caplog):
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        assert load_config(file, environ=env, **overrides).pd.role == role
+    assert caplog.records == []
+
+
+def test_pd_transfer_channel_variable():
+    assert load_config(None, environ={"LMCACHE_PD_TRANSFER_CHANNEL": "tcp"}).transfer_channel == "tcp"
+    both = {"LMCACHE_PD_TRANSFER_CHANNEL": "tcp", "LMCACHE_TRANSFER_CHANNEL": "nixl"}
+    assert load_config(None, environ=both).transfer_channel == "nixl"
+    assert load_config({"transfer_channel": "nixl"}, environ={"LMCACHE_PD_TRANSFER_CHANNEL": "tcp"}).transfer_channel == "nixl"
+    assert load_config({"enable_pd": True, "pd_role": "sender", "transfer_channel": "tcp"}, environ={}).transfer_channel == "tcp"
+
+
+def test_enable_pd_without_pd_role_is_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'pd_role' \(in \$LMCACHE_ENABLE_PD\): is required when "
+                                          r"enable_pd is true: sender, receiver or both$"):
+        load_config(None, environ={"LMCACHE_ENABLE_PD": "True"})
+    f = tmp_path / "pd.yaml"
+    f.write_text("enable_pd: true\npd_peer_host: localhost\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, environ={})
+    assert ei.value.key == "pd_role" and str(f) in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_pd_allocation_timeout_is_capped(caplog):
+    pd = {"enable_pd": True, "pd_role": "sender"}
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        assert load_config({**pd, "pd_allocation_timeout_sec": float("inf")}, environ={}).transfer.alloc_wait == 60.0
+        env = {"LMCACHE_ENABLE_PD": "1", "LMCACHE_PD_ROLE": "sender", "LMCACHE_PD_ALLOCATION_TIMEOUT_SEC": "inf"}
+        assert load_config(None, environ=env).transfer.alloc_wait == 60.0
+    assert sum("never retried forever" in r.getMessage() for r in caplog.records) == 1
+    assert load_config({**pd, "pd_allocation_timeout_sec": 1e9}, environ={}).transfer.alloc_wait == 60.0
+    assert load_config({**pd, "pd_allocation_timeout_sec": 10}, environ={}).transfer.alloc_wait == 10.0
+    with pytest.raises(ConfigError, match=r"'pd_allocation_timeout_sec'.*positive number of seconds"):
+        load_config({**pd, "pd_allocation_timeout_sec": 0}, environ={})
+
+
+def test_pd_off_leaves_its_keys_without_effect(caplog):
+    with caplog.at_level(logging.WARNING, "lmcache.config"):
+        cfg = load_config({"enable_pd": False, "pd_role": "sender", "pd_buffer_size": 1 << 20,
+                           "nixl_backends": ["UCX", "GDS"]}, environ={})
+    assert (cfg.pd.role, cfg.transfer.buffer_size, cfg.transfer_channel) == ("off", None, None)
+    assert cfg.transfer.nixl_backends == ["UCX", "GDS"]  # the nixl channel's, PD or not
+    assert "PD keys (pd_role, pd_buffer_size) have no effect: enable_pd is not true" in caplog.text
+    assert load_config({"pd_role": "receiver"}, environ={}).pd.role == "off"  # LMCache's enable_pd default: false
+    # the connector's own skip_last_n_tokens wins over the variable, quietly
+    env = {"LMCACHE_SKIP_LAST_N_TOKENS": "1"}
+    assert load_config(None, environ=env).vllm.skip_last_n_tokens == 1
+    assert load_config(None, environ=env, vllm={"skip_last_n_tokens": 2}).vllm.skip_last_n_tokens == 2
+
+
 # ------------------------------------------------------------------ refusals, warnings, env forms
 @pytest.mark.parametrize("ours,theirs,names", [
     ({"tiers": [{"backend": "cpu", "capacity": "1GiB"}]}, {"LMCACHE_LOCAL_CPU": "True"}, ("local_cpu", "tiers")),
@@ -230,6 +372,9 @@ def test_internal_api_server():
     ({"vllm": {"layerwise": True}}, {"LMCACHE_USE_LAYERWISE": "True"}, ("use_layerwise", "vllm.layerwise")),
     ({"controller": {"instance_id": "a"}}, {"LMCACHE_LMCACHE_INSTANCE_ID": "b"},
      ("lmcache_instance_id", "controller.instance_id")),
+    ({"pd": {"role": "sender"}}, {"LMCACHE_ENABLE_PD": "True", "LMCACHE_PD_ROLE": "sender"}, ("enable_pd", "pd.role")),
+    ({"transfer": {"buffer_size": "1GiB"}}, {"LMCACHE_ENABLE_PD": "1", "LMCACHE_PD_ROLE": "sender",
+                                             "LMCACHE_NIXL_BUFFER_SIZE": "1024"}, ("pd_buffer_size", "transfer.buffer_size")),
 ])
 def test_mixing_vocabularies_is_refused_naming_both(ours, theirs, names):
     with pytest.raises(ConfigError) as ei:
@@ -274,6 +419,11 @@ def test_no_effect_keys_warned_once_each(caplog):
     ({"LMCACHE_EXTRA_CONFIG": "{use_odirect: false}"}, r"'extra_config'.*expected a JSON object"),
     ({"LMCACHE_EXTRA_CONFIG": "[1]"}, r"'extra_config'.*expected a mapping"),
     ({"LMCACHE_LOOKUP_TIMEOUT_MS": "1.5"}, r"'lookup_timeout_ms'.*expected an integer"),
+    ({"LMCACHE_PD_ROLE": "decoder"}, r"'pd_role' \(in \$LMCACHE_PD_ROLE\): 'decoder' is not sender, receiver or both"),
+    ({"LMCACHE_NIXL_PEER_PORT": "7300,70000"}, r"'pd_peer_init_port' \(in \$LMCACHE_NIXL_PEER_PORT\): must be <= 65535"),
+    ({"LMCACHE_PD_PROXY_PORT": "7500,7501"}, r"'pd_proxy_port'.*expected one port"),
+    ({"LMCACHE_PD_BUFFER_SIZE": "1GB"}, r"'pd_buffer_size'.*expected a number of bytes"),
+    ({"LMCACHE_NIXL_BACKENDS": "UCX,a b"}, r"'nixl_backends\[1\]'.*may only contain"),
 ])
 def test_bad_env_values_name_key_and_variable(env, match):
     with pytest.raises(ConfigError, match=match):
@@ -302,7 +452,7 @@ ANCHOR_FILES = {
         'retrieve_locations: ["PDBackend"]\nstore_location: "RemoteBackend"\nenable_pd: True\n'
         'transfer_channel: "nixl"\npd_role: "receiver"\npd_peer_host: "localhost"\npd_peer_init_port: 7300\n'
         'pd_peer_alloc_port: 7400\npd_buffer_size: 2147483648\npd_buffer_device: "cuda"\nnixl_backends: [UCX]\n'
-        "save_decode_cache: true\nsave_unfull_chunk: true\n", ["lm"]),
+        "save_decode_cache: true\nsave_unfull_chunk: true\n", ["cpu", "lm"]),
     "prefiller (current docs)": (
         'enable_pd: True\ntransfer_channel: "nixl"\npd_role: "sender"\npd_proxy_host: "localhost"\n'
         'pd_proxy_port: 7500\npd_buffer_size: 1073741824\npd_buffer_device: "cuda"\nnixl_backends: [UCX]\n'
@@ -440,7 +590,8 @@ def test_an_engine_from_a_pd_config_with_no_storage_runs():
     from lmcache import CacheEngine
 
     env = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_REMOTE_SERDE": "NULL",
-           "LMCACHE_ENABLE_NIXL": "True", "LMCACHE_CHUNK_SIZE": "16"}
+           "LMCACHE_ENABLE_NIXL": "True", "LMCACHE_NIXL_ROLE": "sender", "LMCACHE_NIXL_BUFFER_SIZE": str(16 << 20),
+           "LMCACHE_CHUNK_SIZE": "16"}
     toks = list(range(32))
     with CacheEngine(load_config(None, environ=env), kv_spec=SPEC) as e:
         e.store(toks, _kv(toks))

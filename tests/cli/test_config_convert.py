@@ -25,7 +25,7 @@ enable_controller: true
 controller_pull_url: "localhost:8300"
 controller_reply_url: "localhost:8400"
 lmcache_instance_id: pod-1
-enable_nixl: True
+nixl_enable_gc: True
 extra_config: {{use_odirect: false, lookup_backoff_time: 0.001}}
 """
 
@@ -44,7 +44,7 @@ def test_convert_writes_our_format_and_lists_no_effect_keys(tmp_path):
     assert result.exit_code == 0, result.output
     assert "local_cpu" not in result.stdout and "tiers:" in result.stdout
     assert sorted(result.stderr.splitlines()) == sorted([
-        "lmcache: no effect here: enable_nixl (" + upstream.NO_EFFECT["enable_nixl"] + ")",
+        "lmcache: no effect here: nixl_enable_gc (" + upstream.NO_EFFECT["nixl_enable_gc"] + ")",
         "lmcache: no effect here: controller_reply_url (" + upstream.NO_EFFECT["controller_reply_url"] + ")",
         "lmcache: no effect here: extra_config.lookup_backoff_time (" + upstream._EXTRA_WHY + ")",
     ])
@@ -125,3 +125,44 @@ def test_show_convert_and_validate_take_a_config_bigger_than_this_machine(tmp_pa
 
     with pytest.raises(ConfigError, match="more than this machine has"):
         load_config(src, environ={})  # what an engine loads: refused
+
+
+PD_DECODER = """\
+local_cpu: False
+max_local_cpu_size: 0
+enable_pd: True
+transfer_channel: "nixl"
+pd_role: "receiver"
+pd_peer_host: "0.0.0.0"
+pd_peer_init_port: 7300
+pd_peer_alloc_port: 7400
+pd_buffer_size: 2147483648
+pd_buffer_device: "cuda"
+pd_backend_mode: async
+nixl_backends: [UCX]
+"""
+
+
+def test_convert_and_show_a_pd_config(tmp_path, monkeypatch):
+    """LMCache's PD decoder file converts to our pd and transfer sections; the result loads to
+    the same PD settings, and `config show` prints them."""
+    upstream._warned.clear()
+    src = tmp_path / "lmcache-decoder-config.yaml"
+    src.write_text(PD_DECODER)
+    result = runner.invoke(app, ["config", "convert", str(src)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "lmcache: no effect here: pd_backend_mode (" + upstream.NO_EFFECT["pd_backend_mode"] + ")"]
+    out = tmp_path / "ours.yaml"
+    out.write_text(result.stdout)
+    ours, theirs = load_config(out, environ={}), load_config(src, environ={})
+    assert (ours.pd, ours.transfer, ours.transfer_channel) == (theirs.pd, theirs.transfer, theirs.transfer_channel)
+    assert (ours.pd.role, ours.pd.peer_init_port, ours.transfer.buffer_size) == ("receiver", [7300], 2 << 30)
+    assert [(t.backend, t.capacity) for t in ours.tiers] == [("cpu", 2 << 30)]
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(out))
+    monkeypatch.delenv("LMCACHE_API_URL", raising=False)
+    shown = runner.invoke(app, ["config", "show", "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    assert report["values"]["pd"]["role"] == "receiver" and report["values"]["pd"]["peer_alloc_port"] == [7400]
+    assert report["sources"]["pd.peer_host"] == f"file:{out}"

@@ -116,13 +116,19 @@ class LMCacheConnector(KVConnectorBase_V1):
         """The config file and the overrides that ``kv_connector_extra_config`` names:
         ``lmcache.config_file``, ``lmcache.<key>`` and ``lmcache.vllm.<key>`` (the ``vllm``
         section, :class:`lmcache.config.VllmOptions`). Checked by :func:`load_config`, so
-        an unknown key is refused there, named."""
+        an unknown key is refused there, named. LMCache's ``skip_last_n_tokens`` is
+        ``vllm.skip_last_n_tokens`` (``lmcache.vllm.skip_last_n_tokens`` wins); its
+        ``discard_partial_chunks`` and ``lmcache_rpc_port``, like other connectors' keys, are
+        left alone."""
         config_file = extra.get("lmcache.config_file")
         own = {k[len(CONNECTOR_PREFIX):]: v for k, v in extra.items() if k.startswith(CONNECTOR_PREFIX)}
         overrides: dict[str, Any] = {
             k[len("lmcache."):]: v for k, v in extra.items()
             if k.startswith("lmcache.") and not k.startswith(CONNECTOR_PREFIX) and k != "lmcache.config_file"
         }  # fmt: skip
+        skip = extra.get("skip_last_n_tokens")
+        if skip is not None and "skip_last_n_tokens" not in own:
+            own["skip_last_n_tokens"] = int(skip) if isinstance(skip, str) and skip.strip().isdigit() else skip
         if own:
             overrides["vllm"] = own
         return config_file, overrides
