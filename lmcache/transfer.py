@@ -54,7 +54,6 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,7 +61,8 @@ import torch
 from .memory import MemoryObj, MemoryPool
 
 from .transfer_buffer import (  # noqa: F401 (re-exported: the channels and the service import them from here)
-    SAMPLE, VERIFY, Allocation, BufferStats, ChunkMeta, ReceiveBuffer, byte_buffer, checksum, verify_mode)
+    SAMPLE, VERIFY, Allocation, BufferStats, ChunkMeta, EndpointStats, Offer, ReceiveBuffer, byte_buffer, checksum,
+    offer_name, verify_mode)
 from .transfer_wire import (  # noqa: F401 (re-exported)
     CHANNELS, DEFAULT_PORT, KIND_AUTH, KIND_MSG, MAGIC, MAX_CHUNKS, MAX_KEY, MAX_MSG, VERSION, ChannelUnavailable,
     Connection, ControlServer, TransferError, TransferRefused, _ServerConn, split_url)
@@ -109,37 +109,6 @@ class Channel:
 
     def close(self) -> None:
         pass
-
-
-@dataclass
-class EndpointStats:
-    pushed_requests: int = 0
-    pushed_chunks: int = 0
-    pushed_bytes: int = 0
-    push_seconds: float = 0.0
-    push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
-    push_failed: int = 0
-    pulled_requests: int = 0
-    pulled_chunks: int = 0
-    pulled_bytes: int = 0
-    pull_failed: int = 0
-    offers: int = 0
-    offers_released: int = 0
-    offers_expired: int = 0
-
-
-@dataclass
-class Offer:
-    id: str
-    request: str
-    items: list[tuple[ChunkMeta, MemoryObj]]
-    deadline: float
-    sums: list[int] | None = None
-
-    def release(self) -> None:
-        items, self.items = self.items, []
-        for _, o in items:
-            o.unref()
 
 
 Sink = Callable[[str, MemoryObj], bool]
@@ -274,6 +243,8 @@ class ChannelEndpoint:
                 raise ValueError("read: bad chunk indices")
             self.channel.serve_read(conn, msg, [o.items[i][1] for i in idx])  # type: ignore[attr-defined]
             return None
+        if op == "describe":  # a puller that knows only the offer's name (pull_named)
+            return {"ok": True, "offer": self._offer_of(msg).description}
         if op == "claim":  # a puller starts reading: the offer lives for slot_timeout from now
             o = self._offer_of(msg)
             with self._lock:
@@ -466,23 +437,61 @@ class ChannelEndpoint:
                 "write_seconds": write_seconds, "commit_seconds": commit_seconds,
                 "committed": int(r.get("committed", 0)), "rejected": list(r.get("rejected", []))}
 
-    def offer(self, request: str, items: Sequence[tuple[str, MemoryObj]], ttl: float | None = None) -> dict[str, Any]:
+    def offer(self, request: str, items: Sequence[tuple[str, MemoryObj]], ttl: float | None = None, *,
+              name: str | None = None) -> dict[str, Any]:
         """Hold ``items`` (a reference each is taken) for a peer to pull, for at most
         ``ttl`` seconds (default ``slot_timeout``). Returns a JSON-able description to hand
-        to the puller (through a proxy: vLLM's ``kv_transfer_params``)."""
+        to the puller. ``name``: the offer's id (:func:`offer_name`; default random), so a
+        peer that knows only the name and this endpoint's URL can :meth:`pull_named` it
+        (vLLM's kv_transfer_params flow); an offer of the same name is replaced."""
+        oid = offer_name(name) if name is not None else secrets.token_hex(8)
         metas = [ChunkMeta.of(k, o) for k, o in items]
         for _, o in items:
             o.ref()
         sums = [checksum(o, self.verify) for _, o in items] if self.verify != "off" else None
-        o = Offer(secrets.token_hex(8), request, list(zip(metas, [x for _, x in items])),
+        o = Offer(oid, request, list(zip(metas, [x for _, x in items])),
                   time.monotonic() + (self.slot_timeout if ttl is None else ttl), sums)
+        o.description = {"url": self.url, "identity": self.identity, "channel": self.name, "offer": o.id,
+                         "request": request, "chunks": [m.to_json() for m in metas],
+                         "addrs": [self.channel.describe(x) for _, x in o.items], "checksums": sums,
+                         "verify": self.verify}
         with self._lock:
+            old = self._offers.pop(oid, None)
             self._offers[o.id] = o
+        if old is not None:
+            old.release()
         self.stats.offers += 1
         self._kick()
-        return {"url": self.url, "identity": self.identity, "channel": self.name, "offer": o.id,
-                "request": request, "chunks": [m.to_json() for m in metas],
-                "addrs": [self.channel.describe(x) for _, x in o.items], "checksums": sums, "verify": self.verify}
+        return o.description
+
+    def pull_named(self, url: str, name: str, *, identity: str | None = None, deadline: float | None = None,
+                   alloc_wait: float | None = None) -> dict[str, Any]:
+        """:meth:`pull` the offer ``name`` of the endpoint at ``url`` (which must announce
+        ``identity`` when given), waiting for it to appear until ``deadline`` (monotonic;
+        default ``timeout`` from now): the peer may still be creating it."""
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        offer_name(name)
+        backoff = 0.005
+        while True:  # the offer may not exist yet, or the peer may be slow to answer: until the deadline
+            try:
+                c = self._connect(url, identity)
+                r = c.call({"op": "describe", "offer": name}, timeout=max(min(self.timeout, end - time.monotonic()), 0.05))
+            except TransferError as exc:
+                final = ("transfer token", "token proof", ", not ", "runs channel", "cannot reach")  # never better
+                if any(f in str(exc) for f in final) or time.monotonic() + backoff > end:
+                    self.stats.pull_failed += 1
+                    raise TransferError(f"offer {name!r} of {url}: {exc}") from None
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.05)
+                continue
+            self._done(c)
+            break
+        desc = r.get("offer")
+        if not isinstance(desc, dict) or desc.get("offer") != name or not isinstance(desc.get("chunks"), list):
+            raise TransferError(f"transfer endpoint {url}: a malformed description of offer {name!r}")
+        desc["url"] = url  # the address this side dialled, not one the answer names
+        wait = max(0.0, end - time.monotonic()) if alloc_wait is None else alloc_wait
+        return self.pull(desc, alloc_wait=wait)
 
     def pull(self, offer: dict[str, Any], *, alloc_wait: float | None = None) -> dict[str, Any]:
         """Fetch the chunks of a peer's :meth:`offer` into this side's slots, check them,

@@ -235,3 +235,46 @@ class ReceiveBuffer:
             a.release()
 
 
+@dataclass
+class EndpointStats:
+    pushed_requests: int = 0
+    pushed_chunks: int = 0
+    pushed_bytes: int = 0
+    push_seconds: float = 0.0
+    push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
+    push_failed: int = 0
+    pulled_requests: int = 0
+    pulled_chunks: int = 0
+    pulled_bytes: int = 0
+    pull_failed: int = 0
+    offers: int = 0
+    offers_released: int = 0
+    offers_expired: int = 0
+
+
+@dataclass
+class Offer:
+    id: str
+    request: str
+    items: list[tuple[ChunkMeta, MemoryObj]]
+    deadline: float
+    sums: list[int] | None = None
+    #: the JSON-able description a puller needs (what :meth:`ChannelEndpoint.offer` returns)
+    description: dict[str, Any] | None = None
+
+    def release(self) -> None:
+        items, self.items = self.items, []
+        for _, o in items:
+            o.unref()
+
+
+#: an offer's name: what a peer's kv_transfer_params carry (hostile: bounded and plain)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def offer_name(name: Any) -> str:
+    """``name`` if it is a usable offer name (1-128 characters of letters, digits and
+    ``-_.:``), else ValueError (one line)."""
+    if not isinstance(name, str) or not 0 < len(name) <= 128 or not set(name) <= _NAME_CHARS:
+        raise ValueError(f"offer name must be 1-128 characters of letters, digits and -_.:, got {str(name)[:40]!r}")
+    return name

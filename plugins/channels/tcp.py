@@ -52,15 +52,17 @@ class TcpChannel(Channel):
         return alloc.written
 
     def read(self, conn: Any, offer: dict[str, Any], objs: Sequence[MemoryObj], deadline: float) -> None:
-        conn.send({"op": "read", "offer": offer["offer"], "index": list(range(len(objs)))})
+        # the answer comes first (an offer gone or a bad index: its error, never bytes taken for KV)
+        conn.call({"op": "read", "offer": offer["offer"], "index": list(range(len(objs)))},
+                  timeout=max(deadline - time.monotonic(), 0.05))
         conn.recv_into([byte_buffer(o) for o in objs], timeout=max(deadline - time.monotonic(), 0.05))
 
     def serve_read(self, conn: Any, msg: dict[str, Any], objs: Sequence[MemoryObj]) -> None:
-        from lmcache.wire import send_buffers
+        from lmcache.transfer_wire import _send_msg
 
         held = [o.ref() for o in objs]  # the offer may expire while its bytes go out
         try:
-            send_buffers(conn.sock, [byte_buffer(o) for o in held])
+            _send_msg(conn.sock, {"ok": True, "bytes": sum(o.nbytes for o in held)}, [byte_buffer(o) for o in held])
         finally:
             for o in held:
                 o.unref()

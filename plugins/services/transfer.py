@@ -112,11 +112,13 @@ class TransferService:
                 o.unref()
         return {**r, "missing": missing}
 
-    def offer(self, keys: Sequence[str], request: str, ttl: float | None = None) -> dict[str, Any]:
-        """Hold the chunks of ``keys`` for a peer to :meth:`pull`; the description to hand it."""
+    def offer(self, keys: Sequence[str], request: str, ttl: float | None = None, *,
+              name: str | None = None) -> dict[str, Any]:
+        """Hold the chunks of ``keys`` for a peer to :meth:`pull` (or, by ``name``,
+        :meth:`pull_named`); the description to hand it."""
         items, missing = self._objs(keys)
         try:
-            r = self.endpoint.offer(request, items, ttl)
+            r = self.endpoint.offer(request, items, ttl, name=name)
         finally:
             for _, o in items:
                 o.unref()
@@ -125,6 +127,12 @@ class TransferService:
     def pull(self, offer: dict[str, Any], *, alloc_wait: float | None = None) -> dict[str, Any]:
         """Read a peer's offer into this engine's top tier."""
         return self.endpoint.pull(offer, alloc_wait=alloc_wait)
+
+    def pull_named(self, url: str, name: str, *, identity: str | None = None,
+                   deadline: float | None = None) -> dict[str, Any]:
+        """Read the offer ``name`` of the endpoint at ``url`` into this engine's top tier
+        (see :meth:`lmcache.transfer.ChannelEndpoint.pull_named`)."""
+        return self.endpoint.pull_named(url, name, identity=identity, deadline=deadline)
 
     def info(self) -> dict[str, Any]:
         return {**self.endpoint.info(), "refused_chunks": self.refused}

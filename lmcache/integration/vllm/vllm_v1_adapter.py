@@ -21,11 +21,12 @@ lmcache.plugins.connectors.vllm``) with the differences of that calling conventi
 
 ``kv_connector_extra_config`` takes upstream's keys: ``discard_partial_chunks`` (true: a
 prompt's last partial chunk is not stored, ``save_unfull_chunk: false``), ``use_layerwise``
-(``vllm.layerwise``), ``skip_last_n_tokens`` (lookups leave out a prompt's last n tokens),
-``lmcache.<key>`` (any config key, in either vocabulary: :mod:`lmcache.upstream`);
-``use_native`` never reaches us (vLLM then loads its own copy); ``lmcache_rpc_port`` has no
-effect (the lookup channel is named by vLLM's engine id) and ``lmcache.max_tokens_per_load``
-none either (a hit is loaded whole). ``LMCACHE_FORCE_SKIP_SAVE`` (any non-empty value) and
+(``vllm.layerwise``), ``skip_last_n_tokens`` (``vllm.skip_last_n_tokens``: lookups leave out a
+prompt's last n tokens; an explicit ``lmcache.vllm.skip_last_n_tokens`` wins), ``lmcache.<key>``
+(any config key, in either vocabulary: :mod:`lmcache.upstream`); ``use_native`` never reaches
+us (vLLM then loads its own copy); ``lmcache_rpc_port`` is accepted silently (the lookup
+channel is named by vLLM's engine id) and ``lmcache.max_tokens_per_load`` has no effect (a hit
+is loaded whole). ``LMCACHE_FORCE_SKIP_SAVE`` (any non-empty value) and
 ``kv_role: kv_consumer`` store nothing, as upstream.
 """
 
@@ -37,7 +38,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from lmcache.plugins.connectors.vllm import ConnectorScheduler, LMCacheConnector
+from lmcache.plugins.connectors.vllm import LMCacheConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +59,11 @@ def _shutdown_open() -> None:
 
 #: upstream's own kv_connector_extra_config keys that change nothing here, and why
 NO_EFFECT = {
-    "lmcache_rpc_port": "the lookup channel between vLLM's scheduler and workers is named by vLLM's engine id",
     "lmcache.max_tokens_per_load": "a hit is loaded whole in one step",
 }
+#: upstream's keys accepted without a word: the lookup channel between vLLM's scheduler and
+#: workers is named by vLLM's engine id (LMCache's PD configs set "producer1", "consumer1", ...)
+_QUIET = ("use_native", "lmcache_rpc_port")
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -68,35 +71,19 @@ def _flag(v: Any) -> bool:
     return v if isinstance(v, bool) else str(v).strip().lower() in _TRUE
 
 
-class _Scheduler(ConnectorScheduler):
-    """The scheduler side under the wrapper: lookups leave out a prompt's last
-    ``skip_last_n_tokens`` tokens (upstream's key)."""
-
-    skip_last_n_tokens = 0
-
-    def _start_lookup(self, tokens: list[int], extra: Any = None):  # type: ignore[override]
-        if self.skip_last_n_tokens:
-            tokens = tokens[: max(0, len(tokens) - self.skip_last_n_tokens)]
-        return super()._start_lookup(tokens, extra)
-
-
 class LMCacheConnectorV1Impl(LMCacheConnector):
     """lmcache's vLLM connector, built and called by vLLM's ``LMCacheConnectorV1`` wrapper
     (see the module doc)."""
 
-    scheduler_class = _Scheduler
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, parent: KVConnectorBase_V1):
         self._parent = parent
-        self.skip_last_n_tokens = 0
         super().__init__(vllm_config, role, getattr(parent, "_kv_cache_config", None))
         if self.async_loads != "never":
             log.info("lmcache: loads are synchronous under LMCacheConnectorV1 (vLLM's wrapper reports "
                      "every load as synchronous); kv_connector LMCacheConnector loads lower tiers asynchronously")
         sched = self.connector_scheduler
-        if isinstance(sched, _Scheduler):
+        if sched is not None:
             sched.async_loads = "never"
-            sched.skip_last_n_tokens = self.skip_last_n_tokens
             if os.environ.get("LMCACHE_FORCE_SKIP_SAVE"):
                 sched.saves = False
         _OPEN.add(self)  # the wrapper does not forward shutdown(): closed at exit
@@ -104,16 +91,19 @@ class LMCacheConnectorV1Impl(LMCacheConnector):
     def _config_overrides(self, extra: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:  # type: ignore[override]
         """Upstream's extra-config keys first (see the module doc), then ours."""
         extra = dict(extra)
-        extra.pop("use_native", None)
+        for key in _QUIET:
+            extra.pop(key, None)
         for key, why in NO_EFFECT.items():
             if key in extra:
                 log.warning("lmcache: kv_connector_extra_config %s=%r has no effect: %s", key, extra.pop(key), why)
         discard = _flag(extra.pop("discard_partial_chunks", False))
         layerwise = extra.pop("use_layerwise", None)
-        skip = extra.pop("skip_last_n_tokens", 0) or 0
-        if isinstance(skip, bool) or not str(skip).isdigit():
-            raise ValueError(f"lmcache: kv_connector_extra_config skip_last_n_tokens must be a whole number, got {skip!r}")
-        self.skip_last_n_tokens = int(skip)
+        skip = extra.pop("skip_last_n_tokens", None)
+        if skip not in (None, ""):  # vllm.skip_last_n_tokens, by our connector's own mapping
+            if isinstance(skip, bool) or not str(skip).strip().isdigit():
+                raise ValueError(f"lmcache: kv_connector_extra_config skip_last_n_tokens must be a whole number, "
+                                 f"got {skip!r}")
+            extra["skip_last_n_tokens"] = int(skip)
         config_file, overrides = super()._config_overrides(extra)
         if discard:
             overrides["save_unfull_chunk"] = False

@@ -23,7 +23,7 @@ from lmcache.plugins.services.lookup import LookupReply
 if TYPE_CHECKING:
     from .events import BlockInfo
 
-__all__ = ["LMCacheConnectorMetadata", "LMCacheWorkerMetadata", "LoadSpec", "LookupAsk", "SaveSpec"]
+__all__ = ["LMCacheConnectorMetadata", "LMCacheWorkerMetadata", "LoadSpec", "LookupAsk", "PDPlan", "PDSend", "PushTarget", "SaveSpec"]
 
 
 @dataclass
@@ -52,6 +52,8 @@ class LoadSpec:
     blocks: BlockInfo | None = None
     #: the in-band lookup whose pins this load consumes (the workers forget it)
     seq: int | None = None
+    #: PD, vLLM's flow: pull this offer first (``{"offer", "endpoints", "tokens"}``, :mod:`.pd`)
+    pull: dict[str, Any] | None = None
 
     @property
     def exact_ids(self) -> list[int]:
@@ -69,6 +71,50 @@ class SaveSpec:
     skip: int = 0
     extra: KeyExtra | None = None
     blocks: BlockInfo | None = None
+
+
+@dataclass
+class PushTarget:
+    """Where a prefiller pushes a request's chunks: ``host`` and one port per rank."""
+
+    host: str
+    ports: list[int]
+
+    def url(self, rank: int) -> str:
+        port = self.ports[rank] if rank < len(self.ports) else self.ports[0] + rank
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+
+
+@dataclass
+class PDPlan:
+    """What PD does for one request (the scheduler's, from its kv_transfer_params)."""
+
+    #: LMCache's protocol: push here, then notify the proxy with ``notify_id``
+    target: PushTarget | None = None
+    notify_id: str | None = None
+    ret_first_tok: bool = False
+    #: a fixed receiver (no disagg_spec): the push ends within the step
+    static: bool = False
+    #: vLLM's flow, prefiller: offer under this name
+    offer: str | None = None
+    #: vLLM's flow, decoder: pull this (``{"offer", "endpoints", "tokens"}``)
+    pull: dict[str, Any] | None = None
+    sent: bool = False
+    loaded: bool = False
+
+
+@dataclass
+class PDSend:
+    """PD, prefiller (:mod:`.pd`): once ``token_ids`` (the whole prompt) are stored, offer
+    them as ``offer`` and/or push them to ``target``, then notify the proxy of ``notify_id``."""
+
+    req_id: str
+    token_ids: list[int]
+    extra: KeyExtra | None = None
+    offer: str | None = None
+    target: PushTarget | None = None
+    notify_id: str | None = None
+    static: bool = False
 
 
 @dataclass
@@ -90,6 +136,8 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     asks: list[LookupAsk] = field(default_factory=list)
     #: in-band lookups whose pins each worker drops (not loaded)
     releases: list[int] = field(default_factory=list)
+    #: PD: requests whose stored prompt each worker offers or pushes after the saves
+    pd: list[PDSend] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +169,8 @@ class _ReqState:
     skip_save: bool = False
     #: vLLM's request (its block hashes, for KV events)
     request: Any = None
+    #: what PD does for it (:mod:`.pd`), from its kv_transfer_params
+    pd: PDPlan | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from .common import Side
 from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import SKIP_SAVE, TAG_PREFIX, request_extra, request_params
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
+from .pd import PDScheduler
 from .registry import local_workers
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class ConnectorScheduler(Side):
         self._pass = 0
         pc = vllm_config.parallel_config
         self._ranks = self.tp_size * int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        #: prefill->decode (pd.role; .pd)
+        self._pd = PDScheduler(self.config, self.instance, self.dp_rank, self.tp_size) if self.config.pd.role != "off" else None
 
     # ================================================================ lookup channel
     def _local_workers(self) -> list[ConnectorWorker] | None:
@@ -96,6 +99,9 @@ class ConnectorScheduler(Side):
         return self._client
 
     def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None) -> _Lookup:
+        skip = self.config.vllm.skip_last_n_tokens  # a PD decoder's prompt ends with the prefiller's first token
+        if skip:
+            tokens = tokens[: max(0, len(tokens) - skip)]
         self.stats["lookups"] += 1
         lk = _Lookup(tokens, time.monotonic(), extra)
         local = None if self.lookup_mode == "inband" else self._local_workers()
@@ -206,6 +212,10 @@ class ConnectorScheduler(Side):
         extra, keyed = self._key_extra(request)
         if not keyed:
             return 0, False
+        plan = self._pd.plan(request) if self._pd is not None else None
+        if plan is not None and plan.pull is not None and not plan.loaded:  # PD decoder, vLLM's flow: the offer
+            n = self._pd.pull_match(request, num_computed_tokens, self.block_size)  # type: ignore[union-attr]
+            return n, bool(n) and self.async_loads != "never"
         lk = self._lookups.get(req_id)
         now = time.monotonic()
         if lk is not None and lk.replies is not None and now - lk.started > self.config.lookup_pin_timeout / 2:
@@ -287,6 +297,11 @@ class ConnectorScheduler(Side):
             st = self._reqs[req_id] = _ReqState(list(request.prompt_token_ids or []), extra=extra, keyed=keyed,
                                                 skip_save=self._skip_save(request))
         st.request = request
+        if self._pd is not None and st.pd is None:
+            st.pd = self._pd.plans.get(req_id)
+        if st.pd is not None and st.pd.pull is not None and not st.pd.loaded:
+            self._pd_load(request, st, blocks, num_external_tokens)
+            return
         if num_external_tokens <= 0:
             if req_id not in self._async_pending:  # the second call after an async load is a no-op
                 lk = self._lookups.pop(req_id, None)
@@ -315,6 +330,23 @@ class ConnectorScheduler(Side):
         self.stats["async_loads" if is_async else "sync_loads"] += 1
         if is_async:
             self._async_pending.add(req_id)
+
+    def _pd_load(self, request: Request, st: _ReqState, blocks: KVCacheBlocks | None, n: int) -> None:
+        """PD decoder, vLLM's flow: load the offered prompt tokens after the worker pulled them."""
+        if n <= 0 or st.pd is None or st.pd.pull is None or self._pd is None:
+            return
+        local = request.num_computed_tokens
+        is_async = self.async_loads != "never"
+        toks = st.prompt[: st.pd.pull["tokens"]]
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        self._loads[request.request_id] = LoadSpec(request.request_id, toks, block_ids, local, local + n, is_async,
+                                                   len(toks), False, st.extra, pull=st.pd.pull)
+        st.pd.loaded = True  # once: a request back in the queue finds what arrived by a lookup
+        self._pd.stats["pd_pulls"] += 1
+        self.stats["hit_tokens"] += n
+        self.stats["async_loads" if is_async else "sync_loads"] += 1
+        if is_async:
+            self._async_pending.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata()
@@ -366,6 +398,10 @@ class ConnectorScheduler(Side):
                 meta.saves.append(SaveSpec(req_id, st.prompt[:save_end], list(st.block_ids), st.saved_end, st.extra,
                                            self._blocks(st, save_end)))
                 st.saved_end = save_end
+            if end >= n and self._pd is not None and st.keyed:
+                send = self._pd.send(req_id, st.prompt, st.extra)
+                if send is not None:
+                    meta.pd.append(send)
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         return meta
@@ -401,10 +437,13 @@ class ConnectorScheduler(Side):
                 self._tier_events.increment_workers(events.get_number_of_workers())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = self._pd.finished(request) if self._pd is not None else None
         self._forget(request.request_id)
-        return False, None  # saves are synchronous: vLLM may free the blocks now
+        return False, params  # saves are synchronous: vLLM may free the blocks now
 
     def _forget(self, req_id: str) -> None:
+        if self._pd is not None:
+            self._pd.forget(req_id)
         self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._hit_sources.pop(req_id, None)

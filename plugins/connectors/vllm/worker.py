@@ -37,6 +37,8 @@ from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_BHNC, VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
+from .pd import PDWorker, receiver_port
+from .shifted_load import load_shifted
 from .registry import acquire_engine, add_worker, release_engine, remove_worker
 
 if TYPE_CHECKING:
@@ -73,8 +75,12 @@ class ConnectorWorker(Side):
         # a lookup frame is bounded by the longest prompt this model takes (docs/engines.md)
         max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         bound = {"lookup_max_tokens": max_len} if max_len > 0 else {}
+        pd_port = receiver_port(cfg, self.tp_rank)  # a PD receiver's rank listens where LMCache's keys say
+        if pd_port:
+            overrides = {**overrides, "transfer": {**overrides.get("transfer", {}), **pd_port}}
         self.engine: CacheEngine = acquire_engine(config_file, {**bound, **overrides, "lookup_socket": sock}, self.kv_spec)
         self._configure(self.engine.config)
+        self._pd = PDWorker(self.engine, cfg, self.tp_rank, self.instance, self.dp_rank) if cfg.pd.role != "off" else None
         self._lookup = self.engine.services.get("lookup") or LookupChannel(EngineView(self.engine))
         #: in-band lookups answered with pins: seq -> (when, tokens, exact, extra)
         self._asked: dict[int, tuple[float, list[int], int, KeyExtra | None]] = {}
@@ -259,6 +265,8 @@ class ConnectorWorker(Side):
         reuse (it re-rotates the keys in a buffer) go through a staging buffer, and so
         does vLLM's CPU attention backend (:meth:`_per_chunk`)."""
         assert self.engine is not None
+        if spec.pull is not None and self._pd is not None:  # PD, vLLM's flow: the prefiller's offer first
+            self._pd.pull(spec)
         if self._block_entries is not None:
             return self._load_blocks(spec)
         if self._per_chunk() and not spec.shifted:
@@ -282,10 +290,7 @@ class ConnectorWorker(Side):
         latent halves in another order than the engine stores them), nor for vLLM's CPU
         attention layout (:data:`VLLM_CPU_VEC`, keys and values as two kernel layers): there
         each call costs more than the copy it saves, so a whole request goes through one
-        kept host buffer and one bulk gather or scatter. Measured on a 3,419-token SmolLM2
-        fp32 prompt (27 chunks of 128, 2 threads): 27 scatters 157-166 ms, against one copy
-        44 ms plus one bulk scatter 42-56 ms; in a live ``vllm serve`` a CPU-tier hit over
-        its prefix-cache hit took 1.23x per chunk, 1.09x staged (docs/benchmarks.md)."""
+        kept host buffer and one bulk gather or scatter (docs/benchmarks.md, "vLLM")."""
         return not (self.is_mla or self._split)
 
     def _load_direct(self, spec: LoadSpec) -> int:
@@ -327,28 +332,8 @@ class ConnectorWorker(Side):
             self.engine.release(ids, extra=spec.extra)
 
     def _load_shifted(self, spec: LoadSpec, start: int, view: torch.Tensor) -> int:
-        """Shifted reuse after the exact part (``view[:, :, :start]``): the chunks the
-        content index has for the next tokens, their keys re-rotated to these positions,
-        without a gap; returns how far they reach. The request's KV from ``start`` on is
-        approximate: its saves go under shifted keys (:meth:`_finish_save`)."""
-        from lmcache.kernels import rope
-
-        assert self.engine is not None
-        svc = self.engine.services.get("approximate_reuse")
-        if svc is None or self._inv_freq is None or spec.extra:  # (its index has no keyed chunks)
-            return start
-        with self._async_lock:
-            self._shifted_from[spec.req_id] = start
-        run = svc.cover(spec.token_ids, start, len(spec.token_ids))
-        at = start
-        for m, kv in zip(run, svc.fetch(run)):
-            if kv is None or m.start != at:
-                break  # a chunk gone since the lookup: vLLM computes from here
-            kv = kv.to(view.dtype)
-            view[:, 0, at : at + m.length] = rope.rerotate(kv[:, 0], m.delta, self._inv_freq)
-            view[:, 1, at : at + m.length] = kv[:, 1]
-            at += m.length
-        return at
+        """Shifted reuse after the exact part (:func:`.shifted_load.load_shifted`)."""
+        return load_shifted(self, spec, start, view)
 
     def _load_async(self, spec: LoadSpec) -> None:
         """One asynchronous load, on the I/O thread: failures are filed before the request
@@ -542,7 +527,15 @@ class ConnectorWorker(Side):
             self.engine.release(spec.token_ids, extra=spec.extra, upto=skip)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata | None) -> None:
-        """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk)."""
+        """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk);
+        then PD's offers and pushes of the prompts stored (.pd)."""
+        try:
+            self._save_all(meta)
+        finally:
+            if meta is not None and meta.pd and self._pd is not None:
+                self._pd.send(meta.pd)
+
+    def _save_all(self, meta: LMCacheConnectorMetadata | None) -> None:
         if meta is None or not meta.saves or not self._layers:
             return
         assert self.engine is not None
@@ -592,6 +585,8 @@ class ConnectorWorker(Side):
         self._closed = True
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self._pd is not None:
+            self._pd.close()
         if self._block_entries is not None:
             self._block_entries.close()
         remove_worker(self)
