@@ -53,7 +53,7 @@ RUN if [ -d /wheelhouse ]; then src="--no-index --find-links /wheelhouse"; \
 COPY --from=build /dist/ /opt/lmcache/dist/
 RUN /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps /opt/lmcache/dist/lmcache-*.whl \
  && /opt/venv/bin/lmcache version \
- && /opt/venv/bin/python -c 'import lmcache.integration.vllm.vllm_v1_adapter, vllm.entrypoints.openai.api_server' \
+ && /opt/venv/bin/python -c 'import lmcache.integration.vllm.vllm_v1_adapter, vllm.entrypoints.openai.api_server, nixl._api' \
  && useradd --create-home --uid 1000 --user-group lmcache \
  && mkdir -p /workspace && chown lmcache:lmcache /workspace
 # the cache server's liveness probe where the production stack's chart, operator and init
