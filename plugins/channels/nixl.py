@@ -2,11 +2,20 @@
 
 Each endpoint creates one NIXL agent and registers its whole memory pool with it once
 (one DRAM region: every chunk slot and every stored chunk is inside it). A push is one
-NIXL WRITE per request from the sender's pool objects into the receiver's slots, with a
-notification that the receiver waits for before it commits; a pull is one NIXL READ
-from the offering side's objects into the puller's slots. No byte is copied on either
-side; on one host UCX moves DRAM with CMA (``process_vm_writev``: one copy, by the
-kernel, between the two processes), across hosts with RDMA or TCP.
+NIXL WRITE per request from the sender's pool objects into the receiver's slots, then
+the commit on the control connection; a pull is one NIXL READ from the offering side's
+objects into the puller's slots. No byte is copied on either side; on one host UCX
+moves DRAM with CMA (``process_vm_writev``: one copy, by the kernel, between the two
+processes), across hosts with RDMA or TCP.
+
+Why a push's WRITE carries no NIXL notification: NIXL reports a WRITE with one DONE only
+once the notification's active message has completed, and over UCX's tcp lane (how it
+carries active messages on one host) that takes the *receiver* progressing UCX, i.e. its
+endpoint's polling thread, a Python thread that must win the GIL and a core from the
+engine's compute. Measured (two processes, one core each, 6 chunks of 11.8 MB): the
+WRITE took as long as the receiver's polling period (polls every 10 ms: 10 ms; every
+50 ms: 50 ms; none: never done), the sender polling meanwhile. Without it, DONE comes
+after NIXL's endpoint flush (remote completion) and needs nothing from the receiver.
 
 Agent metadata travels in the ``hello`` message of the authenticated control
 connection (:mod:`lmcache.transfer`), base64 in JSON, never pickled; descriptors are
@@ -16,7 +25,8 @@ Why the agent has no progress thread: nixl 1.5.1's UCX progress thread polls wit
 zero timeout and burns a core while idle (measured with vLLM's NixlConnector: a
 2,200-token prefill beside it took twice as long). This agent is created with
 ``enable_prog_thread=False``; progress happens only inside calls made while a transfer
-is open: the initiator polls ``check_xfer_state`` until its transfer is done, and the
+is open: the initiator polls ``check_xfer_state`` until its transfer is done (pausing
+between polls, up to 1 ms, so it leaves the GIL and the core to the engine), and the
 target side's endpoint thread polls ``get_new_notifs`` (which also progresses UCX for a
 peer's one-sided operations over TCP) every millisecond while it has an open allocation
 or offer, and sleeps on a condition otherwise. Every agent call is made under one lock
@@ -45,6 +55,8 @@ from lmcache.transfer_wire import _b64, _unb64
 
 log = logging.getLogger(__name__)
 NOTIF = b"lmct:"
+#: the initiator's polls of a transfer in flight: the first at once, then pauses doubling up to POLL_MAX
+POLL_MIN, POLL_MAX = 20e-6, 0.001
 
 
 def _quiet_nixl_logs() -> None:
@@ -191,9 +203,13 @@ class NixlChannel(Channel):
                 h = self.agent.initialize_xfer(op, self._descs(rows), self._descs(remote), agent, notif)
                 st = self.agent.transfer(h)
             try:
+                pause = 0.0
                 while st == "PROC":  # progress happens in these polls: no progress thread
                     if time.monotonic() > deadline:
                         raise TransferError(f"NIXL {op} of {len(objs)} chunks did not finish in time")
+                    # yield between polls (GIL and core): the engine's compute thread shares both
+                    time.sleep(pause)
+                    pause = min(pause * 2 or POLL_MIN, POLL_MAX)
                     with self._lock:
                         st = self.agent.check_xfer_state(h)
                 if st != "DONE":
@@ -210,8 +226,11 @@ class NixlChannel(Channel):
                     self.agent.deregister_memory(reg)
 
     def write(self, conn: Any, objs: Sequence[MemoryObj], slots: Any, alloc: str, deadline: float) -> None:
-        self._run("WRITE", objs, self._check_remote(slots, objs), conn.state["agent"], NOTIF + alloc.encode(),
-                  deadline)
+        # no NIXL notification: with one, the WRITE completes only once the receiver has
+        # progressed UCX to take it (as late as its polling thread gets the GIL and a core).
+        # DONE comes after NIXL's endpoint flush (the bytes are in place remotely); the
+        # commit that follows on the control connection is the receiver's signal
+        self._run("WRITE", objs, self._check_remote(slots, objs), conn.state["agent"], b"", deadline)
 
     def read(self, conn: Any, offer: dict[str, Any], objs: Sequence[MemoryObj], deadline: float) -> None:
         self._run("READ", objs, self._check_remote(offer.get("addrs"), objs), conn.state["agent"], b"", deadline)
@@ -223,21 +242,14 @@ class NixlChannel(Channel):
         raise TransferError("a nixl endpoint serves reads over NIXL, not on the control connection")
 
     def written(self, alloc: Allocation, deadline: float) -> bool:
-        """Whether the sender's notification for ``alloc`` came (NIXL sends it after the
-        written bytes are in place), waiting for it until ``deadline``."""
-        key = alloc.id
-        while True:
-            with self._lock:
-                if key in self._notified:
-                    del self._notified[key]
-                    return True
-                self._drain()
-                if key in self._notified:
-                    del self._notified[key]
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0)
+        """Whether the sender's bytes for ``alloc`` are in place: its commit comes only after
+        its WRITE reported DONE, which NIXL reports after flushing the endpoint (remote
+        completion), so the commit itself says so. The sampled or full checksums the
+        commit carries catch a slot never written. (A notification of an older sender is
+        consumed here or by :meth:`progress`.)"""
+        with self._lock:
+            self._notified.pop(alloc.id, None)
+        return True
 
     def _drain(self) -> None:
         for msgs in self.agent.get_new_notifs().values():

@@ -48,9 +48,14 @@ class TransferService:
         self.refused = 0
         from lmcache.transfer import open_channel  # only where enabled: the module costs ~4 MiB of RSS
 
+        host, port = t.host, t.port
+        pd = cfg.pd
+        if port == 0 and pd.role in ("receiver", "both") and pd.peer_init_port:  # LMCache's keys: where senders push
+            host, port = pd.peer_host, pd.peer_init_port[0]
+
         self.endpoint: ChannelEndpoint = open_channel(
             cfg.transfer_channel, view.hierarchy.pool, sink=self._sink, allocate=self._allocate,
-            host=t.host, port=t.port, token=t.token, buffer_size=t.buffer_size, slot_timeout=t.slot_timeout,
+            host=host, port=port, token=t.token, buffer_size=t.buffer_size, slot_timeout=t.slot_timeout,
             alloc_wait=t.alloc_wait, timeout=t.timeout, verify=None if t.verify == "auto" else t.verify,
             identity=view.instance_id, options={"nixl_backends": list(t.nixl_backends)},
             registries=view.hierarchy.registries)

@@ -123,6 +123,7 @@ def test_a_push_lands_in_the_decoder_and_the_proxy_is_told_also_when_it_fails(tm
         t0 = time.monotonic()
         w.send([PDSend("vllm-req-2", PROMPT, None, target=PushTarget("127.0.0.1", [1]), notify_id="18")])
         assert proxy.recv() == {"type": "ProxyNotif", "req_id": "18"} and time.monotonic() - t0 < 5
+        w._pool.shutdown(wait=True)  # the counters move just after the message leaves
         assert w.stats["push_failed"] == 1 and w.stats["notified"] == 2
     finally:
         w.close()
@@ -156,12 +157,14 @@ def test_a_full_decoder_buffer_backs_off_for_a_bounded_time_then_gives_up_and_no
         assert proxy.recv() == {"type": "ProxyNotif", "req_id": "19"}
         waited = time.monotonic() - t0
         assert 0.4 < waited < 5, waited  # alloc_wait 0.5 s of backoff, never an endless retry
+        time.sleep(0.2)  # the counters move just after the message leaves
         assert w.stats["push_failed"] == 1 and dec.lookup(PROMPT) == 0
         # the buffer frees while a push backs off: it goes through
         w.send([PDSend("r2", PROMPT, None, target=PushTarget(host, [port]), notify_id="20")])
         time.sleep(0.1)
         dec.services["transfer"].endpoint.buffer.abort(squat.id)
         assert proxy.recv() == {"type": "ProxyNotif", "req_id": "20"}
+        w._pool.shutdown(wait=True)
         assert w.stats["pushed"] == 1 and torch.equal(dec.retrieve(PROMPT).kv, kv)
         dec.release(PROMPT)
         assert dec.stats()["transfer"]["open_allocations"] == 0

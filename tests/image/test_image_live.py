@@ -211,3 +211,38 @@ def test_restarted_vllm_container_hits_what_the_first_stored_in_an_lm_server_con
         assert code != 137
     finally:
         server.remove()
+
+
+#: the decode pod's LMCache variables in deploy/kubernetes/overlays/pd (production-stack's names)
+PD_DECODE_ENV = {"LMCACHE_LOCAL_CPU": "False", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0", "LMCACHE_ENABLE_PD": "True",
+                 "LMCACHE_TRANSFER_CHANNEL": "nixl", "LMCACHE_PD_ROLE": "receiver", "LMCACHE_PD_PEER_HOST": "0.0.0.0",
+                 "LMCACHE_PD_PEER_INIT_PORT": "7300", "LMCACHE_PD_PEER_ALLOC_PORT": "7400",
+                 "LMCACHE_PD_BUFFER_SIZE": "67108864", "LMCACHE_PD_BUFFER_DEVICE": "cuda"}
+
+_PD_SCRIPT = """
+import os, subprocess, sys
+import lmcache
+kv = {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float32"}
+dec = lmcache.CacheEngine.from_config(None, kv_spec=kv, chunk_size=16)  # the pod's LMCACHE_* variables
+sender = '''
+import lmcache, torch
+pre = lmcache.CacheEngine.from_config(None, kv_spec=%r, chunk_size=16, transfer_channel="nixl")
+toks = list(range(64))
+pre.store(toks, torch.randn(2, 2, 64, 2, 8))
+print(pre.services["transfer"].push(pre.chunk_keys(toks)[1], "127.0.0.1:7300", "req-1")["committed"])
+''' % kv
+clean = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+out = subprocess.run([sys.executable, "-c", sender], env=clean, capture_output=True, text=True, timeout=120)
+assert out.returncode == 0, out.stderr[-2000:]
+print(dec.services["transfer"].endpoint.name, dec.services["transfer"].url, out.stdout.split()[-1], dec.lookup(list(range(64))))
+"""
+
+
+def test_the_pd_overlays_decode_settings_open_a_nixl_endpoint_in_the_image(image):
+    """The pd overlay's decode pod's variables, in the image: NIXL is installed, the endpoint
+    listens on pd_peer_init_port, and a sender's push over NIXL lands as a local hit."""
+    env = [a for k, v in PD_DECODE_ENV.items() for a in ("-e", f"{k}={v}")]
+    r = podman("run", "--rm", "--network=none", *env, "--entrypoint", "/opt/venv/bin/python", image, "-c", _PD_SCRIPT,
+               check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-4:] == ["nixl", "0.0.0.0:7300", "4", "64"], r.stdout
