@@ -36,7 +36,28 @@ ITL (the gaps between text pieces) mean/p99, total time, outputs identical to ``
 from the decoder's ``/metrics`` (deltas over the workload) the prompt tokens by source
 (``vllm:prompt_tokens_by_source_total``: ``local_compute``, ``local_cache_hit``,
 ``external_kv_transfer``): the tokens the decoder recomputed per request. Every command line
-(with the environment it was given) is recorded.
+(with the environment it was given) is recorded. Besides, per mode, in the same run:
+
+- throughput: requests and output tokens per second over the workload (output tokens: the
+  decoder's ``vllm:generation_tokens_total`` delta, plus one per request in the lmcache modes,
+  whose first token the prefiller made);
+- decoder TTFT: the mean of the decoder's ``vllm:time_to_first_token_seconds`` histogram over
+  the workload (from the decode request's arrival at the decoder to its first token; ``alone``:
+  the server's own TTFT);
+- CPU-tier hit (lmcache modes): after the workload, each prompt as LMCache's proxy sent it to
+  the decoder (its token ids from the decoder's ``/tokenize``, plus the first token, asked of
+  the prefiller with ``max_tokens: 1`` and ``return_token_ids``) straight to the decoder,
+  ``max_tokens - 1`` tokens, by as many clients as the workload: its chunks are in the
+  decoder's cpu tier. Its decoder TTFT (the same histogram), median over ``cpu_hit_passes``
+  passes; the ratio decoder TTFT / CPU-hit TTFT;
+- transfer per request: lmcache modes from the prefiller's instance API (``api`` section in its
+  config; ``GET /v1/stats``: ``transfer.pushed_requests``, ``pushed_bytes``, ``push_seconds``:
+  alloc + write + commit), ``vllm-nixl`` from the decoder's ``vllm:nixl_xfer_time_seconds`` and
+  ``vllm:nixl_bytes_transferred`` histograms; against a memcpy of the same bytes in this process
+  (torch ``copy_`` between two preallocated uint8 tensors, one thread, timed before the mode's
+  servers start and after they stop, median).
+
+:func:`goals` checks the issue's goals against these figures (``goals`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -63,8 +84,9 @@ from lmcache.errors import LMCacheError
 from .vllm_live import VllmServer, find_vllm, free_port
 
 __all__ = ["PDPair", "LMCacheProxy", "ToyProxy", "Streamed", "free_port", "stream_completion", "join_sse", "sse_pieces",
-           "parse_prometheus", "by_label", "metric_value", "lmcache_pd_configs", "summarize_mode", "print_table",
-           "MODES", "NIXL_KV", "main"]
+           "parse_prometheus", "by_label", "metric_value", "histogram_mean", "ratio", "transfer_delta", "per_request",
+           "memcpy_seconds", "time_memcpy", "kv_bytes_per_token", "goals", "lmcache_pd_configs", "summarize_mode",
+           "print_table", "MODES", "NIXL_KV", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: where requirements/setup-pd-proxies.sh puts the two proxies
@@ -247,11 +269,33 @@ def fetch_metrics(port: int, timeout: float = 10.0) -> list[tuple[str, dict[str,
         conn.close()
 
 
+def http_json(port: int, path: str, body: Any = None, timeout: float = 60.0) -> Any:
+    """``GET`` (``body`` None) or ``POST`` JSON to ``127.0.0.1:port``; the answer's JSON;
+    :class:`LMCacheError` on an HTTP error or a failed connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        if body is None:
+            conn.request("GET", path)
+        else:
+            conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise LMCacheError(f"127.0.0.1:{port}{path} answered {r.status}: {data[:300]!r}")
+        return json.loads(data)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        raise LMCacheError(f"127.0.0.1:{port}{path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+
+
+#: the decoder's time to first token (from the request's arrival to its first token), a histogram
+TTFT_HIST = "vllm:time_to_first_token_seconds"
 #: decoder metrics kept as deltas over the workload (beside prompt tokens by source)
 _DELTA_NAMES = ("vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:generation_tokens_total",
                 "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
                 "vllm:nixl_bytes_transferred_sum", "vllm:nixl_bytes_transferred_count",
-                "vllm:nixl_num_failed_transfers_total")
+                "vllm:nixl_num_failed_transfers_total", f"{TTFT_HIST}_sum", f"{TTFT_HIST}_count")
 
 
 def metrics_snapshot(port: int) -> dict[str, Any]:
@@ -271,6 +315,123 @@ def metrics_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[s
     lm_b, lm_a = before.get("lmcache", {}), after.get("lmcache", {})
     d["lmcache"] = {n: lm_a[n] - lm_b.get(n, 0.0) for n in sorted(lm_a) if lm_a[n] - lm_b.get(n, 0.0)}
     return d
+
+
+def histogram_mean(delta: Mapping[str, Any] | None, name: str) -> float | None:
+    """The mean observation of histogram ``name`` over a delta (its ``_sum`` over its
+    ``_count``); ``None`` with no observation."""
+    if not delta:
+        return None
+    cnt = delta.get(f"{name}_count") or 0.0
+    return delta.get(f"{name}_sum", 0.0) / cnt if cnt > 0 else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; ``None`` when either is missing or ``b`` is not positive."""
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+#: the transfer endpoint's counters (``/v1/stats`` -> ``transfer``) kept as deltas
+_TRANSFER_KEYS = ("pushed_requests", "pushed_chunks", "pushed_bytes", "push_seconds", "push_refused", "push_failed",
+                  "pulled_requests", "pulled_chunks", "pulled_bytes", "pull_failed")
+
+
+def transfer_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """The transfer endpoint's counters over a workload, from two ``GET /v1/stats`` answers;
+    ``None`` when either has no ``transfer`` section."""
+    b = (before or {}).get("transfer")
+    a = (after or {}).get("transfer")
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+        return None
+    return {k: a[k] - b.get(k, 0) for k in _TRANSFER_KEYS if k in a}
+
+
+def per_request(seconds: float | None, nbytes: float | None, n: float | None) -> tuple[float | None, float | None]:
+    """Seconds and bytes per request from sums over ``n`` requests (``None``, ``None``
+    without requests)."""
+    if not n or n <= 0 or seconds is None or nbytes is None:
+        return None, None
+    return seconds / n, nbytes / n
+
+
+def memcpy_seconds(samples: Sequence[tuple[float, float]], nbytes: float | None) -> float | None:
+    """The median time of a memcpy of ``nbytes``, from ``(bytes, seconds)`` samples of copies
+    of about that size (each scaled to ``nbytes``)."""
+    xs = [s * nbytes / b for b, s in samples if b > 0 and s > 0] if nbytes else []
+    return _pct(xs, 50)
+
+
+def time_memcpy(nbytes: int, passes: int = 7, threads: int = 1) -> list[tuple[float, float]]:
+    """``passes`` timings of ``dst.copy_(src)`` between two preallocated, touched uint8
+    tensors of ``nbytes`` on ``threads`` torch threads: ``[(bytes, seconds), ...]``."""
+    import torch
+
+    n = max(1, int(nbytes))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(n, dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        dst.copy_(src)  # both touched before timing
+        out = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            out.append((float(n), time.perf_counter() - t0))
+        return out
+    finally:
+        torch.set_num_threads(prev)
+
+
+def kv_bytes_per_token(model: str | os.PathLike[str], dtype_bytes: int = 4) -> int:
+    """Bytes of KV per token of the model (keys and values of every layer; ``dtype_bytes``:
+    4 for the servers' ``--dtype float32``), from its ``config.json``."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return 2 * int(c["num_hidden_layers"]) * int(kv_heads) * int(head_dim) * dtype_bytes
+
+
+def _row(rows: Sequence[Mapping[str, Any]], mode: str) -> Mapping[str, Any] | None:
+    for r in rows:
+        if r.get("mode") == mode and r.get("answered"):
+            return r
+    return None
+
+
+def goals(rows: Sequence[Mapping[str, Any]], chunk: int = CHUNK) -> list[dict[str, Any]]:
+    """The issue's goals against the modes' rows: ``{goal, mode, value, limit, met}`` each
+    (``met`` is ``None`` where the figure is missing). The lmcache modes: decoder recomputed
+    tokens per request at most one partial chunk (< ``chunk``), decoder TTFT at most 1.2x a
+    CPU-tier hit's, throughput at least vLLM's NixlConnector's (``vllm-nixl``); the transfer
+    over NIXL (``lmcache-nixl``) at most 2x a memcpy of the same bytes; every mode's outputs
+    identical to ``alone``'s."""
+    out: list[dict[str, Any]] = []
+
+    def add(goal: str, mode: str, value: float | None, limit: float, le: bool) -> None:
+        met = None if value is None else (value <= limit if le else value >= limit)
+        out.append({"goal": goal, "mode": mode, "value": value, "limit": limit, "met": met})
+
+    nixl = _row(rows, "vllm-nixl")
+    for r in rows:
+        m = r.get("mode", "")
+        if not r.get("answered"):
+            continue
+        if m.startswith("lmcache-"):
+            add("decoder recomputed tokens per request < one chunk", m, r.get("decoder_recomputed_per_request"),
+                chunk - 1, True)
+            if m == "lmcache-nixl":
+                add("transfer time per request / memcpy of its bytes", m, r.get("transfer_vs_memcpy"), 2.0, True)
+            add("decoder TTFT / CPU-tier hit's decoder TTFT", m, r.get("decoder_ttft_vs_cpu_hit"), 1.2, True)
+            add("throughput (requests/s) / vllm-nixl's", m,
+                ratio(r.get("requests_per_s"), nixl.get("requests_per_s") if nixl else None), 1.0, False)
+        if m != "alone":
+            ident = r.get("identical")
+            add("outputs identical to alone's (of the requests)", m, None if ident is None else float(ident),
+                float(r.get("requests") or 0), False)
+    return out
 
 
 # --------------------------------------------------------------------------- processes, threads and cores
@@ -655,24 +816,27 @@ class ToyProxy(_Proxy):
 # --------------------------------------------------------------------------- lmcache's connector configs
 
 
+def _yaml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_yaml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{k}: {_yaml_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
 def _yaml(cfg: Mapping[str, Any]) -> str:
-    lines = []
-    for k, v in cfg.items():
-        if isinstance(v, bool):
-            s = "true" if v else "false"
-        elif isinstance(v, (list, tuple)):
-            s = "[" + ", ".join(str(x) for x in v) + "]"
-        else:
-            s = str(v)
-        lines.append(f"{k}: {s}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{k}: {_yaml_value(v)}\n" for k, v in cfg.items())
 
 
 def lmcache_pd_configs(channel: str, directory: Path, *, notify_port: int, init_ports: Sequence[int],
-                       alloc_ports: Sequence[int], chunk_size: int = CHUNK,
-                       pd_buffer_size: int = PD_BUFFER) -> dict[str, Any]:
+                       alloc_ports: Sequence[int], chunk_size: int = CHUNK, pd_buffer_size: int = PD_BUFFER,
+                       prefiller_api_port: int | None = None, decoder_api_port: int | None = None) -> dict[str, Any]:
     """The prefiller's and decoder's ``--kv-transfer-config`` and ``LMCACHE_CONFIG_FILE``
-    (written into ``directory``) of lmcache's connector as a PD sender and receiver."""
+    (written into ``directory``) of lmcache's connector as a PD sender and receiver. With an
+    ``*_api_port``, that side's instance API is on (our ``api`` section beside LMCache's keys:
+    ``GET /v1/stats`` has the transfer endpoint's counters)."""
     common = {"chunk_size": chunk_size, "local_cpu": False, "max_local_cpu_size": 0, "enable_pd": True}
     ports = lambda ps: ps[0] if len(ps) == 1 else list(ps)  # noqa: E731
     pre = {**common, "pd_role": "sender", "transfer_channel": channel, "pd_proxy_host": "127.0.0.1",
@@ -681,6 +845,10 @@ def lmcache_pd_configs(channel: str, directory: Path, *, notify_port: int, init_
     dec = {**common, "pd_role": "receiver", "transfer_channel": channel, "pd_peer_host": "127.0.0.1",
            "pd_peer_init_port": ports(init_ports), "pd_peer_alloc_port": ports(alloc_ports),
            "pd_buffer_size": pd_buffer_size, "pd_buffer_device": "cpu", "nixl_backends": ["UCX"]}
+    if prefiller_api_port is not None:
+        pre["api"] = {"enabled": True, "port": prefiller_api_port}
+    if decoder_api_port is not None:
+        dec["api"] = {"enabled": True, "port": decoder_api_port}
     directory.mkdir(parents=True, exist_ok=True)
     pre_f, dec_f = directory / f"prefiller-{channel}.yaml", directory / f"decoder-{channel}.yaml"
     pre_f.write_text(_yaml(pre))
@@ -732,7 +900,7 @@ def build_prompts(tok: Any, n: int, tokens: int, seed: int, kind: str = "random"
     return out
 
 
-def run_workload(send: Callable[[str], Streamed], prompts: Sequence[str], clients: int) -> tuple[list[Streamed | None], float, list[str]]:
+def run_workload(send: Callable[[Any], Streamed], prompts: Sequence[Any], clients: int) -> tuple[list[Streamed | None], float, list[str]]:
     """``prompts`` through ``send`` by ``clients`` concurrent clients (each takes the next
     prompt): the answers (in prompt order), the wall time, and the errors (after the first
     error no new request starts)."""
@@ -779,7 +947,9 @@ def _mean(xs: Sequence[float]) -> float | None:
 def summarize_mode(mode: str, results: Sequence[Streamed | None], total_s: float, reference: Sequence[str] | None,
                    decoder_delta: Mapping[str, Any] | None) -> dict[str, Any]:
     """One row of the table: TTFT and ITL statistics, outputs against the reference, the
-    decoder's prompt tokens by source per request."""
+    decoder's prompt tokens by source per request, its mean TTFT, the throughput (output
+    tokens: the decoder's generated tokens, plus the prefiller's first token per request
+    in the lmcache modes)."""
     done = [r for r in results if r is not None]
     ttft = [r.ttft for r in done]
     itl = [g for r in done for g in r.itl]
@@ -787,8 +957,15 @@ def summarize_mode(mode: str, results: Sequence[Streamed | None], total_s: float
         "mode": mode, "requests": len(results), "answered": len(done), "total_s": total_s,
         "ttft_mean": _mean(ttft), "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
         "itl_mean": _mean(itl), "itl_p99": _pct(itl, 99),
+        "requests_per_s": len(done) / total_s if total_s > 0 else None,
+        "decoder_ttft_mean": histogram_mean(decoder_delta, TTFT_HIST),
+        "output_tokens": None, "output_tokens_per_s": None,
         "outputs": [r.text if r is not None else None for r in results],
     }
+    if decoder_delta is not None and "vllm:generation_tokens_total" in decoder_delta:
+        toks = decoder_delta["vllm:generation_tokens_total"] + (len(done) if mode.startswith("lmcache-") else 0)
+        row["output_tokens"] = toks
+        row["output_tokens_per_s"] = toks / total_s if total_s > 0 else None
     if reference is not None:
         same = [i for i, r in enumerate(results) if r is not None and i < len(reference) and r.text == reference[i]]
         row["identical"] = len(same)
@@ -818,7 +995,8 @@ def _f(x: Any, spec: str = ".2f", scale: float = 1.0) -> str:
 def table_lines(data: Mapping[str, Any]) -> list[str]:
     """The table, as lines (the tests check them)."""
     lines = [f"{'mode':<14}{'total s':>8}{'TTFT mean':>10}{'p50':>7}{'p99':>7}{'ITL mean ms':>12}{'p99 ms':>8}"
-             f"{'same':>7}{'dec recomp/req':>15}{'dec external/req':>17}"]
+             f"{'same':>7}{'dec recomp/req':>15}{'dec external/req':>17}{'req/s':>7}{'tok/s':>7}"
+             f"{'dec TTFT':>9}{'hit TTFT':>9}{'dec/hit':>8}{'xfer ms/req':>12}{'MB/req':>8}{'x memcpy':>9}"]
     for m in data["modes"]:
         if not m.get("ok", True) and not m.get("answered"):
             lines.append(f"{m['mode']:<14}  did not run: {m.get('reason', '')}")
@@ -827,7 +1005,11 @@ def table_lines(data: Mapping[str, Any]) -> list[str]:
         lines.append(f"{m['mode']:<14}{_f(m['total_s'], '.1f'):>8}{_f(m['ttft_mean']):>10}{_f(m['ttft_p50']):>7}"
                      f"{_f(m['ttft_p99']):>7}{_f(m['itl_mean'], '.0f', 1000):>12}{_f(m['itl_p99'], '.0f', 1000):>8}"
                      f"{same:>7}{_f(m.get('decoder_recomputed_per_request'), '.1f'):>15}"
-                     f"{_f(m.get('decoder_external_per_request'), '.1f'):>17}")
+                     f"{_f(m.get('decoder_external_per_request'), '.1f'):>17}{_f(m.get('requests_per_s'), '.3f'):>7}"
+                     f"{_f(m.get('output_tokens_per_s'), '.2f'):>7}{_f(m.get('decoder_ttft_mean'), '.3f'):>9}"
+                     f"{_f(m.get('cpu_hit_decoder_ttft'), '.3f'):>9}{_f(m.get('decoder_ttft_vs_cpu_hit')):>8}"
+                     f"{_f(m.get('transfer_s_per_request'), '.1f', 1000):>12}"
+                     f"{_f(m.get('transfer_bytes_per_request'), '.1f', 1e-6):>8}{_f(m.get('transfer_vs_memcpy')):>9}")
         if not m.get("ok", True):
             lines.append(f"{'':<14}  failed: {m.get('reason', '')}")
     return lines
@@ -843,6 +1025,9 @@ def print_table(data: Mapping[str, Any]) -> None:
         f"{data['machine']}")
     for line in table_lines(data):
         say(line)
+    for g in data.get("goals") or ():
+        met = {True: "met", False: "MISSED", None: "no figure"}[g["met"]]
+        say(f"goal {g['mode']}: {g['goal']}: {_f(g['value'], '.3g')} (limit {g['limit']:g}): {met}")
     for m in data["modes"]:
         extra = []
         if m.get("nixl_transfers"):
@@ -855,8 +1040,20 @@ def print_table(data: Mapping[str, Any]) -> None:
             extra.append("threads spinning while idle: " + ", ".join(
                 f"{t['process']}/{t['thread']}{' (main thread)' if t.get('main') else ''} {t['cpu']:.0%}"
                 for t in m["spinning"]))
+        hit = m.get("cpu_hit") or {}
+        if hit.get("error"):
+            extra.append(f"CPU-tier hit baseline failed: {hit['error']}")
+        elif hit.get("passes"):
+            extra.append("CPU-tier hits at the decoder, decoder TTFT per pass: " + ", ".join(
+                f"{_f(p['decoder_ttft_mean'], '.3f')} s (recomputed {_f(p['recomputed_per_request'], '.1f')}/req)"
+                for p in hit["passes"]))
+        if m.get("memcpy", {}).get("samples") and m.get("memcpy_s_per_request") is not None:
+            extra.append(f"memcpy of {_f(m.get('transfer_bytes_per_request'), '.1f', 1e-6)} MB: "
+                         f"{_f(m['memcpy_s_per_request'], '.2f', 1000)} ms (median, 1 thread)")
         if extra:
             say(f"  {m['mode']}: " + "; ".join(extra))
+    for mode, r in (data.get("throughput_vs_vllm_nixl") or {}).items():
+        say(f"throughput {mode} / vllm-nixl: {_f(r)}")
     say("commands:")
     for m in data["modes"]:
         for k, v in (m.get("commands") or {}).items():
@@ -876,13 +1073,71 @@ def _decoder_snapshot(port: int) -> dict[str, Any] | None:
     return None
 
 
+def _api_stats(port: int | None) -> dict[str, Any] | None:
+    if port is None:
+        return None
+    with contextlib.suppress(LMCacheError):
+        return http_json(port, "/v1/stats", timeout=10.0)
+    return None
+
+
+def cpu_hit_baseline(prefiller_port: int, decoder_port: int, prompts: Sequence[str], max_tokens: int, clients: int,
+                     passes: int, timeout: float, outputs: Sequence[str | None] | None = None) -> dict[str, Any]:
+    """Each prompt as LMCache's proxy sends it to the decoder (its token ids from the
+    decoder's ``/tokenize``, plus the first token, asked of the prefiller: ``max_tokens: 1``,
+    ``return_token_ids``), sent straight to the decoder (``max_tokens - 1`` tokens, by
+    ``clients`` clients), ``passes`` times: the decoder's mean TTFT per pass (histogram
+    delta) and its median; the decoder's prompt tokens by source per request (a hit
+    recomputes at most the tail); how many answers continue the mode's ``outputs``."""
+    ids = [list(http_json(decoder_port, "/tokenize", {"prompt": p}, timeout)["tokens"]) for p in prompts]
+    firsts, first_texts = [], []
+    for t in ids:
+        got = http_json(prefiller_port, "/v1/completions", {"model": SERVED, "prompt": t, "max_tokens": 1,
+                                                            "temperature": 0.0, "return_token_ids": True}, timeout)
+        ch = got["choices"][0]
+        if not ch.get("token_ids"):
+            raise LMCacheError("the prefiller answered no token_ids (return_token_ids)")
+        firsts.append(int(ch["token_ids"][0]))
+        first_texts.append(ch.get("text") or "")
+    reqs = [t + [f] for t, f in zip(ids, firsts)]
+    out: dict[str, Any] = {"prompt_tokens": [len(t) for t in ids], "first_tokens": firsts, "passes": []}
+    results: list[Streamed | None] = []
+    for _ in range(passes):
+        before = metrics_snapshot(decoder_port)
+        results, total, errors = run_workload(lambda p: stream_completion(decoder_port, p, max_tokens - 1, timeout),
+                                              reqs, clients)
+        d = metrics_delta(before, metrics_snapshot(decoder_port))
+        done = [r for r in results if r is not None]
+        n = max(1, len(done))
+        src = d["by_source"]
+        out["passes"].append({
+            "decoder_ttft_mean": histogram_mean(d, TTFT_HIST), "client_ttft_mean": _mean([r.ttft for r in done]),
+            "total_s": total, "answered": len(done), "errors": errors[:3],
+            "recomputed_per_request": src["local_compute"] / n if "local_compute" in src else None,
+            "external_per_request": src["external_kv_transfer"] / n if "external_kv_transfer" in src else None})
+    ok = [p for p in out["passes"] if not p["errors"]]
+    out["decoder_ttft"] = _pct([p["decoder_ttft_mean"] for p in ok if p["decoder_ttft_mean"] is not None], 50)
+    out["client_ttft"] = _pct([p["client_ttft_mean"] for p in ok if p["client_ttft_mean"] is not None], 50)
+    if outputs is not None:
+        out["continues_outputs"] = sum(1 for i, r in enumerate(results) if r is not None and i < len(outputs)
+                                       and outputs[i] == first_texts[i] + r.text)
+    return out
+
+
 def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], reference: Sequence[str] | None, work: Path, *,
              max_tokens: int, clients: int, tensor_parallel: int, max_model_len: int, request_timeout: float,
              warmup: str | None, nixl_fixups: bool, say: Callable[[str], None],
-             ref_venv: Path | None = None, proxies: Path | None = None) -> dict[str, Any]:
+             ref_venv: Path | None = None, proxies: Path | None = None, cpu_hit_passes: int = 3,
+             memcpy_passes: int = 7, request_bytes_estimate: int | None = None) -> dict[str, Any]:
     logs = work / mode
     logs.mkdir(parents=True, exist_ok=True)
     row: dict[str, Any] = {"mode": mode, "ok": False, "reason": "", "commands": {}, "logs": str(logs)}
+    memcpy: list[tuple[float, float]] = []
+    if mode != "alone" and request_bytes_estimate:
+        # before the servers start: a memcpy of the bytes a request's KV should take
+        memcpy += time_memcpy(request_bytes_estimate, memcpy_passes)
+    api_port: int | None = None
+    push: dict[str, float] | None = None
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         try:
@@ -910,8 +1165,10 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                     notify = free_port()
                     init_ports = [free_port() for _ in range(tensor_parallel)]
                     alloc_ports = [free_port() for _ in range(tensor_parallel)]
+                    # the prefiller's instance API (its transfer counters); one port: one rank
+                    api_port = free_port() if tensor_parallel == 1 else None
                     cfg = lmcache_pd_configs(channel, logs, notify_port=notify, init_ports=init_ports,
-                                             alloc_ports=alloc_ports)
+                                             alloc_ports=alloc_ports, prefiller_api_port=api_port)
                     row["lmcache_yaml"] = {"prefiller": cfg["prefiller_yaml"], "decoder": cfg["decoder_yaml"]}
                     pair = stack.enter_context(PDPair(
                         model, vllm=vllm, prefiller_kv_transfer_config=cfg["prefiller_kv"],
@@ -944,17 +1201,52 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                 row["commands"]["fixups"] = list(pair.fixups)
                 # threads per allowed CPUs, during the workload
                 row["affinity"] = {side: affinity_summary(s.proc.pid) for side, s, _ in sides if s is not None}
+            stats_before = _api_stats(api_port)
             before = _decoder_snapshot(metrics_port)
             say(f"{mode}: {len(prompts)} requests, {clients} clients ...")
             results, total, errors = run_workload(send, prompts, clients)
             after = _decoder_snapshot(metrics_port)
+            stats_after = _api_stats(api_port)
             delta = metrics_delta(before, after) if before and after else None
             row.update(summarize_mode(mode, results, total, reference, delta))
             row["ok"] = not errors
             row["reason"] = "; ".join(errors[:3])
+            if api_port is not None:
+                push = transfer_delta(stats_before, stats_after)
+                row["prefiller_transfer"] = push
+                if push is None:
+                    row["prefiller_transfer_note"] = f"no transfer counters from 127.0.0.1:{api_port}/v1/stats"
+            if mode.startswith("lmcache-") and not errors and cpu_hit_passes > 0:
+                assert pair is not None and pair.prefiller is not None and pair.decoder is not None
+                say(f"{mode}: CPU-tier hits at the decoder, {cpu_hit_passes} passes ...")
+                try:
+                    row["cpu_hit"] = cpu_hit_baseline(pair.prefiller.port, pair.decoder.port, prompts, max_tokens,
+                                                      clients, cpu_hit_passes, request_timeout, row.get("outputs"))
+                except Exception as exc:  # noqa: BLE001 -- the workload's figures stand without it
+                    row["cpu_hit"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    say(f"{mode}: CPU-tier hit baseline failed: {row['cpu_hit']['error']}")
         except Exception as exc:  # noqa: BLE001 -- a mode that cannot run is reported, the others still run
             row["reason"] = f"{type(exc).__name__}: {exc}"
             say(f"{mode}: failed: {row['reason']}")
+    hit = (row.get("cpu_hit") or {}).get("decoder_ttft")
+    row["cpu_hit_decoder_ttft"] = hit
+    row["decoder_ttft_vs_cpu_hit"] = ratio(row.get("decoder_ttft_mean"), hit)
+    # transfer per request: our prefiller's pushes, or vLLM's NIXL reads at the decoder
+    if push:
+        secs, nbytes = per_request(push.get("push_seconds"), push.get("pushed_bytes"), push.get("pushed_requests"))
+    elif mode == "vllm-nixl" and row.get("decoder"):
+        d = row["decoder"]
+        secs, nbytes = per_request(d.get("vllm:nixl_xfer_time_seconds_sum"), d.get("vllm:nixl_bytes_transferred_sum"),
+                                   row.get("answered"))
+    else:
+        secs, nbytes = None, None
+    row["transfer_s_per_request"], row["transfer_bytes_per_request"] = secs, nbytes
+    if mode != "alone" and (nbytes or request_bytes_estimate):
+        # after the servers stopped: a memcpy of the bytes a request's KV took
+        memcpy += time_memcpy(int(nbytes or request_bytes_estimate or 1), memcpy_passes)
+    row["memcpy"] = {"threads": 1, "estimate_bytes": request_bytes_estimate, "samples": memcpy}
+    row["memcpy_s_per_request"] = memcpy_seconds(memcpy, nbytes)
+    row["transfer_vs_memcpy"] = ratio(secs, row["memcpy_s_per_request"])
     return row
 
 
@@ -962,7 +1254,7 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
          max_tokens: int = 16, clients: int = 2, seed: int = 0, tensor_parallel: int = 1, nixl_fixups: bool = True,
          warmup: bool = True, request_timeout: float = 600.0, vllm_venv: Path | None = None,
          ref_venv: Path | None = None, proxies: Path | None = None, directory: Path | None = None,
-         as_json: bool = False) -> dict[str, Any]:
+         as_json: bool = False, cpu_hit_passes: int = 3, memcpy_passes: int = 7) -> dict[str, Any]:
     import platform
 
     from transformers import AutoTokenizer
@@ -984,6 +1276,7 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
         proxy_script("toy_proxy_server.py", proxies)
     console = err() if as_json else out()
     say = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
+    load_before = os.getloadavg()
     wd = open_work_dir(directory, "lmcache-bench-pd-")
     model = smollm2_checkpoint(progress=say)
     tok = AutoTokenizer.from_pretrained(str(model))
@@ -991,6 +1284,9 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
     lens = [len(tok(t)["input_ids"]) for t in texts]
     warm = build_prompts(tok, 1, 300, seed + 7919, prompt_kind)[0] if warmup else None
     max_len = max(4096, max(lens) + max_tokens + 64)
+    # the bytes of a request's KV (fp32), for the memcpy timed before each PD mode's servers start
+    kv_per_token = kv_bytes_per_token(model)
+    request_bytes = round(kv_per_token * sum(lens) / len(lens))
     # alone first: its outputs are the reference
     order = sorted(modes, key=lambda m: m != "alone")
     rows: list[dict[str, Any]] = []
@@ -999,7 +1295,8 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
         say(f"{m}: starting ...")
         row = run_mode(m, model, vllm, texts, reference, wd.path, max_tokens=max_tokens, clients=clients,
                        tensor_parallel=tensor_parallel, max_model_len=max_len, request_timeout=request_timeout,
-                       warmup=warm, nixl_fixups=nixl_fixups, say=say, ref_venv=ref_venv, proxies=proxies)
+                       warmup=warm, nixl_fixups=nixl_fixups, say=say, ref_venv=ref_venv, proxies=proxies,
+                       cpu_hit_passes=cpu_hit_passes, memcpy_passes=memcpy_passes, request_bytes_estimate=request_bytes)
         if m == "alone" and row.get("ok"):
             reference = row["outputs"]
             row["identical"], row["differing"] = len(texts), []
@@ -1009,8 +1306,14 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
         "prompt_kind": prompt_kind, "max_tokens": max_tokens, "clients": clients, "seed": seed,
         "tensor_parallel": tensor_parallel, "nixl_fixups": nixl_fixups, "warmup": warmup,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "model": str(model), "work_dir": str(wd.path),
-        "argv": [sys.executable, *sys.argv],
+        "argv": [sys.executable, *sys.argv], "cpu_hit_passes": cpu_hit_passes, "memcpy_passes": memcpy_passes,
+        "kv_bytes_per_token": kv_per_token, "load_before": load_before,
     }
+    nixl = _row(rows, "vllm-nixl")
+    data["throughput_vs_vllm_nixl"] = {r["mode"]: ratio(r.get("requests_per_s"), nixl.get("requests_per_s"))
+                                       for r in rows if nixl and r.get("answered") and r["mode"] != "vllm-nixl"}
+    data["goals"] = goals(rows)
+    data["load_after"] = os.getloadavg()
     emit(data, as_json, print_table)
     failed = [r for r in rows if not r.get("ok")]
     if wd.temporary and not failed:

@@ -128,6 +128,13 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="model
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="model"} 0.0
 vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="model"} 0.0
 vllm:nixl_xfer_time_seconds_count{engine="0",model_name="model"} 0.0
+vllm:generation_tokens_total{engine="0",model_name="model"} 16.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="model"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="model"} 1.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="model"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="model"} 2.0
 """
 METRICS_AFTER = """\
 vllm:prompt_tokens_by_source_total{engine="0",model_name="model",source="local_compute"} 305.0
@@ -138,6 +145,13 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="model
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="model"} 0.0
 vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="model"} 1.2
 vllm:nixl_xfer_time_seconds_count{engine="0",model_name="model"} 4.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="model"} 2.4e+08
+vllm:nixl_bytes_transferred_count{engine="0",model_name="model"} 4.0
+vllm:generation_tokens_total{engine="0",model_name="model"} 76.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="model"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="model"} 5.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="model"} 5.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="model"} 4.4
 lmcache:pd_received_chunks_total{role="receiver",label="a,b"} 24
 process_cpu_seconds_total 12.5
 """
@@ -164,6 +178,80 @@ def test_metric_parsing():
     assert d["by_source"] == {"external_kv_transfer": 5996.0, "local_cache_hit": 0.0, "local_compute": 4.0}
     assert d["vllm:request_success_total"] == 4.0 and d["vllm:nixl_xfer_time_seconds_count"] == 4.0
     assert d["lmcache"] == {"lmcache:pd_received_chunks_total": 24.0}
+    # the histogram's buckets are not its sum or count
+    assert d["vllm:time_to_first_token_seconds_sum"] == pytest.approx(2.4)
+    assert d["vllm:time_to_first_token_seconds_count"] == 4.0
+
+
+def test_histogram_mean_and_ratio():
+    d = pd.metrics_delta(_snapshot(METRICS_BEFORE), _snapshot(METRICS_AFTER))
+    assert pd.histogram_mean(d, pd.TTFT_HIST) == pytest.approx(0.6)  # 2.4 s over 4 first tokens
+    assert pd.histogram_mean(d, "vllm:nixl_xfer_time_seconds") == pytest.approx(0.3)
+    assert pd.histogram_mean(d, "vllm:nixl_bytes_transferred") == pytest.approx(6e7)
+    # no observation in the window (or no delta at all): no mean, not a division by zero
+    same = pd.metrics_delta(_snapshot(METRICS_AFTER), _snapshot(METRICS_AFTER))
+    assert pd.histogram_mean(same, pd.TTFT_HIST) is None
+    assert pd.histogram_mean(None, pd.TTFT_HIST) is None and pd.histogram_mean(d, "vllm:absent") is None
+    assert pd.ratio(1.2, 0.4) == pytest.approx(3.0)
+    assert pd.ratio(None, 1.0) is None and pd.ratio(1.0, None) is None
+    assert pd.ratio(1.0, 0.0) is None and pd.ratio(1.0, -1.0) is None
+
+
+def test_transfer_figures():
+    before = {"tiers": {}, "transfer": {"channel": "nixl", "pushed_requests": 1, "pushed_chunks": 2,
+                                        "pushed_bytes": 1000, "push_seconds": 0.5, "push_failed": 0}}
+    after = {"transfer": {"channel": "nixl", "pushed_requests": 9, "pushed_chunks": 50, "pushed_bytes": 8001000,
+                          "push_seconds": 0.9, "push_failed": 0}}
+    d = pd.transfer_delta(before, after)
+    assert d == {"pushed_requests": 8, "pushed_chunks": 48, "pushed_bytes": 8000000,
+                 "push_seconds": pytest.approx(0.4), "push_failed": 0}
+    assert pd.transfer_delta(before, {"tiers": {}}) is None and pd.transfer_delta(None, after) is None
+    secs, nbytes = pd.per_request(d["push_seconds"], d["pushed_bytes"], d["pushed_requests"])
+    assert secs == pytest.approx(0.05) and nbytes == 1e6
+    assert pd.per_request(0.4, 100, 0) == (None, None) and pd.per_request(None, 100, 2) == (None, None)
+    # memcpy samples of about the size, scaled to the request's bytes, median
+    samples = [(2e6, 0.002), (1e6, 0.003), (1e6, 0.0005)]
+    assert pd.memcpy_seconds(samples, 1e6) == pytest.approx(0.001)
+    assert pd.memcpy_seconds([], 1e6) is None and pd.memcpy_seconds(samples, None) is None
+    assert pd.ratio(secs, pd.memcpy_seconds(samples, nbytes)) == pytest.approx(50.0)
+
+
+def test_time_memcpy_and_kv_bytes(tmp_path):
+    got = pd.time_memcpy(1 << 16, passes=3)
+    assert len(got) == 3 and all(b == float(1 << 16) and s > 0 for b, s in got)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp32: 46,080 bytes of keys and values per token
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_key_value_heads": 3,
+                                                      "num_attention_heads": 9, "hidden_size": 576, "head_dim": 64}))
+    assert pd.kv_bytes_per_token(tmp_path) == 46080
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "hidden_size": 64}))
+    assert pd.kv_bytes_per_token(tmp_path, dtype_bytes=2) == 2 * 2 * 4 * 16 * 2
+
+
+def test_goals():
+    alone = {"mode": "alone", "answered": 4, "requests": 4, "identical": 4, "requests_per_s": 0.5}
+    nixl = {"mode": "vllm-nixl", "answered": 4, "requests": 4, "identical": 4, "requests_per_s": 0.4}
+    lm = {"mode": "lmcache-nixl", "answered": 4, "requests": 4, "identical": 4, "requests_per_s": 0.5,
+          "decoder_recomputed_per_request": 221.0, "transfer_vs_memcpy": 2.5, "decoder_ttft_vs_cpu_hit": 1.1}
+    tcp = {"mode": "lmcache-tcp", "answered": 4, "requests": 4, "identical": 3, "requests_per_s": 0.3,
+           "decoder_recomputed_per_request": 1500.0, "transfer_vs_memcpy": 9.0, "decoder_ttft_vs_cpu_hit": None}
+    failed = {"mode": "lmcache-tcp", "answered": 0, "ok": False}
+    got = {(g["mode"], g["goal"].split()[0] + " " + g["goal"].split()[1]): (g["value"], g["limit"], g["met"])
+           for g in pd.goals([alone, nixl, lm, tcp, failed])}
+    assert got[("lmcache-nixl", "decoder recomputed")] == (221.0, 255, True)
+    assert got[("lmcache-nixl", "transfer time")] == (2.5, 2.0, False)
+    assert got[("lmcache-nixl", "decoder TTFT")] == (1.1, 1.2, True)
+    assert got[("lmcache-nixl", "throughput (requests/s)")] == (pytest.approx(1.25), 1.0, True)
+    assert got[("lmcache-nixl", "outputs identical")] == (4.0, 4.0, True)
+    assert got[("lmcache-tcp", "decoder recomputed")] == (1500.0, 255, False)
+    assert ("lmcache-tcp", "transfer time") not in got  # the goal is NIXL's
+    assert got[("lmcache-tcp", "decoder TTFT")] == (None, 1.2, None)
+    assert got[("lmcache-tcp", "throughput (requests/s)")][2] is False
+    assert got[("lmcache-tcp", "outputs identical")] == (3.0, 4.0, False)
+    assert got[("vllm-nixl", "outputs identical")] == (4.0, 4.0, True)
+    assert not any(m == "alone" for m, _ in got)
+    # without a vllm-nixl row the throughput goal has no figure
+    assert [g["met"] for g in pd.goals([lm]) if g["goal"].startswith("throughput")] == [None]
 
 
 def _streamed(text: str, t0: float, gaps: list[float]) -> pd.Streamed:
@@ -186,6 +274,13 @@ def test_mode_row_and_table():
     assert row["decoder_recomputed_per_request"] == 1.0 and row["decoder_external_per_request"] == 1499.0
     assert row["decoder_prompt_tokens"] == 6000.0
     assert row["nixl_transfers"] == 4.0 and row["nixl_xfer_s_mean"] == pytest.approx(0.3)
+    assert row["decoder_ttft_mean"] == pytest.approx(0.6) and row["requests_per_s"] == pytest.approx(4 / 9.5)
+    assert row["output_tokens"] == 60.0 and row["output_tokens_per_s"] == pytest.approx(60 / 9.5)
+    # lmcache's decoder makes every token but the first (the prefiller's, through LMCache's proxy)
+    assert pd.summarize_mode("lmcache-nixl", results, 9.5, ref, delta)["output_tokens"] == 64.0
+    # figures run_mode adds: the CPU-tier hit's decoder TTFT, the transfer per request and its memcpy
+    row.update(cpu_hit_decoder_ttft=0.5, decoder_ttft_vs_cpu_hit=1.2, transfer_s_per_request=0.3,
+               transfer_bytes_per_request=6e7, transfer_vs_memcpy=1.5)
     row.update(ok=True, commands={"prefiller": "taskset -c 0 vllm serve m", "fixups": ["renice -n 19 -p 7"]})
     alone = pd.summarize_mode("alone", [_streamed(t, 1.0, [0.2]) for t in ref], 8.0, None, None)
     alone.update(ok=True, identical=4)
@@ -194,8 +289,12 @@ def test_mode_row_and_table():
             "max_tokens": 16, "clients": 2, "tensor_parallel": 1, "machine": "x86_64 2 cpus"}
     lines = pd.table_lines(data)
     assert lines[0].split()[:3] == ["mode", "total", "s"]
-    assert lines[1].split() == ["alone", "8.0", "1.00", "1.00", "1.00", "200", "200", "4/4", "-", "-"]
-    assert lines[2].split() == ["vllm-nixl", "9.5", "2.50", "2.50", "3.97", "150", "294", "3/4", "1.0", "1499.0"]
+    assert lines[0].split()[-12:] == ["req/s", "tok/s", "dec", "TTFT", "hit", "TTFT", "dec/hit", "xfer", "ms/req",
+                                      "MB/req", "x", "memcpy"]
+    assert lines[1].split() == ["alone", "8.0", "1.00", "1.00", "1.00", "200", "200", "4/4", "-", "-", "0.500",
+                                "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[2].split() == ["vllm-nixl", "9.5", "2.50", "2.50", "3.97", "150", "294", "3/4", "1.0", "1499.0",
+                                "0.421", "6.32", "0.600", "0.500", "1.20", "300.0", "60.0", "1.50"]
     assert lines[3].startswith("lmcache-tcp") and "did not run: LMCacheError: vllm serve exited" in lines[3]
     # a mode that answered part of the prompts before an error: its row, and why it stopped
     part = pd.summarize_mode("lmcache-nixl", [results[0], None, None, None], 5.0, ref, None)
@@ -251,6 +350,21 @@ def test_lmcache_pd_configs(tmp_path):
     pd.lmcache_pd_configs("tcp", tmp_path, notify_port=1, init_ports=[2, 3], alloc_ports=[4, 5])
     dec = yaml.safe_load((tmp_path / "decoder-tcp.yaml").read_text())
     assert dec["transfer_channel"] == "tcp" and dec["pd_peer_init_port"] == [2, 3] and dec["pd_peer_alloc_port"] == [4, 5]
+    assert "api" not in dec
+
+
+def test_lmcache_pd_configs_with_the_instance_api(tmp_path):
+    """Our ``api`` section beside LMCache's keys in one file: the loader takes both."""
+    from lmcache.config import load_config
+
+    cfg = pd.lmcache_pd_configs("nixl", tmp_path, notify_port=7001, init_ports=[7002], alloc_ports=[7003],
+                                prefiller_api_port=7010)
+    pre_f = tmp_path / "prefiller-nixl.yaml"
+    assert "api: {enabled: true, port: 7010}\n" in pre_f.read_text()
+    assert yaml.safe_load(pre_f.read_text())["api"] == {"enabled": True, "port": 7010} == cfg["prefiller_yaml"]["api"]
+    assert "api" not in yaml.safe_load((tmp_path / "decoder-nixl.yaml").read_text())
+    c = load_config(pre_f, environ={})
+    assert c.api.enabled and c.api.port == 7010 and c.pd.role == "sender" and c.transfer_channel == "nixl"
 
 
 def test_cores_and_pinning():
