@@ -194,7 +194,8 @@ def convert(
 
     import yaml
 
-    from lmcache.config import _read_yaml, load_config
+    from lmcache.config import Config, _read_yaml, load_config
+    from lmcache.settings import keys
     from lmcache.upstream import no_effect_keys
 
     quiet = logging.getLogger("lmcache.config")
@@ -209,7 +210,7 @@ def convert(
     secret = masked != data
     text = f"# converted from {file} by `lmcache config convert`\n" + yaml.safe_dump(
         data if output is not None or show_secrets else masked, sort_keys=False, default_flow_style=False)
-    for key, why in no_effect_keys(_read_yaml(file)).items():
+    for key, why in no_effect_keys(_read_yaml(file), keys(Config)).items():
         note(f"no effect here: {key} ({why})")
     if output is None:
         sys.stdout.write(text)

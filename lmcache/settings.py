@@ -18,6 +18,7 @@ import functools
 import logging
 import re
 import reprlib
+import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import yaml
@@ -280,3 +281,17 @@ port = rule(lambda v: v <= 65535, "must be <= 65535, got {}", after=integer(0))
 token = rule(lambda v: v is None or (isinstance(v, str) and v and v == v.strip() and len(v) <= 4096),
              "expected a non-empty string without surrounding spaces, or null")
 zmq_endpoint = rule(_zmq, "expected a ZMQ endpoint such as tcp://127.0.0.1:5557, got {}")
+
+
+#: the keys :func:`warn_once` has seen in this process (the upstream vocabulary's warnings)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` (to ``lmcache.config``) the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logging.getLogger("lmcache.config").warning("%s", message)

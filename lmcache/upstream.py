@@ -23,14 +23,13 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
 from .redact import MASK, redact_text
-from .settings import show
+from .settings import _warned, show, warn_once  # noqa: F401 (_warned, warn_once: re-exported)
 from . import upstream_pd
 
 log = logging.getLogger("lmcache.config")
@@ -161,19 +160,6 @@ class Translation:
     no_effect: dict[str, str] = field(default_factory=dict)
     #: a path of ours (``tiers[0].capacity``) -> the upstream key and source that set it, for errors
     names: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` the first time ``key`` is seen in this process."""
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning("%s", message)
 
 
 # ------------------------------------------------------------------ picking the keys out of a source
@@ -558,13 +544,10 @@ def _controller_url(v: str, s: Setting) -> str:
     return url.rstrip("/")
 
 
-def no_effect_keys(data: Mapping[Any, Any]) -> dict[str, str]:
+def no_effect_keys(data: Mapping[Any, Any], ours: Collection[str]) -> dict[str, str]:
     """The keys of a raw upstream mapping that have no effect here, with the reason (for
-    ``lmcache config convert``)."""
-    from .config import Config
-    from .settings import keys
-
-    _, theirs = split(data, keys(Config))
+    ``lmcache config convert``); ``ours``: our config's keys (``settings.keys(Config)``)."""
+    _, theirs = split(data, ours)
     out = {k: NO_EFFECT[ALIASES.get(k, k)] for k in theirs if ALIASES.get(k, k) in NO_EFFECT}
     extra = theirs.get("extra_config")
     if isinstance(extra, (dict, str)):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from .config_services import _names, _ports
 from .errors import ConfigError
-from .settings import show
+from .settings import show, warn_once
 
 #: LMCache's cap here on ``pd_allocation_timeout_sec`` (LMCache's default: no end)
 MAX_ALLOC_WAIT = 60.0
@@ -141,7 +141,6 @@ def translate_pd(settings: Mapping[str, Any], val: Mapping[str, Any],
                  put: Callable[[str, Any, str], None]) -> None:
     """``put(path, value, upstream key)`` for each PD key of ``settings`` (upstream key ->
     :class:`~lmcache.upstream.Setting`; ``val``: the converted values)."""
-    from .upstream import warn_once
 
     if val.get("nixl_backends") is not None:
         put("transfer.nixl_backends", val["nixl_backends"], "nixl_backends")
