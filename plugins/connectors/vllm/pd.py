@@ -329,9 +329,13 @@ class PDWorker:
         """Tell LMCache's proxy that this rank is done with ``req_id`` (bounded by ``pd.notify_timeout``)."""
         if not self.pd.notify or not self.pd.proxy_host or not self.pd.proxy_port:
             return
-        import msgpack
-        import zmq
-
+        try:
+            import msgpack
+            import zmq
+        except ImportError as exc:  # the `events` extra: pip install 'lmcache[events]'
+            self.stats["notify_failed"] += 1
+            log.error("lmcache: PD: cannot notify the proxy of %s: %s (pip install pyzmq msgpack)", req_id, exc)
+            return
         msg = msgpack.packb({"type": "ProxyNotif", "req_id": req_id})
         with self._zlock:
             try:
