@@ -70,7 +70,6 @@ import math
 import os
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -81,7 +80,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from lmcache.errors import LMCacheError
 
-from .vllm_live import VllmServer, find_vllm, free_port
+from .vllm_live import VllmServer, find_vllm, free_port, stop_group
 
 __all__ = ["PDPair", "LMCacheProxy", "ToyProxy", "Streamed", "free_port", "stream_completion", "join_sse", "sse_pieces",
            "parse_prometheus", "by_label", "metric_value", "histogram_mean", "ratio", "transfer_delta", "per_request",
@@ -740,19 +739,7 @@ class _Proxy:
         return self.stream(prompt, max_tokens, timeout).text
 
     def close(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        stop_group(self.proc, self._log, timeout)
 
     def __enter__(self) -> Any:
         return self

