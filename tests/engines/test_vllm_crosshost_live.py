@@ -4,7 +4,7 @@ tensor-parallel rank 0, node 1 ``--headless`` with rank 1 (``--nnodes 2 --node-r
 --master-addr <node 0>``). lmcache's connector with ``lmcache.vllm.lookup: auto`` picks the
 in-band lookups there (``nnodes > 1``): no Unix socket is opened, the scheduler learns what
 both ranks' CPU tiers hold through vLLM's own metadata. The model is the tiny Llama with
-vLLM's dummy weights of test_vllm_live.py (SmolLM2's 3 KV heads do not split over 2 ranks).
+vLLM's dummy weights of tests/_tiny_llama.py (SmolLM2's 3 KV heads do not split over 2 ranks).
 
 The namespaces share this machine's filesystem, so a Unix socket would reach across them
 here, as it would not across real hosts: the test checks that no socket was made.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import test_vllm_live as live  # noqa: E402
+from _tiny_llama import tiny_llama  # noqa: E402
 from _missing import missing  # noqa: E402
 
 vllm_bin, model = live.vllm_bin, live.model  # the fixtures
@@ -67,12 +67,7 @@ def _hits(url: str) -> float:
 
 
 def test_vllm_on_two_hosts_hits_the_workers_tiers_in_band(vllm_bin, model, tmp_path):
-    tiny = tmp_path / "tiny-llama"
-    tiny.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model / f, tiny / f)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    (tiny / "config.json").write_text(json.dumps({**live.TINY_LLAMA, "vocab_size": vocab}))
+    tiny = tiny_llama(model, tmp_path / "tiny-llama")
     kv = live.lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "256MiB"}])
     kv["kv_connector_extra_config"]["lmcache.vllm.lookup"] = "auto"
     sockets = tmp_path / "sockets"
