@@ -67,6 +67,7 @@ class Instance:
     tier_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tier -> TIER_STATS, last reported
     keys: KeyMap = field(default_factory=lambda: KeyMap())  # key -> bitmask of tiers holding it
     epoch: int = 0  # how many times this instance id registered (1 the first time)
+    retried: bool = False  # the last register call repeated the registration in place (same session)
 
     def key_prefix(self) -> str | None:
         if self.kv_signature is None:
@@ -261,7 +262,7 @@ class IndexBase:
             _check_url("peer_url", peer, ("lm",))
         wall = time.time()
         inst = Instance(
-            instance_id=iid, session=secrets.token_hex(8), api_url=api_url, api_token=body.get("api_token"),
+            instance_id=iid, session=body.get("session") or secrets.token_hex(8), api_url=api_url, api_token=body.get("api_token"),
             namespace=body["namespace"], model=body["model"], kv_signature=sig, chunk_size=body["chunk_size"],
             hash_algorithm=algo, save_unfull_chunk=body.get("save_unfull_chunk", True), tiers=list(tiers),
             heartbeat_interval=body.get("heartbeat_interval"), pid=body.get("pid"), version=body.get("version"),
@@ -270,7 +271,8 @@ class IndexBase:
         )
         inst = self._put(inst, tenant)
         log.info("instance %s registered (%s, tiers %s, epoch %d)%s", iid, api_url or "no API", ", ".join(tiers),
-                 inst.epoch, " again: its index was reset" if inst.epoch > 1 else "")
+                 inst.epoch, " again, the same registration: a retry, its keys kept" if inst.retried
+                 else " again: its index was reset" if inst.epoch > 1 else "")
         return {"instance_id": iid, "session": inst.session, "epoch": inst.epoch,
                 "instance_timeout": self.instance_timeout}
 
@@ -462,6 +464,9 @@ class Index(IndexBase):
                 if n >= self.max_instances_per_tenant:
                     self.refused_registrations += 1
                 self.instance_cap(iid, tenant, n)
+            if old is not None and hmac.compare_digest(old.session, inst.session):
+                old.last_seen, old.last_seen_wall, old.retried = inst.last_seen, inst.last_seen_wall, True
+                return old  # a retry of the same registration (its session chosen by the worker)
             inst.epoch = self._epochs[iid] = self._epochs.get(iid, 0) + 1
             self.instances[iid] = inst  # the old one's keys go with it
         return inst

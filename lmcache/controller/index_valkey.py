@@ -375,7 +375,7 @@ class ValkeyIndex(IndexBase):
                 except HTTPError:
                     pass  # then it expires
             raise
-        inst.epoch = int(got[1])
+        inst.epoch, inst.retried = int(got[1]), got[0] == "same"
         self._owner[iid] = ns
         # at every registration, not once per process: a Valkey restarted empty had lost it, and
         # admins saw no instance until the controller restarted (issue 44)

@@ -72,6 +72,9 @@ def check_registration(body: dict[str, Any]) -> None:
     if hb is not None and not 0 < hb <= MAX_HEARTBEAT_INTERVAL:  # False for NaN
         raise HTTPError(400, f"field 'heartbeat_interval' must be > 0 and at most {MAX_HEARTBEAT_INTERVAL:g} "
                              f"seconds, got {str(hb)[:30]}")
+    sess = body.get("session")  # chosen by the worker, so that a retried register is the same registration
+    if sess is not None and not (16 <= len(sess) <= 64 and all(c in "0123456789abcdef" for c in sess)):
+        raise HTTPError(400, "field 'session' must be 16 to 64 lowercase hex characters")
     pid = body.get("pid")
     if pid is not None and not 0 <= pid < 1 << 32:
         raise HTTPError(400, f"field 'pid' must be a process id (0 to 2^32-1), got {str(pid)[:30]}")

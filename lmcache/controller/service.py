@@ -59,7 +59,7 @@ _BODIES: dict[str, tuple[dict[str, tuple[type, ...]], tuple[str, ...]]] = {
     "/v1/register": (
         {"instance_id": _S, "api_url": _S, "api_token": _S, "namespace": _S, "model": _S, "kv_signature": _S,
          "chunk_size": _I, "hash_algorithm": _S, "save_unfull_chunk": _B, "tiers": _L,
-         "heartbeat_interval": (int, float), "pid": _I, "version": _S, "peer_url": _S, "tier_stats": _L},
+         "heartbeat_interval": (int, float), "pid": _I, "version": _S, "peer_url": _S, "tier_stats": _L, "session": _S},
         ("instance_id", "namespace", "model", "chunk_size", "tiers"),
     ),
     "/v1/heartbeat": (

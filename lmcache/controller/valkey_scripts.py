@@ -12,8 +12,14 @@ _RENEW = ("redis.call('PEXPIRE', KEYS[1], ARGV[4]) redis.call('PEXPIRE', KEYS[2]
           "redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[2]) redis.call('PEXPIRE', KEYS[3], ARGV[4])\n")
 
 # KEYS rec, keys, leases, epoch, stats; ARGV sess, id, timeout ms, expire ms, capped, cap, field pairs...
+# The record already holding this session is a retry of the same registration (the worker
+# chose the session; its first try answered late): renewed, its keys kept, {'same', epoch}.
 _REGISTER = _NOW + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[4]) + tonumber(ARGV[3]))
+if redis.call('HGET', KEYS[1], 'sess') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'seen', now)
+""" + _RENEW + """  return {'same', tonumber(redis.call('HGET', KEYS[1], 'epoch'))}
+end
 if ARGV[5] == '1' then
   local n = redis.call('ZCARD', KEYS[3])
   if redis.call('ZSCORE', KEYS[3], ARGV[2]) then n = n - 1 end

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -224,7 +225,9 @@ class ControllerWorker:
             self.dropped_events += dropped + len(self._pending)
         self._pending = []
         snapshot = [["admit", t.name, k] for t in self.engine.hierarchy.tiers for k, _ in t.keys()]
-        r = self.client.register(self._info())
+        # the session is ours: a register retried on another replica after a timeout is then
+        # the same registration there, not a second one that voids the session we hold
+        r = self.client.register({**self._info(), "session": secrets.token_hex(16)})
         session = r.get("session") if isinstance(r, dict) else None
         if not isinstance(session, str):
             raise AdminError(f"controller {self.client.url} answered register without a session: {r!r}")

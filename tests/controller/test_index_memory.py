@@ -7,6 +7,7 @@ from __future__ import annotations
 import tracemalloc
 
 from lmcache.controller.index import Index, KeyMap
+from test_index_valkey import retried_registration
 
 PREFIX = "lmc1:default:m:float32-L2-H2-D8-lt2hd-tp0of1:"
 
@@ -43,3 +44,8 @@ def test_the_compact_form_never_confuses_two_keys():
     assert m.prefix == PREFIX
     m.set(keys[0], 0)
     assert m.get(keys[0]) == 0 and m.get(keys[1]) == 2 and len(m) == 4
+
+
+def test_a_retried_registration_is_the_same_registration():
+    """test_index_valkey's check, over the memory index."""
+    print(retried_registration(Index(5, 300)))

@@ -133,6 +133,34 @@ def test_registering_again_refuses_the_old_session(url):
     print("re-register: epoch 1 -> 2, the old session's stale re-sync 404 and not counted")
 
 
+def retried_registration(ix) -> str:
+    """A worker's register answered late (its client gave up and asked another replica,
+    with the same worker-chosen session): the second call is the same registration, with
+    the same epoch, session and keys; a new session is a new epoch; a malformed one is 400."""
+    sess = "ab" * 16
+    first = ix.register({"instance_id": "a", **REG, "session": sess})
+    admit(ix, "a", sess, [key(0), key(1)])
+    again = ix.register({"instance_id": "a", **REG, "session": sess})
+    assert (first["epoch"], again["epoch"]) == (1, 1) and first["session"] == again["session"] == sess
+    assert hits(ix, [key(0), key(1)]) == {"a": 32}  # its keys kept
+    admit(ix, "a", sess, [key(2)])  # the session still valid
+    other = ix.register({"instance_id": "a", **REG, "session": "cd" * 16})
+    assert other["epoch"] == 2 and hits(ix, [key(0)]) == {}
+    for bad in ("short", "AB" * 16, "zz" * 16, "a" * 65):
+        with pytest.raises(HTTPError) as e:
+            ix.register({"instance_id": "b", **REG, "session": bad})
+        assert e.value.status == 400 and "'session'" in e.value.message
+    return "a register repeated with the same session: epoch 1 twice, keys kept; another session: epoch 2"
+
+
+def test_a_retried_registration_is_the_same_registration(url):
+    ix = ValkeyIndex(url, 5, 300)
+    try:
+        print(retried_registration(ix))
+    finally:
+        ix.close()
+
+
 def test_a_tenant_churning_instance_ids_leaves_nothing_behind(url):
     """A tenant registers ever new instance ids (one deregistered, one gone silent, one
     re-registered): once ``expire_after`` has passed with no call, no key of theirs is left
