@@ -50,6 +50,7 @@ from . import disk_dir
 from .file_io import (
     BLOCK,
     PIECE,
+    ThreadedIO,
     _direct_views,
     _NotAFile,
     _open_entry,
@@ -79,7 +80,7 @@ def _unlink_file(path: Path) -> None:
         log.warning("cannot remove %s: %s", path, exc)
 
 
-class DiskBackend(BytesBackend):
+class DiskBackend(ThreadedIO, BytesBackend):
     OPTIONS = {"path": None, "o_direct": False, "fsync": False}
     #: the backend named in the directory's marker (the layout is the disk layout's)
     CLAIM_BACKEND = "disk"
@@ -123,6 +124,8 @@ class DiskBackend(BytesBackend):
         except BaseException:
             self._close_dir()
             raise
+        if self._index and not self.read_only:
+            self._start_io()  # a restart: the first request is likely a hit; its reads find the threads running
 
     # ------------------------------------------------------------------ files
     def _path(self, key: str) -> Path:
@@ -470,74 +473,6 @@ class DiskBackend(BytesBackend):
                 os.fsync(fd)
         finally:
             os.close(fd)
-
-    # ------------------------------------------------------------------ batches
-    #: files read or written at once by one batch call: the reads and writes release the
-    #: GIL, so one chunk's file I/O overlaps another's checksum and bookkeeping
-    IO_THREADS = 4
-
-    def _io_pool(self):
-        pool = self.__dict__.get("_pool_exec")
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with self._lock:
-                pool = self.__dict__.get("_pool_exec")
-                if pool is None:
-                    workers = max(2, min(self.IO_THREADS, os.cpu_count() or 2))
-                    pool = self._pool_exec = ThreadPoolExecutor(workers, thread_name_prefix=f"lmcache-{self.context.tier}-io")
-        return pool
-
-    #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get`)
-    streams_gets = True
-    #: ``put_one`` may run on several threads at once for distinct keys (the
-    #: hierarchy's writer then writes queued chunks together, see its ``WRITE_BATCH``)
-    parallel_puts = True
-
-    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
-        """Read the files of ``keys`` on the I/O threads; ``on_ready(i, obj)`` is called
-        on the thread that read ``keys[i]`` as soon as it is checked, so that the caller's
-        use of it (the engine's copy into its output) overlaps the other reads."""
-        def one(i: int, key: str) -> MemoryObj | None:
-            obj = self.get_one(key)
-            if obj is not None and on_ready is not None:
-                try:
-                    on_ready(i, obj)
-                except Exception:  # the caller's business: the read itself succeeded
-                    log.exception("tier %s: on_ready for %s failed", self.context.tier, key)
-            return obj
-
-        if len(keys) < 2:
-            return [one(i, k) for i, k in enumerate(keys)]
-        futures = [self._io_pool().submit(one, i, k) for i, k in enumerate(keys)]
-        out: list[MemoryObj | None] = []
-        error: BaseException | None = None
-        for f in futures:  # every read finishes (and is released on an error) before returning
-            try:
-                out.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - the first is raised below
-                error = error or exc
-                out.append(None)
-        if error is not None:
-            for o in out:
-                if o is not None:
-                    o.unref()
-            raise error
-        return out
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        if len(items) < 2:
-            return [self.put_one(k, o) for k, o in items]
-        futures = [self._io_pool().submit(self.put_one, k, o) for k, o in items]
-        sizes, error = [], None
-        for f in futures:
-            try:
-                sizes.append(f.result())
-            except BaseException as exc:  # noqa: BLE001
-                error = error or exc
-        if error is not None:
-            raise error
-        return sizes
 
     def read(self, key: str) -> bytes | None:
         if key not in self._index:

@@ -8,9 +8,11 @@ and the buffers an O_DIRECT write can take as they are."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -22,6 +24,7 @@ from lmcache.dtypes import dtype_from_name
 from lmcache.errors import CorruptPayloadError
 from lmcache.memory import MemoryObj
 
+log = logging.getLogger("lmcache.backends.disk")
 BLOCK = 4096
 #: bytes read or written, and hashed, at a time by the local-file paths: small enough
 #: to be hashed from the CPU's cache right after (or before) the kernel copies it
@@ -224,3 +227,85 @@ def load_direct(fd: int, size: int, key: str, allocate: Callable[..., MemoryObj]
         obj.unref()
         raise
     return obj
+
+
+class ThreadedIO:
+    """Batch ``get``/``put`` of a file backend on a few I/O threads (the reads and writes
+    release the GIL, so one chunk's file I/O overlaps another's checksum and bookkeeping).
+    The backend provides ``get_one``, ``put_one``, ``context`` and ``_lock``."""
+
+    #: files read or written at once by one batch call: the reads and writes release the
+    #: GIL, so one chunk's file I/O overlaps another's checksum and bookkeeping
+    IO_THREADS = 4
+
+    def _io_pool(self):
+        pool = self.__dict__.get("_pool_exec")
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with self._lock:
+                pool = self.__dict__.get("_pool_exec")
+                if pool is None:
+                    workers = max(2, min(self.IO_THREADS, os.cpu_count() or 2))
+                    pool = self._pool_exec = ThreadPoolExecutor(workers, thread_name_prefix=f"lmcache-{self.context.tier}-io")
+        return pool
+
+    def _start_io(self) -> None:
+        """Start every I/O thread now (a ``ThreadPoolExecutor`` starts one per submit, on
+        the first requests otherwise)."""
+        pool = self._io_pool()
+        n = pool._max_workers
+        arrived = threading.Barrier(n)  # each task waits for the others: n threads, not one reused
+        for f in [pool.submit(arrived.wait, 5.0) for _ in range(n)]:
+            f.exception()
+
+    #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get`)
+    streams_gets = True
+    #: ``put_one`` may run on several threads at once for distinct keys (the
+    #: hierarchy's writer then writes queued chunks together, see its ``WRITE_BATCH``)
+    parallel_puts = True
+
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+        """Read the files of ``keys`` on the I/O threads; ``on_ready(i, obj)`` is called
+        on the thread that read ``keys[i]`` as soon as it is checked, so that the caller's
+        use of it (the engine's copy into its output) overlaps the other reads."""
+        def one(i: int, key: str) -> MemoryObj | None:
+            obj = self.get_one(key)
+            if obj is not None and on_ready is not None:
+                try:
+                    on_ready(i, obj)
+                except Exception:  # the caller's business: the read itself succeeded
+                    log.exception("tier %s: on_ready for %s failed", self.context.tier, key)
+            return obj
+
+        if len(keys) < 2:
+            return [one(i, k) for i, k in enumerate(keys)]
+        futures = [self._io_pool().submit(one, i, k) for i, k in enumerate(keys)]
+        out: list[MemoryObj | None] = []
+        error: BaseException | None = None
+        for f in futures:  # every read finishes (and is released on an error) before returning
+            try:
+                out.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                error = error or exc
+                out.append(None)
+        if error is not None:
+            for o in out:
+                if o is not None:
+                    o.unref()
+            raise error
+        return out
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        if len(items) < 2:
+            return [self.put_one(k, o) for k, o in items]
+        futures = [self._io_pool().submit(self.put_one, k, o) for k, o in items]
+        sizes, error = [], None
+        for f in futures:
+            try:
+                sizes.append(f.result())
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
+        return sizes

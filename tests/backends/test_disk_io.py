@@ -152,3 +152,35 @@ def test_the_writer_writes_queued_chunks_for_a_disk_tier_together(tmp_path):
             o.unref()
     finally:
         h.close()
+
+
+def test_a_reopened_directory_has_its_io_threads_running_before_the_first_read(tmp_path):
+    """Issue 47: after a restart the first request is likely a disk hit; the backend that
+    finds entries starts its I/O threads when it opens, not on that request. An empty
+    directory starts none until used."""
+    def io_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("lmcache-") and "-io_" in t.name)
+
+    before = io_threads()
+    empty = _disk(tmp_path / "empty")
+    assert io_threads() == before
+    empty.close()
+    d = _disk(tmp_path / "d")
+    pool = MemoryPool(4 * NBYTES)
+    objs = [_obj(pool, i) for i in range(2)]
+    for i, o in enumerate(objs):
+        d.put_one(make_key(i), o)
+    d.close()
+    again = _disk(tmp_path / "d")
+    try:
+        workers = again._io_pool()._max_workers
+        assert io_threads() == before + workers >= before + 2
+        got = again.get([make_key(0), make_key(1)])
+        assert all(torch.equal(g.tensor.view(torch.int32), o.tensor.view(torch.int32)) for g, o in zip(got, objs))
+        for g in got:
+            g.unref()
+    finally:
+        again.close()
+    for o in objs:
+        o.unref()
+    assert io_threads() == before
