@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,9 +33,10 @@ CONNECTOR = {"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lm
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """:func:`lmcache.testing.stores.free_port`: below the kernel's ephemeral range."""
+    from lmcache.testing.stores import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 def find_vllm(venv: str | os.PathLike[str] | None = None) -> Path:

@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -81,11 +82,51 @@ class Store:
             s.restart()
 
 
+#: ports handed out by :func:`free_port` in this process (not handed out twice)
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, chosen at random below the
+    kernel's ephemeral range (``ip_local_port_range``) and never twice in a process.
+
+    Why not ``bind(0)``: that returns an ephemeral port, which the kernel hands to the
+    next process that binds 0 or connects out; a test that chose a port for a server it
+    starts later (vllm serve's decoder listening on its PD init ports half a minute
+    later) found it taken by the other servers it had started meanwhile (``Address
+    already in use``). Below the ephemeral range only another explicit choice can take it."""
+    import random
+
+    hi = min(_ephemeral_low(), 65536)
+    lo = max(1024, hi - 16384)
+    for _ in range(200):
+        port = random.randrange(lo, hi) if hi - lo >= 1024 else 0
+        with _given_lock:
+            if port in _given:
+                continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        with _given_lock:
+            if port in _given:
+                continue
+            if len(_given) > 8192:
+                _given.clear()
+            _given.add(port)
+        return port
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
