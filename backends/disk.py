@@ -59,6 +59,7 @@ from .file_io import (
     _write_all,
     load_direct,
     read_payload,
+    read_raw_into,
     write_raw_payload,
 )
 
@@ -502,6 +503,46 @@ class DiskBackend(ThreadedIO, BytesBackend):
             with contextlib.suppress(OSError):  # a read-only device: forgotten, the file stays
                 self.delete(key)
             return None
+
+    #: :meth:`read_into` reads a ``raw`` entry straight into the caller's memory (one copy)
+    reads_into = True
+    #: entries read that way so far
+    direct_reads = 0
+
+    def read_into(self, items: Sequence[tuple[str, Sequence[int], str, Sequence[memoryview]]]) -> list[bool | None]:
+        """For each ``(key, shape, dtype, segments)``: its entry read straight into
+        ``segments`` and checked (True); a miss (None: absent, or corrupt, then removed
+        as :meth:`get_one` removes it); or False, nothing written, when it cannot be read
+        that way (not ``raw``, another shape, or this backend reads files otherwise: the
+        caller uses :meth:`get`). On the I/O threads when there are several."""
+        if self.o_direct or type(self)._load is not DiskBackend._load:
+            return [False] * len(items)
+
+        def one(item: tuple[str, Sequence[int], str, Sequence[memoryview]]) -> bool | None:
+            key, shape, dtype, segments = item
+            if key not in self._index:
+                return None
+            try:
+                fd = _open_entry(self._path(key))
+                try:
+                    return read_raw_into(lambda dst, off: _pread_all(fd, dst, off), os.fstat(fd).st_size, key,
+                                         shape, dtype, segments, lambda views, off: os.preadv(fd, views, off))
+                finally:
+                    os.close(fd)
+            except (FileNotFoundError, NotADirectoryError):
+                self._forget(key)
+            except _NotAFile as exc:
+                self.note_corrupt(key, CorruptPayloadError(str(exc)))
+                self._forget(key)
+            except CorruptPayloadError as exc:
+                self.note_corrupt(key, exc)
+                with contextlib.suppress(OSError):
+                    self.delete(key)
+            return None
+
+        got = [one(i) for i in items] if len(items) < 2 else list(self._io_pool().map(one, items))
+        self.direct_reads += sum(1 for g in got if g is True)
+        return got
 
     def _load(self, path: Path, key: str) -> MemoryObj:
         """The checked entry in the file at ``path``; ``FileNotFoundError`` if it is gone,

@@ -77,6 +77,19 @@ def _direct_views(buffers: Sequence[bytes | memoryview]) -> list[memoryview] | N
     return [memoryview(head), body]
 
 
+def _header(read_at: Callable[[memoryview, int], int], size: int, key: str) -> tuple[payload.Header, bytes]:
+    """The payload header of ``key`` (read with the first body bytes, ``HEADER_READ_HINT``
+    in all), checked against the key and the file's size; and the bytes read."""
+    head_buf = bytearray(min(size, payload.HEADER_READ_HINT))
+    head = bytes(memoryview(head_buf)[: read_at(memoryview(head_buf), 0)])
+    h = payload.parse_header(head)
+    if h.key != key:
+        raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
+    if size != h.total_len:
+        raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
+    return h, head
+
+
 def read_payload(
     read_at: Callable[[memoryview, int], int],
     size: int,
@@ -96,13 +109,7 @@ def read_payload(
     With ``piece`` (local files, where a read costs little more than its copy) the body
     is read ``piece`` bytes at a time, each hashed while it is still in the CPU's cache,
     instead of hashed in a second pass over memory."""
-    head_buf = bytearray(min(size, payload.HEADER_READ_HINT))
-    head = bytes(memoryview(head_buf)[: read_at(memoryview(head_buf), 0)])
-    h = payload.parse_header(head)
-    if h.key != key:
-        raise CorruptPayloadError(f"payload holds key {h.key!r}, expected {key!r}")
-    if size != h.total_len:
-        raise CorruptPayloadError(f"file is {size} bytes, header says {h.total_len}")
+    h, head = _header(read_at, size, key)
     if h.codec != "raw":
         whole = bytearray(size)
         whole[: len(head)] = head
@@ -126,6 +133,64 @@ def read_payload(
         obj.unref()
         raise
     return obj
+
+
+def read_raw_into(
+    read_at: Callable[[memoryview, int], int],
+    size: int,
+    key: str,
+    shape: Sequence[int],
+    dtype: str,
+    segments: Sequence[memoryview],
+    readv_at: Callable[[list[memoryview], int], int] | None = None,
+) -> bool:
+    """Read the ``raw`` payload of ``key`` straight into ``segments`` (byte views whose
+    concatenation, in order, is the body: the caller's ``(layer, k/v)`` slices of its
+    output), checked as :func:`read_payload` checks it: header, key, sizes, and the
+    body's xxh3 hashed piece by piece right after each piece lands. False, with nothing
+    written, when the entry is not a ``raw`` payload of ``shape`` and ``dtype`` (the
+    caller then reads it the usual way); :class:`CorruptPayloadError` when it fails its
+    checks (the segments then hold garbage: the caller treats the chunk as a miss)."""
+    h, head = _header(read_at, size, key)
+    if h.codec != "raw" or tuple(h.shape) != tuple(shape) or h.dtype != dtype or \
+            h.body_len != sum(len(s) for s in segments):
+        return False
+    have = memoryview(head)[h.header_len :]
+    hasher = xxhash.xxh3_64()
+    # the pieces to read, in body order: the segments past the bytes that came with the
+    # header, none longer than PIECE (hashed while still in the CPU's cache)
+    pieces: list[memoryview] = []
+    pos = 0
+    for seg in segments:
+        at = 0
+        if pos < len(have):  # the body's first bytes came with the header
+            at = min(len(have) - pos, len(seg))
+            seg[:at] = have[pos : pos + at]
+            hasher.update(seg[:at])
+            pos += at
+        pieces.extend(seg[i : i + PIECE] for i in range(at, len(seg), PIECE))
+    pos += h.header_len
+    i = 0
+    while i < len(pieces):  # several pieces per system call, up to PIECE bytes
+        j, n = i + 1, len(pieces[i])
+        while j < len(pieces) and n + len(pieces[j]) <= PIECE:
+            n += len(pieces[j])
+            j += 1
+        group = pieces[i:j]
+        got = readv_at(group, pos) if readv_at is not None else 0
+        if got != n:  # a short vectored read (or none offered): piece by piece
+            for p in group:
+                if read_at(p, pos) != len(p):
+                    raise CorruptPayloadError("file ended before its body")
+                pos += len(p)
+        else:
+            pos += n
+        for p in group:
+            hasher.update(p)
+        i = j
+    if hasher.intdigest() != h.body_xxh3:
+        raise CorruptPayloadError("body checksum mismatch")
+    return True
 
 
 def write_raw_payload(fd: int, key: str, obj: MemoryObj, piece: int = PIECE) -> int:

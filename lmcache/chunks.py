@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .direct_read import Direct, fetch_direct
 from .dtypes import dtype_name
 from .engine_io import _KV, StoreResult, store_chunks
 from .errors import KVShapeError
@@ -189,7 +190,7 @@ class ChunkGateway:
     # ------------------------------------------------------------ reads
     def fetch(self, keys: Sequence[str], *, sizes: Sequence[int] | None = None, prefix: bool = True,
               on_ready: Callable[[int, MemoryObj], None] | None = None, tier: str | None = None,
-              raw: bool = False, pin: bool = True) -> list[Hit | None]:
+              raw: bool = False, pin: bool = True, direct: Direct | None = None) -> list[Hit | None]:
         """The objects of ``keys`` (pinned while read) and their tiers, one reference each
         for the caller (or use :meth:`read`). Each is checked as a chunk of ``sizes[j]``
         tokens (default: any count up to ``chunk_size``); one that fails is corrupt:
@@ -197,7 +198,9 @@ class ChunkGateway:
         ``prefix``: the result ends before the first miss (else ``None`` per miss).
         ``tier``: that tier alone. ``raw``: unchecked (passed on to a peer, whose own
         gateway checks them). ``on_ready``: see :meth:`lmcache.tier.Tier.get`. ``pin=False``:
-        the caller's lookup leases keep the keys from eviction (no pins taken here)."""
+        the caller's lookup leases keep the keys from eviction (no pins taken here).
+        ``direct``: chunks a file tier can read straight into the caller's memory
+        (:mod:`lmcache.direct_read`); ``on_ready`` is not called for them."""
         keys = list(keys)
         if not raw and self.layout() is None:
             return [] if prefix else [None] * len(keys)
@@ -209,6 +212,8 @@ class ChunkGateway:
             if tier is not None:
                 t = self.hierarchy.tier(tier)
                 results: list[Hit | None] = [(o, t) if o is not None else None for o in t.get(keys, on_ready)]
+            elif direct is not None and not raw:
+                results = self._get_direct(keys, on_ready, fits, direct)
             else:
                 results = self.hierarchy.get(keys, on_ready, accept=fits)
         out: list[Hit | None] = []
@@ -230,6 +235,21 @@ class ChunkGateway:
         finally:
             _release(results)  # past the prefix, or dropped
         return out
+
+    def _get_direct(self, keys: list[str], on_ready: Callable[[int, MemoryObj], None] | None,
+                    fits: Callable[[int, MemoryObj], bool], direct: Direct) -> list[Hit | None]:
+        """:meth:`StorageHierarchy.get` for the chunks :func:`fetch_direct` did not read."""
+        results: list[Hit | None] = [None] * len(keys)
+        done = fetch_direct(self.hierarchy, keys, direct)
+        for j, hit in done.items():
+            results[j] = hit
+        rest = [j for j in range(len(keys)) if j not in done]
+        if rest:
+            cb = None if on_ready is None else (lambda k, obj: on_ready(rest[k], obj))
+            for j, hit in zip(rest, self.hierarchy.get([keys[j] for j in rest], cb,
+                                                       accept=lambda k, obj: fits(rest[k], obj))):
+                results[j] = hit
+        return results
 
     @contextlib.contextmanager
     def read(self, keys: Sequence[str], **kw: Any) -> Iterator[list[Hit | None]]:

@@ -30,6 +30,7 @@ from .engine_io import (  # noqa: F401 - RetrieveResult, StoreResult, LayerwiseR
     spec_in_tiers, store_chunks,
 )
 from .chunks import ChunkGateway
+from .direct_read import Direct, into_out
 from .hierarchy import StorageHierarchy
 from .keys import Chunk, KeyExtra, TokenProcessor, key_prefix
 from .memory import MemoryObj, MemoryPool
@@ -324,6 +325,7 @@ class CacheEngine:
         copied: set[int] = set()
         running: list[Future] = []  # copies a sink left running on the chunks in `got`
         on_ready = None
+        direct, made = None, {}  # chunks a file tier reads straight into `out` (direct_read)
         if into is not None:
             def on_ready(j: int, obj: MemoryObj) -> None:
                 if obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype:
@@ -345,8 +347,10 @@ class CacheEngine:
                     with torch.inference_mode(inference):
                         copy_off_main(out[:, :, c.start : c.end], obj.tensor)  # type: ignore[index]
                     copied.add(j)
+
+            direct, made = into_out(out, chunks, spec) or (None, {})
         try:
-            got = self._fetch(chunks, keys, on_ready, pin=not leased)
+            got = self._fetch(chunks, keys, on_ready, pin=not leased, direct=direct)
             n = got[-1][0].end if got else 0
             if into is not None:
                 for j, (chunk, obj, _) in enumerate(got):
@@ -360,7 +364,7 @@ class CacheEngine:
             elif out is not None and n:
                 _check_out(out, n, spec)
             for j, (chunk, obj, _) in enumerate(got):
-                if j not in copied:
+                if j not in copied and obj is not made.get(j):  # (a direct read is in place)
                     out[:, :, chunk.start : chunk.end].copy_(obj.tensor)  # type: ignore[index]
         finally:
             futures_wait(running)  # on an error too: no copy may read a chunk given back
@@ -408,11 +412,11 @@ class CacheEngine:
         return LayerwiseRetrieval(got, n, out, spec.num_layers, None, timeout)
 
     def _fetch(self, chunks: list[Chunk], keys: list[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
-               *, pin: bool = True) -> list[tuple[Chunk, MemoryObj, Tier]]:
+               *, pin: bool = True, direct: Direct | None = None) -> list[tuple[Chunk, MemoryObj, Tier]]:
         """Chunk objects of the longest cached prefix (the caller owns one reference each),
         through the chunk gateway: one batch per tier, each checked against the kv spec (a
         wrong one is dropped from its tier, counted corrupt, never promoted)."""
-        hits = self.chunks.fetch(keys, sizes=[c.num_tokens for c in chunks], on_ready=on_ready, pin=pin)
+        hits = self.chunks.fetch(keys, sizes=[c.num_tokens for c in chunks], on_ready=on_ready, pin=pin, direct=direct)
         return [(c, obj, tier) for c, (obj, tier) in zip(chunks, hits)]  # (a prefix: no None)
 
     def _to_read(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:

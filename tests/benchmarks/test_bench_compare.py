@@ -89,8 +89,8 @@ def test_bench_compare_quick_json(tmp_path):
     assert len(rows) == 2 * 2 * 3 + 4 + 2 * len(spec["lookup_inputs"]) * len(spec["lookup_lengths"])
     for name, limit in (("cpu over disk smollm2 float32 store", "memcpy"),
                         ("cpu over disk smollm2 float32 persist (store+flush)", "memcpy + raw write"),
-                        ("disk hit smollm2 float32, fresh engine, page cache", "page-cache read + scatter"),
-                        ("disk hit smollm2 float32, fresh process (restart", "page-cache read + scatter")):
+                        ("disk hit smollm2 float32, fresh engine, page cache", "page-cache read"),
+                        ("disk hit smollm2 float32, fresh process (restart", "page-cache read")):
         assert [r["limit"].split(" (")[0] for r in rows if r["workload"].startswith(name)] == [limit], name
     for r in rows:
         assert r["ours"] > 0 and r["lmcache"] > 0 and r["ours_over_lmcache"] > 0 and r["exact"]
