@@ -17,6 +17,7 @@ usual way through :meth:`lmcache.hierarchy.StorageHierarchy.get`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .memory import MemoryObj
@@ -68,6 +69,7 @@ def _read_into(tier: Tier, items: list[tuple[str, Sequence[int], str, Sequence[m
     recency, backoff on an error), as :meth:`lmcache.tier.Tier.get` keeps it."""
     if not tier.available:
         return [False] * len(items)  # the usual path serves the misses and counts them
+    t0 = time.perf_counter()
     try:
         got = tier.backend.read_into(items)
     except Exception as exc:
@@ -75,6 +77,7 @@ def _read_into(tier: Tier, items: list[tuple[str, Sequence[int], str, Sequence[m
         return [False] * len(items)
     tier._ok()
     with tier._lock:
+        tier.stats.get_seconds += time.perf_counter() - t0
         for (key, _, _, segments), ok in zip(items, got):
             if ok is True:
                 tier.stats.hits += 1

@@ -63,6 +63,7 @@ def test_a_restart_hit_lands_in_out_in_one_copy_and_is_promoted_after(tmp_path, 
         r = e.retrieve(toks, out=out)
         assert r.num_tokens == N and torch.equal(out, kv)
         assert disk.backend.direct_reads == K and disk.stats.hits == K  # every chunk read into out
+        assert disk.stats.get_seconds > 0 and disk.stats.hit_bytes == kv.numel() * kv.element_size()  # bench tiers' figures
         _until(lambda: len(list(cpu.keys())) == K, "the direct reads promoted into the cpu tier")
         out.zero_()
         assert e.retrieve(toks, out=out).num_tokens == N and torch.equal(out, kv)
