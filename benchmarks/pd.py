@@ -333,7 +333,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 #: the transfer endpoint's counters (``/v1/stats`` -> ``transfer``) kept as deltas
-_TRANSFER_KEYS = ("pushed_requests", "pushed_chunks", "pushed_bytes", "push_seconds", "push_refused", "push_failed",
+_TRANSFER_KEYS = ("pushed_requests", "pushed_chunks", "pushed_bytes", "push_seconds", "push_alloc_seconds",
+                  "push_write_seconds", "push_commit_seconds", "push_refused", "push_failed",
                   "pulled_requests", "pulled_chunks", "pulled_bytes", "pull_failed")
 
 
@@ -1034,6 +1035,9 @@ def print_table(data: Mapping[str, Any]) -> None:
             extra.append("CPU-tier hits at the decoder, decoder TTFT per pass: " + ", ".join(
                 f"{_f(p['decoder_ttft_mean'], '.3f')} s (recomputed {_f(p['recomputed_per_request'], '.1f')}/req)"
                 for p in hit["passes"]))
+        if m.get("transfer_phases_s_per_request"):
+            extra.append("a push's phases per request: " + ", ".join(
+                f"{k} {_f(v, '.1f', 1000)} ms" for k, v in m["transfer_phases_s_per_request"].items()))
         if m.get("memcpy", {}).get("samples") and m.get("memcpy_s_per_request") is not None:
             extra.append(f"memcpy of {_f(m.get('transfer_bytes_per_request'), '.1f', 1e-6)} MB: "
                          f"{_f(m['memcpy_s_per_request'], '.2f', 1000)} ms (median, 1 thread)")
@@ -1228,6 +1232,10 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
     else:
         secs, nbytes = None, None
     row["transfer_s_per_request"], row["transfer_bytes_per_request"] = secs, nbytes
+    if push and push.get("pushed_requests"):  # where a push's time went, per request
+        row["transfer_phases_s_per_request"] = {
+            k: push[f"push_{k}_seconds"] / push["pushed_requests"] for k in ("alloc", "write", "commit")
+            if isinstance(push.get(f"push_{k}_seconds"), (int, float))}
     if mode != "alone" and (nbytes or request_bytes_estimate):
         # after the servers stopped: a memcpy of the bytes a request's KV took
         memcpy += time_memcpy(int(nbytes or request_bytes_estimate or 1), memcpy_passes)

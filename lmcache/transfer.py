@@ -433,6 +433,9 @@ class ChannelEndpoint:
         self.stats.pushed_chunks += len(items)
         self.stats.pushed_bytes += nbytes
         self.stats.push_seconds += seconds
+        self.stats.push_alloc_seconds += waited
+        self.stats.push_write_seconds += write_seconds
+        self.stats.push_commit_seconds += commit_seconds
         return {"chunks": len(items), "bytes": nbytes, "seconds": seconds, "waited": waited,
                 "write_seconds": write_seconds, "commit_seconds": commit_seconds,
                 "committed": int(r.get("committed", 0)), "rejected": list(r.get("rejected", []))}
@@ -475,7 +478,10 @@ class ChannelEndpoint:
         while True:  # the offer may not exist yet, or the peer may be slow to answer: until the deadline
             try:
                 c = self._connect(url, identity)
-                r = c.call({"op": "describe", "offer": name}, timeout=max(min(self.timeout, end - time.monotonic()), 0.05))
+                # at least a second (or the whole timeout) for the answer: a handshake that got
+                # through after a pause of the host must not then give its peer 50 ms
+                r = c.call({"op": "describe", "offer": name},
+                           timeout=max(min(self.timeout, end - time.monotonic()), min(self.timeout, 1.0)))
             except TransferError as exc:
                 final = ("transfer token", "token proof", ", not ", "runs channel", "cannot reach")  # never better
                 if any(f in str(exc) for f in final) or time.monotonic() + backoff > end:
@@ -523,11 +529,19 @@ class ChannelEndpoint:
                 # the offering side keeps the chunks for expires_in from now; the read ends well before
                 left = float(c.call({"op": "claim", "offer": offer["offer"]}).get("expires_in", 0))
                 self.channel.read(c, offer, a.objs, time.monotonic() + left * 0.8)  # type: ignore[attr-defined]
-                c.call({"op": "release", "offer": offer["offer"]})
             except BaseException:
                 c.close()
                 raise
-            self._done(c)
+            try:
+                # the bytes are here (the read is done; the checksums below check them): a
+                # release that fails only leaves the offering side to free them at its ttl
+                c.call({"op": "release", "offer": offer["offer"]})
+                self._done(c)
+            except TransferError as exc:
+                c.close()
+                self.stats.release_failed += 1
+                log.warning("transfer: releasing offer %r of %s failed (%s); it expires there", str(offer["offer"])[:100],
+                            offer["url"], exc)
         except BaseException:
             a.release()
             self.stats.pull_failed += 1

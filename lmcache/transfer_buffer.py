@@ -241,12 +241,16 @@ class EndpointStats:
     pushed_chunks: int = 0
     pushed_bytes: int = 0
     push_seconds: float = 0.0
+    push_alloc_seconds: float = 0.0  # of push_seconds: until the receiver granted slots
+    push_write_seconds: float = 0.0  # of push_seconds: the channel's move of the bytes
+    push_commit_seconds: float = 0.0  # of push_seconds: the commit's round trip (checks and sink there)
     push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
     push_failed: int = 0
     pulled_requests: int = 0
     pulled_chunks: int = 0
     pulled_bytes: int = 0
     pull_failed: int = 0
+    release_failed: int = 0  # a pull's bytes arrived but its release did not reach the offering side
     offers: int = 0
     offers_released: int = 0
     offers_expired: int = 0

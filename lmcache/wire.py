@@ -28,8 +28,10 @@ each, and PUT responses are 24 bytes each, so neither side blocks the other).
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -165,10 +167,31 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray | memoryview:
     return buf
 
 
+#: how many times one read waits again after its timer fired late (see recv_into_exact)
+LATE_WAKES = 2
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (its timeout applies to each wait). A wait whose timer
+    fired long past its time (more than twice the timeout and a second) says that this
+    process did not run meanwhile (the host paused the machine, or starved it), not that
+    the peer was slow: the peer, paused with it, may answer a moment after both resume.
+    Such a wait is made again, at most :data:`LATE_WAKES` times per call."""
     got, n = 0, len(view)
+    late = 0
     while got < n:
-        r = sock.recv_into(view[got:], n - got)
+        t0 = time.monotonic()
+        try:
+            r = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            t = sock.gettimeout()
+            waited = time.monotonic() - t0
+            if t is None or late >= LATE_WAKES or waited < 2 * t + 1.0:
+                raise
+            late += 1
+            logging.getLogger(__name__).warning(
+                "a %.3g s wait for a peer ended after %.1f s: this process did not run meanwhile; waiting again", t, waited)
+            continue
         if r == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += r

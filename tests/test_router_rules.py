@@ -1,5 +1,5 @@
 """The rules two KV-aware routers apply to vLLM's KV events, as encoded in
-:mod:`lmcache.testing.routers`, checked on handcrafted vLLM-format payloads.
+tests/_routers.py, checked on handcrafted vLLM-format payloads.
 
 Which rules and from which files:
 - ``LlmdIndex``: llm-d/llm-d-kv-cache @7be76e1: ``pkg/kvevents/zmq_subscriber.go`` (3 frames,
@@ -26,7 +26,7 @@ import pytest
 import xxhash
 import zmq
 
-from lmcache.testing import routers as r
+from tests import _routers as r
 
 PROMPT = list(range(1000, 1064))  # 4 blocks of 16
 OTHER = list(range(5000, 5064))

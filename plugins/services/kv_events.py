@@ -19,7 +19,7 @@ Started by :class:`~lmcache.engine.CacheEngine` when the config has
   ``group_idx``); fields with default values are omitted, as msgspec's
   ``omit_defaults`` does. With ``kv_events.event_form: array`` each event is instead the
   array ``[tag, field, ...]`` of upstream vLLM's ``array_like=True`` structs, the only form
-  llm-d decodes (:class:`lmcache.testing.routers.LlmdIndex`). ``AllBlocksCleared`` is never sent: llm-d applies it to the
+  llm-d decodes (LlmdIndex in tests/_routers.py). ``AllBlocksCleared`` is never sent: llm-d applies it to the
   whole pod, the engine's GPU blocks included, so a tier clear is per-block removals.
 
 Where a router finds it: the endpoint defaults to ``tcp://<host>:5558`` (vLLM's own

@@ -647,13 +647,13 @@ def test_lmcache_env_vars_and_a_router_following_the_event_streams(vllm_bin, mod
     directory) agrees with vLLM's external_prefix_cache_hits.
 
     Routing (issue 36): a prefix-aware router follows only the two event streams, with
-    Dynamo's ingestion rules (lmcache.testing.routers.DynamoIndex: block size equal to the
+    Dynamo's ingestion rules (tests/_routers.py DynamoIndex: block size equal to the
     engine's, local hashes from token_ids, medium ignored). After one document was read on
     each instance, the second question about each goes to the instance whose lmcache CPU
     tier holds it: every such request hits; the same requests sent round robin hit nothing."""
     import contextlib
 
-    from lmcache.testing.routers import DynamoIndex, EventSubscriber, PrefixRouter
+    from _routers import DynamoIndex, EventSubscriber, PrefixRouter
 
     env = {"LMCACHE_USE_EXPERIMENTAL": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
            "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5"}

@@ -333,3 +333,48 @@ def test_a_pull_checks_the_identity_the_offer_names():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_pull_whose_release_times_out_keeps_the_bytes_it_read():
+    """The read is done and checked: a release that the offering side answers too late
+    (a stalled host) leaves the offer to its ttl there, and the pull still commits."""
+    import torch
+
+    from lmcache.memory import MemoryPool
+    from lmcache.transfer import checksum, open_channel
+
+    a, b = MemoryPool(16 * MiB, pin=False), MemoryPool(16 * MiB, pin=False)
+    got = {}
+    tx = open_channel("tcp", a)
+    rx = open_channel("tcp", b, timeout=0.5, sink=lambda k, o: got.setdefault(k, o) is o)
+    handle = tx.server.handler
+
+    def slow_release(conn, msg):
+        if msg.get("op") == "release":
+            time.sleep(1.5)  # past the puller's 0.5 s timeout
+        return handle(conn, msg)
+
+    tx.server.handler = slow_release
+    try:
+        objs = []
+        for i in range(3):
+            o = a.allocate((4096,), torch.float32)
+            o.tensor.copy_(torch.arange(4096, dtype=torch.float32) + i)
+            objs.append((f"k{i}", o))
+        want = {k: checksum(o) for k, o in objs}
+        offer = tx.offer("req", objs, ttl=30)
+        r = rx.pull(offer)
+        assert r["committed"] == 3 and r["rejected"] == [], r
+        assert {k: checksum(o) for k, o in got.items()} == want
+        assert rx.info()["release_failed"] == 1 and rx.info()["pull_failed"] == 0
+        deadline = time.monotonic() + 10  # the late release still lands there
+        while tx.info()["offers_released"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tx.info()["offers_released"] == 1 and tx.info()["open_offers"] == 0
+    finally:
+        for _, o in objs:
+            o.unref()
+        for o in got.values():
+            o.unref()
+        tx.close()
+        rx.close()

@@ -454,11 +454,11 @@ def n_hashes(events, tag: str) -> int:
 
 @pytest.mark.parametrize("form", ["map", "array"])
 def test_router_rules_ingest_the_stream(ctx, form):
-    """What llm-d and Dynamo make of the stream, by their rules as lmcache.testing.routers
+    """What llm-d and Dynamo make of the stream, by their rules as tests/_routers.py
     encodes them (llm-d-kv-cache pool.go/vllm_adapter.go/in_memory.go: the ``kv@`` filter,
     ``kv@<pod>@<model>`` topic, array-form events only, per-medium removals, cpu weight 0.8;
     Dynamo publisher.rs: blocks of its kv_block_size only, medium ignored)."""
-    from lmcache.testing.routers import DynamoIndex, LlmdIndex
+    from tests._routers import DynamoIndex, LlmdIndex
 
     toks = list(range(1000, 1040))  # two full blocks of 16, eight tokens over
     with engine(block_size=16, event_form=form) as e:
