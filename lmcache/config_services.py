@@ -150,6 +150,10 @@ class TransferConfig:
     ``full`` over tcp, ``sample`` over nixl), ``full``, ``sample``, ``off``.
     ``nixl_backends``: the NIXL backends to start (LMCache's key; ``[UCX]``).
     ``advertise_host``: the host peers use to reach this endpoint (``null``: derived at run time).
+    ``thread_nice``: how much higher than the engine's the transfer threads run (the
+    endpoint's, a sender's pushes, a decoder's pulls: a nice value lower by that much),
+    where the process may raise a thread's priority (root or CAP_SYS_NICE; elsewhere one
+    line at info and the engine's priority); 0 leaves them alone.
     """
 
     host: str = option("127.0.0.1", check.text)
@@ -162,6 +166,8 @@ class TransferConfig:
     timeout: float = option(5.0, check.seconds())
     verify: str = option("auto", check.choice("auto", "full", "sample", "off"))
     nixl_backends: list[str] = option(["UCX"], lambda k, v, s: _names(k, v, s))
+    thread_nice: int = option(-5, check.rule(lambda v: -20 <= v <= 0, "must be between -20 and 0, got {}",
+                                             after=check.integer(-20)))
 
 
 _PEER_PORT = check.rule(lambda v: v <= 65535, "must be <= 65535, got {}", after=check.integer(1))

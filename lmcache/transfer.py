@@ -63,53 +63,12 @@ from .memory import MemoryObj, MemoryPool
 from .transfer_buffer import (  # noqa: F401 (re-exported: the channels and the service import them from here)
     SAMPLE, VERIFY, Allocation, BufferStats, ChunkMeta, EndpointStats, Offer, ReceiveBuffer, byte_buffer, checksum,
     offer_name, verify_mode)
+from .transfer_channel import Channel  # noqa: F401 (re-exported: the plugin contract)
 from .transfer_wire import (  # noqa: F401 (re-exported)
     CHANNELS, DEFAULT_PORT, KIND_AUTH, KIND_MSG, MAGIC, MAX_CHUNKS, MAX_KEY, MAX_MSG, VERSION, ChannelUnavailable,
-    Connection, ControlServer, TransferError, TransferRefused, _ServerConn, split_url)
+    Connection, ControlServer, TransferError, TransferRefused, _ServerConn, raise_priority, raised_priority, split_url)
 
 log = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------ channel plugin contract
-class Channel:
-    """What a channel plugin implements: how bytes move. Built as ``Class(endpoint)``;
-    the endpoint (:class:`ChannelEndpoint`) does everything else (slots, deadlines,
-    checks, control messages). Methods run on the endpoint's threads.
-
-    * ``hello() -> dict``: what this side tells a peer when a connection opens (NIXL:
-      its agent name and metadata); ``on_hello(conn, msg) -> dict`` takes the peer's.
-    * ``write(conn, objs, slots, alloc_id, deadline)``: push ``objs`` into the peer's
-      ``slots`` (``[[addr, nbytes], ...]`` from its ``alloc`` answer) before ``deadline``.
-    * ``serve_write(conn, msg, alloc)``: the receiver's part of a write (TCP: receive the
-      bytes into the slots); ``written(alloc, deadline) -> bool``: whether the bytes
-      have landed (NIXL: its notification came).
-    * ``read(conn, offer, objs, deadline)``: pull an offer's chunks into ``objs``;
-      ``serve_read(conn, msg, objs)``: the offering side's part.
-    * ``describe(obj) -> [addr, nbytes]``: where a peer can reach this pool object.
-    * ``progress()``: called while transfers are open (and only then); ``close()``.
-    """
-
-    name = "?"
-    #: whether :meth:`progress` must be called while transfers are open (NIXL: yes)
-    needs_progress = False
-
-    def __init__(self, endpoint: ChannelEndpoint):
-        self.endpoint = endpoint
-
-    def hello(self) -> dict[str, Any]:
-        return {}
-
-    def on_hello(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def describe(self, obj: MemoryObj) -> list[int]:
-        return [obj.tensor.data_ptr(), obj.nbytes]
-
-    def progress(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 Sink = Callable[[str, MemoryObj], bool]
 
@@ -131,15 +90,18 @@ class ChannelEndpoint:
     slot never written or written elsewhere), ``off``; ``None`` is the channel's default
     (``tcp``: full; ``nixl``: sample, since the transport moves the bytes and the full
     hash on both sides costs more than the move itself). The sender's choice travels
-    with the chunks and the receiver checks accordingly."""
+    with the chunks and the receiver checks accordingly. ``thread_nice``: lowers the nice
+    value of the endpoint's threads by that much where permitted
+    (:func:`~lmcache.transfer_wire.raise_priority`; 0 leaves them alone)."""
 
     def __init__(self, channel: str, pool: MemoryPool, *, sink: Sink | None = None,
                  allocate: Callable[[Sequence[int], torch.dtype], MemoryObj | None] | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  buffer_size: int | None = None, slot_timeout: float = 10.0, alloc_wait: float = 2.0,
                  timeout: float = 5.0, verify: bool | str | None = None, identity: str | None = None,
-                 options: dict[str, Any] | None = None, registries: Any = None):
+                 options: dict[str, Any] | None = None, registries: Any = None, thread_nice: int = 0):
         self.pool = pool
+        self.thread_nice = thread_nice
         self.sink: Sink = sink if sink is not None else _drop
         self.token = token
         self.timeout = float(timeout)
@@ -167,7 +129,8 @@ class ChannelEndpoint:
         self.name = channel
         self.verify = verify_mode(getattr(cls, "default_verify", "full") if verify is None else verify)
         try:
-            self.server = ControlServer(host, port, token, self.identity, self._handle, self._conn_closed)
+            self.server = ControlServer(host, port, token, self.identity, self._handle, self._conn_closed,
+                                        thread_nice=thread_nice)
         except OSError as exc:
             self.channel.close()
             raise TransferError(f"transfer endpoint cannot listen on {host}:{port}: {exc.strerror or exc}") from None
@@ -185,6 +148,7 @@ class ChannelEndpoint:
         the channel's progress every millisecond (a channel that needs none: sleeps until
         the next deadline) and frees what expired."""
         poll = getattr(self.channel, "needs_progress", False)
+        raise_priority(self.thread_nice)
         while not self._closed:
             with self._wake:
                 if not self._busy():

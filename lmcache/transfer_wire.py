@@ -6,8 +6,10 @@ an endpoint. Every frame's length is bounded before it is read; nothing is pickl
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -94,6 +96,44 @@ def _unb64(s: Any, limit: int = MAX_MSG) -> bytes | None:
     if not isinstance(s, str) or len(s) > limit:
         raise ValueError("malformed binary field")
     return base64.b64decode(s, validate=True)
+
+
+_nice_refused = False
+
+
+def raise_priority(nice: int) -> int | None:
+    """Lower the calling thread's nice value by ``-nice`` (``nice`` < 0; Linux, where the
+    process may: root or CAP_SYS_NICE). Returns the value before, ``None`` when nothing
+    changed (``nice`` >= 0, not permitted: one line at info per process, then silence).
+    A transfer thread copies a request's KV while the engine computes on the same cores:
+    at the engine's priority it gets a fair share of a core and a push takes about twice
+    as long (docs/distributed.md); threads it starts inherit the value."""
+    global _nice_refused
+    if nice >= 0 or not hasattr(os, "setpriority"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, max(-20, before + nice))
+        return before
+    except OSError as exc:
+        if not _nice_refused:
+            _nice_refused = True
+            log.info("transfer threads keep the engine's priority (transfer.thread_nice %d not permitted: %s)",
+                     nice, exc.strerror or exc)
+        return None
+
+
+@contextlib.contextmanager
+def raised_priority(nice: int):
+    """:func:`raise_priority` for the body of a ``with`` block, then the value before."""
+    before = raise_priority(nice)
+    try:
+        yield
+    finally:
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), before)
 
 
 class Connection:
@@ -230,7 +270,8 @@ class ControlServer:
     def __init__(self, host: str, port: int, token: str | None, identity: str,
                  handler: Callable[[_ServerConn, dict[str, Any]], dict[str, Any] | None],
                  on_close: Callable[[_ServerConn], None] = lambda c: None, *, auth_timeout: float = 5.0,
-                 idle_timeout: float = 600.0, max_connections: int = 64):
+                 idle_timeout: float = 600.0, max_connections: int = 64, thread_nice: int = 0):
+        self.thread_nice = thread_nice  # of the accepting thread, and so of every connection's thread
         self.token = (token or "").encode()
         self.identity = identity.encode()[: auth.MAX_IDENTITY]
         self.handler, self.on_close = handler, on_close
@@ -254,6 +295,7 @@ class ControlServer:
         return self._sock.getsockname()[:2]
 
     def _accept(self) -> None:
+        raise_priority(self.thread_nice)
         while not self._stop.is_set():
             try:
                 conn, peer = self._sock.accept()  # blocks: costs nothing while idle

@@ -378,3 +378,46 @@ def test_a_pull_whose_release_times_out_keeps_the_bytes_it_read():
             o.unref()
         tx.close()
         rx.close()
+
+
+def _nice(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+def test_transfer_threads_run_above_the_engines_priority_where_permitted():
+    """``thread_nice: -5``: the endpoint's threads (and each connection's, which inherit it)
+    run 5 nice values above the caller's where the process may raise a thread's priority
+    (root, CAP_SYS_NICE); elsewhere at the caller's. ``raised_priority`` gives it back."""
+    import threading
+
+    from lmcache.memory import MemoryPool
+    from lmcache.transfer import open_channel, raised_priority
+
+    base = _nice(threading.get_native_id())
+    probe = {}
+
+    def try_raise():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(-20, base - 1))
+            probe["ok"] = True
+        except PermissionError:
+            probe["ok"] = False
+
+    t = threading.Thread(target=try_raise)
+    t.start()
+    t.join()
+    want = max(-20, base - 5) if probe["ok"] else base
+    ep = open_channel("tcp", MemoryPool(4 * MiB, pin=False), thread_nice=-5)
+    peer = open_channel("tcp", MemoryPool(4 * MiB, pin=False))
+    try:
+        assert peer.remote_stats(ep.url)["open_offers"] == 0  # opens a connection: a thread of ep's serves it
+        served = [th.native_id for th in threading.enumerate() if th.name == "lmcache-transfer-conn"]
+        assert _nice(ep._thread.native_id) == want and _nice(ep.server._thread.native_id) == want
+        assert _nice(peer._thread.native_id) == base and _nice(peer.server._thread.native_id) == base
+        assert served and want in {_nice(n) for n in served}
+        with raised_priority(-5):
+            assert _nice(threading.get_native_id()) == want
+        assert _nice(threading.get_native_id()) == base
+    finally:
+        ep.close()
+        peer.close()

@@ -254,6 +254,7 @@ class PDWorker:
         self.pd = config.pd
         self.tp_rank = tp_rank
         self.svc = engine.services.get("transfer")
+        self.nice = config.transfer.thread_nice  # of the push threads and of a pull (transfer_wire.raise_priority)
         self.stats = {"pushed": 0, "push_failed": 0, "offered": 0, "pulled": 0, "pull_failed": 0, "notified": 0,
                       "notify_failed": 0}
         self._pool: ThreadPoolExecutor | None = None
@@ -303,7 +304,10 @@ class PDWorker:
                 self._push(s, keys)
                 continue
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix="lmcache-pd-push")
+                from lmcache.transfer_wire import raise_priority
+
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="lmcache-pd-push", initializer=raise_priority,
+                                                initargs=(self.nice,))
             self._pool.submit(self._push, s, keys)
 
     def _push(self, s: PDSend, keys: list[str]) -> None:
@@ -369,8 +373,11 @@ class PDWorker:
             if self.tp_rank >= len(eps):
                 raise RuntimeError(f"the offer names {len(eps)} ranks, this is rank {self.tp_rank}")
             url, ident = eps[self.tp_rank]
-            r = self.svc.pull_named(url, p["offer"], identity=ident,
-                                    deadline=time.monotonic() + self.pd.recv_timeout)
+            from lmcache.transfer_wire import raised_priority
+
+            with raised_priority(self.nice):  # this load thread copies, as a push thread does
+                r = self.svc.pull_named(url, p["offer"], identity=ident,
+                                        deadline=time.monotonic() + self.pd.recv_timeout)
             self.stats["pulled"] += 1
             log.debug("lmcache: PD: %s: pulled %d chunks (%d bytes) in %.1f ms", spec.req_id, r["committed"],
                       r["bytes"], (time.perf_counter() - t0) * 1e3)
