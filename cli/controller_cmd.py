@@ -107,6 +107,54 @@ def _read_tenants(path: Path | None) -> dict[str, tuple[str, ...]]:
         raise typer.BadParameter(str(exc), param_hint="'--tenants-file'") from None
 
 
+TenantsFileOpt = Annotated[
+    Path | None, typer.Option("--tenants-file", metavar="FILE", show_default=False,
+                              help="Tenant tokens, YAML or JSON {namespace: token | [tokens]}: each token sees and "
+                                   "acts on its namespace's instances only (default: $LMCACHE_CONTROLLER_TENANTS_FILE).",
+                              envvar="LMCACHE_CONTROLLER_TENANTS_FILE", show_envvar=False)
+]
+IndexOpt = Annotated[
+    str, typer.Option("--index", envvar="LMCACHE_CONTROLLER_INDEX", metavar="URL", show_envvar=False,
+                      help="Where the index lives: memory (this process), valkey://HOST:PORT\\[/DB], "
+                           "valkey+sentinel://HOST:PORT\\[,...]/MASTER or valkey+cluster://HOST:PORT\\[,...] "
+                           "(redis:// alike; password from $LMCACHE_CONTROLLER_INDEX_PASSWORD); with Valkey any "
+                           "number of controllers serve the same instances (default: $LMCACHE_CONTROLLER_INDEX).")
+]
+AllowedHostsOpt = Annotated[
+    list[str] | None, typer.Option("--allowed-host", metavar="NAME", show_default=False,
+                                   help="A Host name the controller answers to besides IP addresses and localhost "
+                                        "(repeatable; .domain for its subdomains, * for any). Checked when no "
+                                        "token is set, and always once given (a guard against DNS rebinding).")
+]
+InstanceNetworksOpt = Annotated[
+    list[str] | None, typer.Option("--instance-network", metavar="CIDR|NAME", show_default=False,
+                                   help="Where registered instance APIs may be, besides the address each "
+                                        "registration comes from (repeatable: a network such as 10.0.0.0/8, an "
+                                        "address or a host name).")
+]
+
+
+def _check_serve_args(index: str, allowed_hosts: list[str] | None, instance_networks: list[str] | None) -> None:
+    """``serve``'s --index, --allowed-host and --instance-network, each a BadParameter naming it."""
+    if index != "memory":
+        from lmcache.controller.index_valkey import parse_url
+        from lmcache.errors import ConfigError
+
+        try:
+            parse_url(index)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--index'") from None
+    from lmcache.controller.reach import InstancePolicy
+    from lmcache.http import check_allowed_hosts
+
+    for check, values, hint in ((check_allowed_hosts, allowed_hosts, "'--allowed-host'"),
+                                (InstancePolicy, instance_networks, "'--instance-network'")):
+        try:
+            check(values or ())
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=hint) from None
+
+
 @app.command("serve")
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback unless you say otherwise).")] = "127.0.0.1",
@@ -139,31 +187,10 @@ def serve(
         int, typer.Option("--max-instances-per-tenant", min=1,
                           help="Instances a tenant token may register in its namespace; one more is answered 429.")
     ] = 16,
-    tenants_file: Annotated[
-        Path | None, typer.Option("--tenants-file", metavar="FILE", show_default=False,
-                                  help="Tenant tokens, YAML or JSON {namespace: token | [tokens]}: each token sees and "
-                                       "acts on its namespace's instances only (default: $LMCACHE_CONTROLLER_TENANTS_FILE).",
-                                  envvar="LMCACHE_CONTROLLER_TENANTS_FILE", show_envvar=False)
-    ] = None,
-    index: Annotated[
-        str, typer.Option("--index", envvar="LMCACHE_CONTROLLER_INDEX", metavar="URL", show_envvar=False,
-                          help="Where the index lives: memory (this process), valkey://HOST:PORT\\[/DB], "
-                               "valkey+sentinel://HOST:PORT\\[,...]/MASTER or valkey+cluster://HOST:PORT\\[,...] "
-                               "(redis:// alike; password from $LMCACHE_CONTROLLER_INDEX_PASSWORD); with Valkey any "
-                               "number of controllers serve the same instances (default: $LMCACHE_CONTROLLER_INDEX).")
-    ] = "memory",
-    allowed_hosts: Annotated[
-        list[str] | None, typer.Option("--allowed-host", metavar="NAME", show_default=False,
-                                       help="A Host name the controller answers to besides IP addresses and localhost "
-                                            "(repeatable; .domain for its subdomains, * for any). Checked when no "
-                                            "token is set, and always once given (a guard against DNS rebinding).")
-    ] = None,
-    instance_networks: Annotated[
-        list[str] | None, typer.Option("--instance-network", metavar="CIDR|NAME", show_default=False,
-                                       help="Where registered instance APIs may be, besides the address each "
-                                            "registration comes from (repeatable: a network such as 10.0.0.0/8, an "
-                                            "address or a host name).")
-    ] = None,
+    tenants_file: TenantsFileOpt = None,
+    index: IndexOpt = "memory",
+    allowed_hosts: AllowedHostsOpt = None,
+    instance_networks: InstanceNetworksOpt = None,
     write_openapi: Annotated[
         Path | None, typer.Option("--write-openapi", metavar="FILE", show_default=False,
                                   help="Write the OpenAPI document to FILE and exit.")
@@ -179,23 +206,7 @@ def serve(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tenants = _read_tenants(tenants_file)
-    if index != "memory":
-        from lmcache.controller.index_valkey import parse_url
-        from lmcache.errors import ConfigError
-
-        try:
-            parse_url(index)
-        except ConfigError as exc:
-            raise typer.BadParameter(str(exc), param_hint="'--index'") from None
-    from lmcache.controller.reach import InstancePolicy
-    from lmcache.http import check_allowed_hosts
-
-    for check, values, hint in ((check_allowed_hosts, allowed_hosts, "'--allowed-host'"),
-                                (InstancePolicy, instance_networks, "'--instance-network'")):
-        try:
-            check(values or ())
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint=hint) from None
+    _check_serve_args(index, allowed_hosts, instance_networks)
     if host not in ("127.0.0.1", "localhost", "::1") and not token and not tenants:
         note(f"warning: listening on {host} without --token: anyone who can reach it can dispatch commands")
     server = ControllerServer(host, port, token=token, tenants=tenants, instance_timeout=instance_timeout,

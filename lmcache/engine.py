@@ -324,30 +324,9 @@ class CacheEngine:
         # prefix may then hold KV of chunks after a miss; it is not part of the result)
         copied: set[int] = set()
         running: list[Future] = []  # copies a sink left running on the chunks in `got`
-        on_ready = None
+        on_ready = _on_ready(chunks, spec, out, into, copied, running)
         direct, made = None, {}  # chunks a file tier reads straight into `out` (direct_read)
-        if into is not None:
-            def on_ready(j: int, obj: MemoryObj) -> None:
-                if obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype:
-                    try:
-                        running.extend(into(chunks[j], obj.tensor) or ())
-                    except Exception:  # handed over again below, where its error reaches the caller
-                        return
-                    copied.add(j)
-        elif out is not None and chunks and _fits(out, chunks[-1].end, spec):
-            dtype = dtype_from_name(spec.dtype)
-
-            # a file-like tier calls this on its I/O threads; an out made under
-            # torch.inference_mode (the transformers connector's) can only be written in it
-            inference = out.is_inference()
-
-            def on_ready(j: int, obj: MemoryObj) -> None:
-                c = chunks[j]
-                if obj.shape == spec.chunk_shape(c.num_tokens) and obj.dtype == dtype:
-                    with torch.inference_mode(inference):
-                        copy_off_main(out[:, :, c.start : c.end], obj.tensor)  # type: ignore[index]
-                    copied.add(j)
-
+        if on_ready is not None and into is None:
             direct, made = into_out(out, chunks, spec) or (None, {})
         try:
             got = self._fetch(chunks, keys, on_ready, pin=not leased, direct=direct)
@@ -506,3 +485,34 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+def _on_ready(chunks: list[Chunk], spec: KVSpec, out: torch.Tensor | None,
+              into: Callable[[Chunk, torch.Tensor], Sequence[Future] | None] | None, copied: set[int],
+              running: list[Future]) -> Callable[[int, MemoryObj], None] | None:
+    """What a file-like tier calls on its I/O threads as each chunk of a retrieve arrives
+    (``None``: nothing, the chunks are copied after the fetch): hand it to ``into`` (the
+    futures it leaves go to ``running``), or copy it into ``out`` (when ``out`` holds the
+    whole request); the chunks handled are added to ``copied``."""
+    if into is not None:
+        def to_sink(j: int, obj: MemoryObj) -> None:
+            if obj.shape == spec.chunk_shape(chunks[j].num_tokens) and dtype_name(obj.dtype) == spec.dtype:
+                try:
+                    running.extend(into(chunks[j], obj.tensor) or ())
+                except Exception:  # handed over again after the fetch, where its error reaches the caller
+                    return
+                copied.add(j)
+        return to_sink
+    if out is None or not chunks or not _fits(out, chunks[-1].end, spec):
+        return None
+    dtype = dtype_from_name(spec.dtype)
+    # an out made under torch.inference_mode (the transformers connector's) can only be written in it
+    inference = out.is_inference()
+
+    def to_out(j: int, obj: MemoryObj) -> None:
+        c = chunks[j]
+        if obj.shape == spec.chunk_shape(c.num_tokens) and obj.dtype == dtype:
+            with torch.inference_mode(inference):
+                copy_off_main(out[:, :, c.start : c.end], obj.tensor)  # type: ignore[index]
+            copied.add(j)
+    return to_out
+

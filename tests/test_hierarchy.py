@@ -389,9 +389,9 @@ def _wait_until(cond, deadline=30.0):
 def test_lower_tier_writes_wait_for_the_store_in_progress(tmp_path, regs, monkeypatch):
     import time
 
-    import lmcache.hierarchy as hierarchy
+    import lmcache.write_behind as write_behind
 
-    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    monkeypatch.setattr(write_behind, "WRITER_YIELD_MAX", 60.0)
     h, pool = _h(tmp_path, regs, cpu_chunks=8)
     try:
         cpu, disk = h.tiers
@@ -408,9 +408,9 @@ def test_lower_tier_writes_wait_for_the_store_in_progress(tmp_path, regs, monkey
 
 
 def test_writer_stops_yielding_when_half_its_queue_waits(tmp_path, regs, monkeypatch):
-    import lmcache.hierarchy as hierarchy
+    import lmcache.write_behind as write_behind
 
-    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    monkeypatch.setattr(write_behind, "WRITER_YIELD_MAX", 60.0)
     h, pool = _h(tmp_path, regs, cpu_chunks=8, write_queue_size=2)
     try:
         with h.storing():  # a long store: its writes go on beside it, none is dropped
@@ -424,9 +424,9 @@ def test_writer_stops_yielding_when_half_its_queue_waits(tmp_path, regs, monkeyp
 
 
 def test_writer_stops_yielding_when_the_pool_runs_short(tmp_path, regs, monkeypatch):
-    import lmcache.hierarchy as hierarchy
+    import lmcache.write_behind as write_behind
 
-    monkeypatch.setattr(hierarchy, "WRITER_YIELD_MAX", 60.0)
+    monkeypatch.setattr(write_behind, "WRITER_YIELD_MAX", 60.0)
     h, pool = _h(tmp_path, regs, cpu_chunks=4)
     held = []
     try:

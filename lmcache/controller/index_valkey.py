@@ -172,7 +172,7 @@ def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str, int]:
 
 
 class ValkeyIndex(IndexBase):
-    """The index in Valkey: same answers as :class:`~lmcache.controller.index.Index`."""
+    """The index in Valkey: same answers as :class:`~lmcache.controller.index_memory.Index`."""
 
     kind = "valkey"
 

@@ -46,8 +46,9 @@ from ..http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from .index import (
-    DEFAULT_MAX_INSTANCES_PER_TENANT, DEFAULT_MAX_KEYS_PER_INSTANCE, MAX_KEY_LEN, Index, IndexBase, Instance, own_keys,
+    DEFAULT_MAX_INSTANCES_PER_TENANT, DEFAULT_MAX_KEYS_PER_INSTANCE, MAX_KEY_LEN, IndexBase, Instance, own_keys,
 )
+from .index_memory import Index
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from lmcache.config import load_config
 from lmcache.keys import KeyExtra
 
-from ...services.lookup import LookupClient, LookupReply, socket_path
+from ...services.lookup import LookupReply, socket_path
+from ...services.lookup_client import LookupClient
 from .common import Side
 from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import SKIP_SAVE, TAG_PREFIX, request_extra, request_params

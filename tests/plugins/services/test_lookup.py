@@ -12,7 +12,7 @@ import sys
 import torch
 
 from lmcache.engine import CacheEngine
-from lmcache.plugins.services.lookup import LookupClient
+from lmcache.plugins.services.lookup_client import LookupClient
 
 CHUNK = 4
 L, H, D = 2, 1, 4
@@ -32,7 +32,7 @@ def ask(sock: str, *lookups: list[int]) -> list:
     """HELLO, then each lookup (pinned), from a separate Python process."""
     code = (
         "import json, sys\n"
-        "from lmcache.plugins.services.lookup import LookupClient\n"
+        "from lmcache.plugins.services.lookup_client import LookupClient\n"
         "c = LookupClient([sys.argv[1]])\n"
         f"out = [c.hello(wait={HANG})[0]]\n"
         "for toks in json.loads(sys.argv[2]):\n"

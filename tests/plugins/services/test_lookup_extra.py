@@ -9,7 +9,8 @@ import logging
 import struct
 
 from lmcache.keys import MAX_EXTRA_BYTES, KeyExtra
-from lmcache.plugins.services.lookup import HEADER, MAGIC, OP_LOOKUP, VERSION_EXTRA, LookupClient
+from lmcache.plugins.services.lookup import HEADER, MAGIC, OP_LOOKUP, VERSION_EXTRA
+from lmcache.plugins.services.lookup_client import LookupClient
 
 from test_lookup import CHUNK, HANG, D, H, L, engine, kv_for
 from test_lookup_limits import closed_by_server, raw

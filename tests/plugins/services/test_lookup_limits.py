@@ -14,7 +14,8 @@ import tracemalloc
 
 import pytest
 
-from lmcache.plugins.services.lookup import HEADER, MAGIC, OP_LOOKUP, VERSION, LookupClient, LookupServer
+from lmcache.plugins.services.lookup import HEADER, MAGIC, OP_LOOKUP, VERSION, LookupServer
+from lmcache.plugins.services.lookup_client import LookupClient
 
 from test_lookup import HANG, engine, kv_for
 
