@@ -297,7 +297,7 @@ class MooncakeBackend(BytesBackend):
             return []
         codec = self.context.codec
         # header and body go out as parts of one object: joining them into one bytes
-        # object first cost more than the transfer itself (0.56x of the raw client)
+        # object first cost more than the transfer itself (docs/benchmarks.md#measurements-behind-the-code)
         parts = [payload.encode(k, o, codec) for k, o in items]
         sizes = [sum(len(b) for b in p) for p in parts]
         last = {k: i for i, (k, _) in enumerate(items)}  # a key given twice: the last one wins

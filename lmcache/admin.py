@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from .config import Config
 from .errors import AdminError, BackendError, LMCacheError, NotFoundError
@@ -24,8 +24,18 @@ from .keys import CacheKey
 from .admin_evict import _check_selection, _plan_keys, _why_not
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import CacheEngine
     from .tier import Tier
+
+
+class LiveEngine(Protocol):
+    """What an :class:`Admin` uses of the engine it serves (:class:`lmcache.CacheEngine`,
+    which imports this module, not the other way round)."""
+
+    config: Config
+    hierarchy: Any
+    p2p: Any
+
+    def stats(self) -> dict[str, Any]: ...
 
 #: most entries one ``keys`` call returns
 MAX_PAGE = 10_000
@@ -68,7 +78,7 @@ class Admin:
         self,
         tiers: Sequence[Tier],
         *,
-        engine: CacheEngine | None = None,
+        engine: LiveEngine | None = None,
         config: Config | None = None,
         skipped_tiers: Sequence[tuple[str, str]] = (),
         wall_clock: Callable[[], float] = time.time,
@@ -90,7 +100,7 @@ class Admin:
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def for_engine(cls, engine: CacheEngine) -> Admin:
+    def for_engine(cls, engine: LiveEngine) -> Admin:
         return cls(engine.hierarchy.tiers, engine=engine)
 
     @classmethod

@@ -31,9 +31,7 @@ def copy_off_main(dst: torch.Tensor, src: torch.Tensor) -> None:
     CPU tensors of one shape and dtype it is one numpy copy of their bits, single-threaded
     with the GIL released, instead of a torch copy that asks torch's intra-op threads for
     help from every I/O thread at once (more threads than cores: each chunk's copy then
-    waits for a busy one). A 256-token SmolLM2 fp32 chunk (11.8 MB) scattered into a
-    ``(layers, 2, tokens, heads, head)`` tensor on two I/O threads of a 2-core machine:
-    a fresh disk-only engine's 16-chunk hit took 21-23 ms this way, 27 ms with torch's."""
+    waits for a busy one; docs/benchmarks.md#measurements-behind-the-code)."""
     width = _BITS.get(src.element_size())
     if (dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or dst.shape != src.shape
             or width is None or dst.requires_grad):

@@ -7,12 +7,22 @@ group ``lmcache``. Built-in plugins use these very hooks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import pluggy
 
-if TYPE_CHECKING:
-    from .plugin_manager import Registry
+
+class Registry(Protocol):
+    """What a registration hook gets: one plugin kind's names (the implementation is
+    :class:`lmcache.plugin_manager.Registry`, which imports this module, not the other
+    way round)."""
+
+    def add(self, name: str, target: str | type, *, extra: str | None = None, requires: str | None = None,
+            description: str = "") -> None:
+        """Register ``target`` (``"module:Class"`` or a class) as ``name``; ``requires``
+        (a pip requirement) or ``extra`` (a package extra) say how to install what an
+        import of it misses."""
+
 
 PROJECT = "lmcache"
 hookspec = pluggy.HookspecMarker(PROJECT)

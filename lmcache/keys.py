@@ -96,7 +96,8 @@ def as_token_array(tokens: Any) -> np.ndarray:
     """Tokens (list, numpy array or 1-D tensor) as a contiguous little-endian int64 array."""
     if _LITTLE and type(tokens) in (list, tuple):
         # the usual input (token ids from a tokenizer or vLLM): one C loop that accepts
-        # only integers, about 1.5x faster than np.asarray (which first discovers the dtype)
+        # only integers, faster than np.asarray, which first discovers the dtype
+        # (docs/benchmarks.md#measurements-behind-the-code)
         try:
             return np.frombuffer(array.array("q", tokens), dtype="<i8")
         except (TypeError, OverflowError):

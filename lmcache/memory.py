@@ -9,8 +9,7 @@ Objects that do not fit in the pool can be made "unpooled" (plain heap tensors, 
 admitted to a CPU tier) for transient use.
 
 The first write to a page of fresh memory costs a page fault; on virtual machines that
-bounds copies into untouched memory far below memcpy (0.3 GB/s against 13 GB/s warm on
-the machine of docs/benchmarks.md). So an unpinned pool of at least 256 MiB asks Linux for transparent huge
+bounds copies into untouched memory far below memcpy (docs/benchmarks.md#measurements-behind-the-code). So an unpinned pool of at least 256 MiB asks Linux for transparent huge
 pages over its buffer (``MADV_HUGEPAGE``: one fault per 2 MiB instead of per 4 KiB) and,
 unless ``prefault=False``, touches every page when it is created, so that stores copy
 into memory that is already mapped. A pinned (CUDA host) pool is mapped by the driver.

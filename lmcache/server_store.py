@@ -7,7 +7,7 @@ import threading
 from typing import Any, Protocol
 
 #: bytes each stored entry counts beyond its key and value (the dict slot, the buffer
-#: object, the eviction policy's record: about 235 bytes measured with tracemalloc)
+#: object, the eviction policy's record: docs/benchmarks.md#measurements-behind-the-code)
 ENTRY_OVERHEAD = 256
 
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .chunks import ChunkGateway
     from .config import Config, KVSpec
-    from .engine import CacheEngine
     from .hierarchy import StorageHierarchy
     from .keys import Chunk, KeyExtra
 
@@ -49,7 +48,7 @@ class EngineView:
 
     __slots__ = ("_chunks", "_engine", "clock", "config", "hierarchy", "instance_id")
 
-    def __init__(self, engine: CacheEngine):
+    def __init__(self, engine: Any):  # the lmcache.CacheEngine it views (which imports this module)
         self._engine = engine
         self.config: Config = engine.config
         self.hierarchy: StorageHierarchy = engine.hierarchy
@@ -102,9 +101,10 @@ class EngineView:
         self._engine.store_observers.append(observer)
 
 
-def start_services(engine: CacheEngine, registry: Any, stack: Any) -> None:
+def start_services(engine: Any, registry: Any, stack: Any) -> None:
     """Start the enabled services of ``registry`` into ``engine.services``, in
-    registration order, each closed by ``stack`` (so in reverse)."""
+    registration order, each closed by ``stack`` (so in reverse). ``engine``: the
+    :class:`lmcache.CacheEngine` starting them."""
     view = EngineView(engine)
     for entry in registry.in_order():
         cls = registry.load(entry.name)

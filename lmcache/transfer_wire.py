@@ -106,8 +106,8 @@ def raise_priority(nice: int) -> int | None:
     process may: root or CAP_SYS_NICE). Returns the value before, ``None`` when nothing
     changed (``nice`` >= 0, not permitted: one line at info per process, then silence).
     A transfer thread copies a request's KV while the engine computes on the same cores:
-    at the engine's priority it gets a fair share of a core and a push takes about twice
-    as long (docs/distributed.md); threads it starts inherit the value."""
+    at the engine's priority it gets a fair share of a core and a push takes longer
+    (docs/benchmarks.md#prefilldecode-lmcache-bench-pd); threads it starts inherit the value."""
     global _nice_refused
     if nice >= 0 or not hasattr(os, "setpriority"):
         return None

@@ -140,9 +140,8 @@ class WriteBehind:
         Why: a write-behind of pool memory into a file (checksum, then ``writev`` into
         fresh page cache, kernel time) on one core of a small machine makes torch's
         multi-threaded gather copy wait for its slowest thread, the one sharing that
-        core: a 256-token SmolLM2 fp32 chunk (11.8 MB) took 3.5 to 5 ms on average with
-        a writer busy beside it instead of 0.9 (2 cores, 2 torch threads), which halved
-        a CPU tier's store over a disk tier. The writer stops waiting once half its queue
+        core, which halved a CPU tier's store over a disk tier
+        (docs/benchmarks.md#measurements-behind-the-code). The writer stops waiting once half its queue
         is waiting (a long store then drops nothing), when the memory pool runs short
         (what queued writes hold is freed once they are written) or after
         ``WRITER_YIELD_MAX``."""

@@ -4,7 +4,7 @@ workers' registrations, heartbeats and admit/evict events, and answering lookups
 
 Why caps: the index lives in memory and its callers are instances, which a tenant
 token can register. Without bounds one instance reporting made-up keys grew the
-controller by about 650 bytes per key (540k keys in 6 s: 53 -> 404 MiB RSS). Each
+controller without limit (docs/benchmarks.md#measurements-behind-the-code). Each
 instance may hold at most ``max_keys_per_instance`` keys (a batch of events that would
 take it over is refused whole, 429, nothing applied), and a tenant token may register
 at most ``max_instances_per_tenant`` instances of its namespace (429); admin

@@ -533,7 +533,8 @@ class ValkeyIndex(IndexBase):
             keys, args = [t + "leases"], [t, q.model or "", mode, *groups]
             got = self._read(lambda: self._run("lookup", keys, args), lambda: self._lookup_stale(keys, args))
             # the chunkings of the namespace's live instances only: one no instance uses any more
-            # is not hashed again (1,500 chunkings once seen made each lookup 38x slower, issue 44)
+            # is not hashed again (1,500 chunkings once seen slowed each lookup down: issue 44,
+            # docs/benchmarks.md#measurements-behind-the-code)
             live = [ck for row in got[1:] if row[0] == "*ck" for ck in row[1:]]
             if live:
                 self._chunkings[ns] = set(live)

@@ -4,9 +4,9 @@ keeps per chunking (issue 44, items 5 and 6).
 Why: the controller keeps every registered string (in memory or in Valkey) and shows it
 in listings; ``namespace``, ``model`` and ``kv_signature`` make each instance's key
 prefix. ``model`` had no bound and a lookup built one ``prefix + hash`` string per chunk
-and candidate instance: one tenant lookup with a 200 KiB model and 1,500 hashes grew a
-memory-index controller by 293 MiB (2.6 GiB with a 900 KiB model) and took 443 MB of Lua
-memory in Valkey, outside ``maxmemory``, stalling every tenant for about a second. Now
+and candidate instance: one tenant lookup with a long model name and many hashes grew a
+memory-index controller by hundreds of MiB and took Lua memory in Valkey, outside
+``maxmemory``, stalling every tenant (docs/benchmarks.md#measurements-behind-the-code). Now
 every registered field has a bound (:func:`check_registration`: one 400 naming the
 field), the key prefix always fits in a key, and lookups match chunk hashes without
 building per-chunk strings (the memory index's :class:`~lmcache.controller.index.KeyMap`
@@ -15,7 +15,7 @@ and the Valkey index's key hashes hold a chunk of the instance's prefix as its h
 And: the token processors kept to hash lookups' tokens, one per chunking, are at most
 :data:`MAX_CHUNKINGS` (least recently used dropped first); the Valkey index hashes a
 lookup's tokens for the chunkings of live instances only (1,500 re-registrations with new
-chunk sizes had made each admin lookup hash its tokens 1,500 times: 3 -> 103 ms).
+chunk sizes had made each admin lookup hash its tokens 1,500 times; docs/benchmarks.md#measurements-behind-the-code).
 """
 
 from __future__ import annotations

@@ -12,18 +12,17 @@ Why a push's WRITE carries no NIXL notification: NIXL reports a WRITE with one D
 once the notification's active message has completed, and over UCX's tcp lane (how it
 carries active messages on one host) that takes the *receiver* progressing UCX, i.e. its
 endpoint's polling thread, a Python thread that must win the GIL and a core from the
-engine's compute. Measured (two processes, one core each, 6 chunks of 11.8 MB): the
-WRITE took as long as the receiver's polling period (polls every 10 ms: 10 ms; every
-50 ms: 50 ms; none: never done), the sender polling meanwhile. Without it, DONE comes
-after NIXL's endpoint flush (remote completion) and needs nothing from the receiver.
+engine's compute: the WRITE then took as long as the receiver's polling period
+(docs/benchmarks.md#measurements-behind-the-code). Without it, DONE comes after NIXL's endpoint flush (remote completion) and needs
+nothing from the receiver.
 
 Agent metadata travels in the ``hello`` message of the authenticated control
 connection (:mod:`lmcache.transfer`), base64 in JSON, never pickled; descriptors are
 plain ``[address, length]`` numbers checked against the lengths this side allocated.
 
 Why the agent has no progress thread: nixl 1.5.1's UCX progress thread polls with a
-zero timeout and burns a core while idle (measured with vLLM's NixlConnector: a
-2,200-token prefill beside it took twice as long). This agent is created with
+zero timeout and burns a core while idle (beside vLLM's NixlConnector a prefill took twice
+as long: docs/benchmarks.md#measurements-behind-the-code). This agent is created with
 ``enable_prog_thread=False``; progress happens only inside calls made while a transfer
 is open: the initiator polls ``check_xfer_state`` until its transfer is done (pausing
 between polls, up to 1 ms, so it leaves the GIL and the core to the engine), and the

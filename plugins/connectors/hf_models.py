@@ -66,7 +66,8 @@ def load_smollm2(
 ) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for SmolLM2-135M-Instruct on the CPU, in eval mode.
 
-    ``dtype`` defaults to float32 (on AVX2-only CPUs it runs ~5x faster than bfloat16).
+    ``dtype`` defaults to float32 (on AVX2-only CPUs it runs several times faster than
+    bfloat16: docs/benchmarks.md#measurements-behind-the-code).
     """
     _require_hf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

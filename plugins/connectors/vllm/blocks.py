@@ -3,9 +3,8 @@
 vLLM's CPU attention (``vec`` kernels) keeps, per block and head, the block's keys
 transposed (``[head_size, block_size]``) and then its values (``[block_size, head_size]``)
 in one ``[num_blocks, heads, block_size, 2 * head_size]`` tensor per layer. Moving such a
-block per token (each key element to its own place) ran at a fraction of ``memcpy``: the
-bulk scatter of a 3,419-token SmolLM2 prompt took 42-56 ms where one ``memcpy`` of its
-157.5 MB took 17.6 ms. So, when the chunk size is a whole number of blocks, a chunk's entry
+block per token (each key element to its own place) ran at a fraction of ``memcpy``
+(docs/benchmarks.md#measurements-behind-the-code). So, when the chunk size is a whole number of blocks, a chunk's entry
 holds each of its full blocks as the backend lays it out, per layer, and only a last
 partial block (the prompt's unfull last chunk) per token; a load or a save is then one
 contiguous copy per block and layer.
@@ -70,8 +69,7 @@ def _spare_cpus() -> set[int]:
     """The CPUs this process's threads run on together, less the calling thread's own when
     others are left. vLLM's CPU worker binds each of its OpenMP threads, the main one
     included, to one core; a thread started from the main thread would inherit that one
-    core and copy on it by turns with the main thread (measured: no faster than one
-    thread), so the copy threads go to the worker's other cores."""
+    core and copy on it by turns with the main thread (no faster than one thread), so the copy threads go to the worker's other cores."""
     cpus: set[int] = set()
     try:
         for status in Path("/proc/self/task").glob("*/status"):
@@ -185,8 +183,7 @@ class BlockEntries:
         self.views = views
         self.N, self.H, self.D = N, H, D2 // 2
         self.E = H * N * D2  # elements of one block of one layer
-        #: layers split among this many threads per chunk: one thread's copies of 200 KB blocks
-        #: reached 5.4 GB/s here, two 6.6 GB/s (one big memcpy: 9 GB/s; docs/benchmarks.md)
+        #: layers split among this many threads per chunk (two copy faster than one: docs/benchmarks.md#measurements-behind-the-code)
         self.threads = max(1, min(COPY_THREADS, torch.get_num_threads()))
         self._pool: ThreadPoolExecutor | None = None
 
@@ -201,7 +198,7 @@ class BlockEntries:
         between ``regions`` (the entry, ``(L, elements)``) and the layers' rows. This
         thread copies its share of the layers; with ``wait=False`` the other threads'
         shares may still run when this returns: their futures (one handoff per request,
-        not per chunk: 26 chunks took 8.5-8.7 ms waited each, 7.6-7.7 ms not)."""
+        not per chunk: docs/benchmarks.md#measurements-behind-the-code)."""
         if not pairs:
             return []
         src = _bytes(regions)

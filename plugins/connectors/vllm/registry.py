@@ -6,15 +6,26 @@ asks directly instead of over a socket or in-band."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lmcache.config import KVSpec
 from lmcache.engine import CacheEngine
 
-if TYPE_CHECKING:
-    from .worker import ConnectorWorker
 
-__all__ = ["acquire_engine", "add_worker", "local_workers", "release_engine", "remove_worker"]
+class LocalWorker(Protocol):
+    """What a scheduler in the same process asks of a worker side (the connector's
+    ``LocalWorker``, which imports this module, not the other way round)."""
+
+    instance: str
+    dp_rank: int
+    tp_rank: int
+    engine: Any
+    _closed: bool
+
+    def serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
+                     extra: Any = None) -> tuple[int, list[int]]: ...
+
+__all__ = ["LocalWorker", "acquire_engine", "add_worker", "local_workers", "release_engine", "remove_worker"]
 
 #: (config file, overrides, KV spec) -> [engine, users]
 _ENGINES: dict[tuple, list] = {}
@@ -46,23 +57,23 @@ def release_engine(engine: CacheEngine) -> None:
 
 
 #: worker sides of this process by (vLLM instance, DP rank) -> {TP rank: worker}
-_LOCAL_WORKERS: dict[tuple[str, int], dict[int, ConnectorWorker]] = {}
+_LOCAL_WORKERS: dict[tuple[str, int], dict[int, LocalWorker]] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def add_worker(worker: ConnectorWorker) -> None:
+def add_worker(worker: LocalWorker) -> None:
     with _LOCAL_LOCK:
         _LOCAL_WORKERS.setdefault((worker.instance, worker.dp_rank), {})[worker.tp_rank] = worker
 
 
-def remove_worker(worker: ConnectorWorker) -> None:
+def remove_worker(worker: LocalWorker) -> None:
     with _LOCAL_LOCK:
         ws = _LOCAL_WORKERS.get((worker.instance, worker.dp_rank))
         if ws is not None and ws.get(worker.tp_rank) is worker:
             del ws[worker.tp_rank]
 
 
-def local_workers(instance: str, dp_rank: int, tp_size: int) -> list[ConnectorWorker] | None:
+def local_workers(instance: str, dp_rank: int, tp_size: int) -> list[LocalWorker] | None:
     """The worker sides of ``(instance, dp_rank)``, by TP rank, if all of them live in this
     process (and are open), else ``None``: a scheduler in this process asks them directly."""
     with _LOCAL_LOCK:

@@ -27,7 +27,7 @@ from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import SKIP_SAVE, TAG_PREFIX, request_extra, request_params
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
 from .pd import PDScheduler
-from .registry import local_workers
+from .registry import LocalWorker, local_workers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-    from .worker import ConnectorWorker
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +88,7 @@ class ConnectorScheduler(Side):
         self._pd = PDScheduler(self.config, self.instance, self.dp_rank, self.tp_size) if self.config.pd.role != "off" else None
 
     # ================================================================ lookup channel
-    def _local_workers(self) -> list[ConnectorWorker] | None:
+    def _local_workers(self) -> list[LocalWorker] | None:
         """This instance's worker sides if all of them live in this process."""
         return local_workers(self.instance, self.dp_rank, self.tp_size)
 
@@ -114,7 +112,7 @@ class ConnectorScheduler(Side):
             lk.replies = []
             for w in local:
                 try:
-                    n, tiers = w._serve_lookup(tokens, True, self.shifted, extra)
+                    n, tiers = w.serve_lookup(tokens, True, self.shifted, extra)
                 except Exception:
                     log.exception("lmcache: lookup failed; treating it as a miss")
                     n, tiers = 0, []

@@ -101,7 +101,7 @@ class ConnectorWorker(Side):
         add_worker(self)  # a scheduler in this process asks it directly
 
     # ================================================================ lookup channel
-    def _serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
+    def serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
                       extra: KeyExtra | None = None) -> tuple[int, list[int]]:
         assert self.engine is not None
         return self._lookup.lookup(tokens, pin, shifted, extra)
@@ -127,7 +127,7 @@ class ConnectorWorker(Side):
         answers: dict[int, list[LookupReply]] = {}
         for ask in meta.asks:
             try:
-                n, tiers = self._serve_lookup(ask.token_ids, True, ask.shifted, ask.extra)
+                n, tiers = self.serve_lookup(ask.token_ids, True, ask.shifted, ask.extra)
             except Exception:
                 log.exception("lmcache: in-band lookup failed; a miss")
                 n, tiers = 0, []
@@ -196,8 +196,7 @@ class ConnectorWorker(Side):
         :data:`STAGING_KEEP_BYTES`): each role has one user at a time ("load": the loads
         of a step, one after another; "io": the I/O thread's; "gather" and "save": the
         saves of a step, one after another). Fresh host memory is paid in page faults on
-        every request: a 3k-token prompt's KV (142 MB of SmolLM2 fp32) took 52 ms to copy
-        into a new buffer, 9 ms into a kept one. Layerwise loads and saves hold several
+        every request (figures: docs/benchmarks.md#measurements-behind-the-code). Layerwise loads and saves hold several
         buffers at once and take fresh ones; so does a GPU (its caching allocator keeps
         freed memory, and memory held past vLLM's profiling is not ours to take)."""
         assert self._layout is not None
