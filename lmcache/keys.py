@@ -239,6 +239,8 @@ class TokenProcessor:
         else:
             raise ValueError(f"unknown hash algorithm {hash_algorithm!r}")
         self.hash_algorithm = hash_algorithm
+        #: chunks hashed so far (the tests count them: a request's chunk is hashed once)
+        self.hashed_chunks = 0
 
     def _chain(self, arr: np.ndarray, seed: bytes, marks: dict[int, bytes] | None = None,
                first: int = 0) -> tuple[list[str], bytes]:
@@ -256,6 +258,7 @@ class TokenProcessor:
                 prev = digest(_ITEMS_TAG + prev + marks[i])
             prev = digest(prev + data[off : off + step])
             append(prev.hex())
+        self.hashed_chunks += len(out)
         return out, prev
 
     def _stop(self, n: int) -> int:
@@ -292,19 +295,24 @@ class TokenProcessor:
         return self._chunks(0, stop, hashes), [prefix + h for h in hashes]
 
     def key_batches(
-        self, tokens: Any, prefix: str, first: int = 8, growth: int = 4, extra: KeyExtra | None = None
+        self, tokens: Any, prefix: str, first: int = 8, growth: int = 4, extra: KeyExtra | None = None,
+        resume: tuple[int, str] | None = None,
     ) -> Iterator[list[str]]:
         """The keys of :meth:`chunk_keys` in consecutive batches of ``first``,
         ``first * growth``, ... chunks. The tokens are hashed (and, given as a list,
         converted) only as far as the caller iterates, so a prefix lookup that stops at its
         first miss pays for the chunks up to that miss, not for the whole prompt. Chunk
-        ``i`` ends at token ``min((i + 1) * chunk_size, len(tokens))``."""
+        ``i`` ends at token ``min((i + 1) * chunk_size, len(tokens))``. ``resume``
+        ``(n, key)``: the first ``n`` full chunks are known, the last of them keyed ``key``
+        (a key of these tokens under ``prefix``): the chain goes on from there."""
         lazy = type(tokens) in (list, tuple)
         arr = None if lazy else as_token_array(tokens)
         stop = self._stop(len(tokens) if arr is None else len(arr))
         cs = self.chunk_size
         prev, marks = self._start(extra, stop)
         start, size = 0, max(1, first)
+        if resume is not None and resume[0] > 0:
+            start, prev = resume[0] * cs, bytes.fromhex(resume[1][len(prefix):])
         while start < stop:
             end = min(stop, start + size * cs)
             part = as_token_array(tokens[start:end]) if arr is None else arr[start:end]

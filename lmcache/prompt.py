@@ -39,14 +39,19 @@ class Prompt:
 
     __slots__ = ("tokens", "extra", "prefix", "stop", "_cs", "_keys", "_batches", "_lock")
 
-    def __init__(self, processor: TokenProcessor, prefix: str, tokens: np.ndarray, extra: KeyExtra | None):
+    def __init__(self, processor: TokenProcessor, prefix: str, tokens: np.ndarray, extra: KeyExtra | None,
+                 known: list[str] | None = None):
+        """``known``: the keys of the first full chunks of ``tokens``, from a prompt these
+        tokens extend (:meth:`PromptMemo.get`); the chain goes on from the last of them."""
         self.tokens = tokens
         self.extra = extra or None
         self.prefix = prefix
         self.stop = processor._stop(len(tokens))  # where the last chunk ends
         self._cs = processor.chunk_size
-        self._keys: list[str] = []
-        self._batches: Iterator[list[str]] | None = processor.key_batches(tokens, prefix, extra=self.extra)
+        self._keys: list[str] = list(known or ())
+        resume = (len(self._keys), self._keys[-1]) if self._keys else None
+        self._batches: Iterator[list[str]] | None = processor.key_batches(tokens, prefix, extra=self.extra,
+                                                                          resume=resume)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -155,7 +160,7 @@ class PromptMemo:
                 self._items.move_to_end(key)
                 self.found += 1
                 return found
-        prompt = Prompt(self.processor, prefix, arr, extra)
+        prompt = Prompt(self.processor, prefix, arr, extra, self._known(prefix, extra, arr))
         with self._lock:
             found = self._items.get(key)
             if found is not None and np.array_equal(found.tokens, arr):  # another thread built it meanwhile
@@ -171,6 +176,24 @@ class PromptMemo:
         key = self._key(prompt.prefix, prompt.extra, prompt.tokens)
         with self._lock:
             self._keep(key, prompt)
+
+    def _known(self, prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> list[str] | None:
+        """The full-chunk keys of the longest remembered prompt that ``arr`` extends (same
+        prefix and extra): a chunked prefill saves ``prompt[:n]`` for a growing ``n``, and
+        each step's chunks then hash only what the step added. Its keys are its own: they
+        are read under the lock only as far as they are hashed."""
+        cs = self.processor.chunk_size
+        if len(arr) < 2 * cs:
+            return None
+        with self._lock:
+            shorter = [p for p in self._items.values()
+                       if cs <= len(p.tokens) < len(arr) and p.prefix == prefix and p.extra == (extra or None)]
+        for p in sorted(shorter, key=lambda p: -len(p.tokens)):
+            n = len(p.tokens) // cs  # its full chunks: the same keys in any prompt they begin
+            if np.array_equal(p.tokens[: n * cs], arr[: n * cs]):
+                keys = p.keys_upto(n * cs)
+                return list(keys[:n]) if len(keys) >= n else None
+        return None
 
     @staticmethod
     def _key(prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> tuple[str, bytes, int, bytes]:

@@ -43,8 +43,32 @@ def test_one_request_hashes_its_chunks_once_per_process():
         res = e.store(list(more), kv_for(more))
         e.release(list(more), upto=skip)
         assert (res.skipped_tokens, res.stored_tokens) == (96, 44)
-        assert calls[0] == 9
+        # `more` extends the prompt the load hashed: its 6 full chunks' keys are taken from
+        # there, and only the 3 chunks after them are hashed (9 before prompts were extended)
+        assert calls[0] == 3
         assert e.prompts.built - built == 2
+
+
+def test_a_chunked_prefills_growing_saves_hash_each_chunk_once():
+    """A vLLM request prefilled in k steps saves ``prompt[:n]`` for a growing ``n`` (lookup,
+    store, release each step): each chunk is hashed once in the process, plus each step's
+    own partial last chunk, and no step hashes the prompt from its first token again."""
+    toks = list(range(1000, 1000 + 16 * 40 + 5))  # 41 chunks of 16 (the last partial)
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(list(range(7)), kv_for(list(range(7))))  # the engine's kv spec
+        calls = count_digests(e)
+        ends = [100, 250, 333, 512, len(toks)]  # 5 steps of a chunked prefill
+        for end in ends:
+            part = list(toks[:end])  # a new list each step, as vLLM's metadata brings it
+            skip = e.lookup(part, pin=True)
+            e.store(part, kv[:, :, :end])
+            e.release(part, upto=skip)
+        partials = sum(1 for end in ends if end % 16)  # each step's own partial last chunk
+        assert calls[0] == len(toks) // 16 + partials  # 40 full chunks once, + 5 partial ones
+        out = torch.empty(L, 2, len(toks), H, D)
+        assert e.retrieve(list(toks), out=out).num_tokens == len(toks)
+        assert torch.equal(out, kv)
 
 
 def test_release_upto_drops_exactly_what_the_prefix_lookup_leased():
@@ -86,7 +110,8 @@ def test_a_prompt_hashes_only_as_far_as_a_lookup_reaches():
         assert e.lookup(toks) == 32
         assert calls[0] == 8  # the first batch of 8 chunks, not 200
         p = e.prompt(toks)
-        assert len(p.keys) == 200 and calls[0] == 200  # the rest hashed once, when asked
+        # the rest hashed once, when asked; the 2 chunks the store hashed are not hashed again
+        assert len(p.keys) == 200 and calls[0] == 198
         assert [c.end for c in p.chunks][-2:] == [16 * 199, 16 * 200]
         assert p.keys == e.chunk_keys(toks)[1]
 

@@ -161,7 +161,7 @@ def savable(spec: SaveSpec, layout: str, block_size: int) -> SaveSpec | None:
     n = len(spec.token_ids) // block_size * block_size
     if n == len(spec.token_ids):
         return spec
-    return dataclasses.replace(spec, token_ids=spec.token_ids[:n], skip=min(spec.skip, n)) if n else None
+    return dataclasses.replace(spec, token_ids=spec.token_ids[:n], skip=min(spec.skip, n), prompt=None) if n else None
 
 
 class BlockEntries:

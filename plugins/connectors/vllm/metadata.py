@@ -54,6 +54,9 @@ class LoadSpec:
     seq: int | None = None
     #: PD, vLLM's flow: pull this offer first (``{"offer", "endpoints", "tokens"}``, :mod:`.pd`)
     pull: dict[str, Any] | None = None
+    #: the worker's :class:`lmcache.prompt.Prompt` of ``exact_ids``, built once per spec there
+    #: (every engine call of the load takes it: no digest of the tokens per call); never sent
+    prompt: Any = field(default=None, compare=False, repr=False)
 
     @property
     def exact_ids(self) -> list[int]:
@@ -71,6 +74,8 @@ class SaveSpec:
     skip: int = 0
     extra: KeyExtra | None = None
     blocks: BlockInfo | None = None
+    #: the worker's :class:`lmcache.prompt.Prompt` of ``token_ids`` (as :attr:`LoadSpec.prompt`)
+    prompt: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
