@@ -178,19 +178,19 @@ class PromptMemo:
             self._keep(key, prompt)
 
     def _known(self, prefix: str, extra: KeyExtra | None, arr: np.ndarray) -> list[str] | None:
-        """The full-chunk keys of the longest remembered prompt that ``arr`` extends (same
-        prefix and extra): a chunked prefill saves ``prompt[:n]`` for a growing ``n``, and
-        each step's chunks then hash only what the step added. Its keys are its own: they
-        are read under the lock only as far as they are hashed."""
+        """The keys of the first full chunks of ``arr`` that a remembered prompt (same prefix
+        and extra) shares with it, as many as the best one shares: a chunked prefill saves
+        ``prompt[:n]`` for a growing ``n`` (each step's chunks then hash only what the step
+        added), and a save of a prefix of a prompt looked up whole hashes only its partial
+        last chunk. Keys are read under the prompt's own lock, hashed there if not yet."""
         cs = self.processor.chunk_size
-        if len(arr) < 2 * cs:
+        if len(arr) < cs:
             return None
         with self._lock:
-            shorter = [p for p in self._items.values()
-                       if cs <= len(p.tokens) < len(arr) and p.prefix == prefix and p.extra == (extra or None)]
-        for p in sorted(shorter, key=lambda p: -len(p.tokens)):
-            n = len(p.tokens) // cs  # its full chunks: the same keys in any prompt they begin
-            if np.array_equal(p.tokens[: n * cs], arr[: n * cs]):
+            others = [(min(len(p.tokens), len(arr)) // cs, p) for p in self._items.values()
+                      if len(p.tokens) >= cs and p.prefix == prefix and p.extra == (extra or None)]
+        for n, p in sorted(others, key=lambda x: -x[0]):
+            if np.array_equal(p.tokens[: n * cs], arr[: n * cs]):  # full chunks: the same keys in both
                 keys = p.keys_upto(n * cs)
                 return list(keys[:n]) if len(keys) >= n else None
         return None

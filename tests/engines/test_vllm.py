@@ -70,7 +70,7 @@ def model_config(tmp_path_factory):
 
 
 def make_config(model_config, policy: str = "recompute", prefix_caching: bool = True, *, upstream: bool = False,
-                role: str = "kv_both", kv_events=None, **extra) -> VllmConfig:
+                role: str = "kv_both", kv_events=None, batched_tokens: int = 2048, **extra) -> VllmConfig:
     """A VllmConfig naming lmcache's connector; ``upstream``: as LMCache's users name it,
     ``kv_connector: LMCacheConnectorV1`` with no module path (vLLM's wrapper)."""
     extra.setdefault("lmcache.chunk_size", CHUNK)
@@ -81,7 +81,8 @@ def make_config(model_config, policy: str = "recompute", prefix_caching: bool = 
         model_config=model_config,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=2048, is_encoder_decoder=False
+            max_num_batched_tokens=batched_tokens, max_num_seqs=8, max_model_len=2048, is_encoder_decoder=False,
+            enable_chunked_prefill=True,
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
@@ -186,6 +187,7 @@ class Engine:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(BLOCK, hash_fn)
         self.workers = []
+        self.blocks: dict[str, list[int]] = {}  # each request's blocks, as the model runner keeps them
 
     def worker(self, layers):
         """A worker-role connector, built as vLLM's factory builds it (vLLM's
@@ -212,7 +214,15 @@ class Engine:
         worker.start_load_kv(None)
         for new in out.scheduled_new_reqs:  # the forward computes what was scheduled
             n = out.num_scheduled_tokens[new.req_id]
+            self.blocks[new.req_id] = list(new.block_ids[0])
             forward(layers, layout, new.block_ids[0], new.num_computed_tokens, new.num_computed_tokens + n, gen)
+        cached = out.scheduled_cached_reqs  # a chunked prefill's later steps (and decodes)
+        for i, rid in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None:
+                self.blocks[rid] = (list(cached.new_block_ids[i][0]) if rid in cached.resumed_req_ids
+                                    else self.blocks.get(rid, []) + list(cached.new_block_ids[i][0]))
+            done = cached.num_computed_tokens[i]
+            forward(layers, layout, self.blocks[rid], done, done + out.num_scheduled_tokens[rid], gen)
         for name, t in zip(LAYERS, layers):
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name, t, None)
@@ -220,9 +230,13 @@ class Engine:
         invalid = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
         ids = list(out.num_scheduled_tokens)
+        # a step that ends inside a prompt (chunked prefill) samples nothing, as vLLM's runner
+        # (schedule() has counted this step's tokens as computed already)
+        sampled = [[42] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_prompt_tokens
+                   else [] for r in ids]
         self.last = self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[42] for _ in ids],
+            sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(invalid_block_ids=set(invalid),
                                                   kv_cache_events=worker.get_kv_connector_kv_cache_events()),
         ))  # fmt: skip
@@ -428,6 +442,39 @@ def test_one_request_hashes_its_prompt_once_and_saves_without_staging(model_conf
     finally:
         eng.close()
 
+
+
+def test_a_chunked_prefill_hashes_each_chunk_once(model_config):
+    """A prompt of 10 chunks prefilled 100 tokens a step (vLLM's chunked prefill, 7 steps):
+    each step saves the prompt so far (lookup, store, release of a growing prefix) and the
+    worker's process hashes each full chunk once, plus the partial last chunk of each step
+    that ends inside one: 10 here (40 before, when every step hashed its prefix from the
+    first token). Then the whole prompt reads back as the blocks hold it."""
+    layout = "std_nhd"
+    eng = Engine(make_config(model_config, batched_tokens=100), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(9)
+    try:
+        layers = alloc(layout)
+        w = eng.worker(layers)
+        engine = _impl(w).engine
+        calls = count_digests(engine)
+        prompt = list(range(7, 7 + 10 * CHUNK - 20))  # 620 tokens: 9 full chunks and a partial one
+        eng.submit("c", prompt)
+        ends = []
+        for _ in range(8):  # 7 prefill steps of at most 100 tokens, then a decode
+            out, _ = eng.step(w, layers, layout, gen)
+            ends += [len(s.token_ids) for s in out.kv_connector_metadata.saves]
+        assert len(ends) >= 5 and ends[-1] == len(prompt), ends
+        partial = sum(1 for e in ends if e % CHUNK)  # each step's own partial last chunk
+        assert calls[0] == len(prompt) // CHUNK + partial, (calls[0], ends)
+        res = engine.retrieve(list(prompt))
+        assert res.num_tokens == len(prompt)
+        for i, slot in enumerate(slots_of(eng.blocks["c"], len(prompt))):
+            for layer, t in enumerate(layers):
+                v = token(t, layout, slot)
+                assert torch.equal(res.kv[layer, :, i], v.reshape(HEADS, 2, HEAD).transpose(0, 1)), (i, layer)
+    finally:
+        eng.close()
 
 def test_vllm_prefix_cache_hit_is_skipped(model_config):
     layout = "std_nhd"
