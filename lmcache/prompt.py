@@ -186,9 +186,15 @@ class PromptMemo:
         cs = self.processor.chunk_size
         if len(arr) < cs:
             return None
+        first = int(arr[0])
         with self._lock:
-            others = [(min(len(p.tokens), len(arr)) // cs, p) for p in self._items.values()
-                      if len(p.tokens) >= cs and p.prefix == prefix and p.extra == (extra or None)]
+            items = list(self._items.values())
+        others = []
+        for p in items:  # cheap checks first: the first token, and the last one both hold
+            m = min(len(p.tokens), len(arr))
+            if m >= cs and int(p.tokens[0]) == first and int(p.tokens[m - 1]) == int(arr[m - 1]) \
+                    and p.prefix == prefix and p.extra == (extra or None):
+                others.append((m // cs, p))
         for n, p in sorted(others, key=lambda x: -x[0]):
             if np.array_equal(p.tokens[: n * cs], arr[: n * cs]):  # full chunks: the same keys in both
                 keys = p.keys_upto(n * cs)
