@@ -62,6 +62,12 @@ class LoadSpec:
     def exact_ids(self) -> list[int]:
         return self.token_ids[: self.exact] if self.shifted else self.token_ids
 
+    def keyed(self, engine: Any) -> Any:
+        """:attr:`exact_ids` with their chunk keys in ``engine`` (:attr:`prompt`, built once)."""
+        if self.prompt is None:
+            self.prompt = engine.prompt(self.exact_ids, self.extra)
+        return self.prompt
+
 
 @dataclass
 class SaveSpec:
@@ -76,6 +82,12 @@ class SaveSpec:
     blocks: BlockInfo | None = None
     #: the worker's :class:`lmcache.prompt.Prompt` of ``token_ids`` (as :attr:`LoadSpec.prompt`)
     prompt: Any = field(default=None, compare=False, repr=False)
+
+    def keyed(self, engine: Any) -> Any:
+        """``token_ids`` with their chunk keys in ``engine`` (:attr:`prompt`, built once)."""
+        if self.prompt is None:
+            self.prompt = engine.prompt(self.token_ids, self.extra)
+        return self.prompt
 
 
 @dataclass

@@ -106,17 +106,6 @@ class ConnectorWorker(Side):
         assert self.engine is not None
         return self._lookup.lookup(tokens, pin, shifted, extra)
 
-    def _prompt(self, spec: LoadSpec | SaveSpec) -> Any:
-        """The tokens a spec's engine calls use (a load's exact hit, a save's prompt prefix)
-        with their chunk keys: built once per spec, then every call of the spec takes it
-        (the engine finds the prompt a save extends, so a chunked prefill's growing saves
-        hash each chunk once)."""
-        assert self.engine is not None
-        if spec.prompt is None:
-            ids = spec.exact_ids if isinstance(spec, LoadSpec) else spec.token_ids
-            spec.prompt = self.engine.prompt(ids, spec.extra)
-        return spec.prompt
-
     def answer_lookups(self, meta: LMCacheConnectorMetadata | None) -> LMCacheWorkerMetadata | None:
         """In-band lookups (``vllm.lookup: inband``): drop the pins of the lookups the
         scheduler released, and answer this step's questions (pinning the hits) in the
@@ -282,7 +271,7 @@ class ConnectorWorker(Side):
         if self._per_chunk() and not spec.shifted:
             return self._load_direct(spec)
         buf, view = self._buffer(len(spec.token_ids), role)
-        ids = self._prompt(spec)
+        ids = spec.keyed(self.engine)
         try:
             got = self.engine.retrieve(ids, out=view, extra=spec.extra).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
@@ -319,7 +308,7 @@ class ConnectorWorker(Side):
             K.scatter(buf.to(device), self._layout, slots[chunk.start : chunk.end], self._layers,
                       max(0, spec.skip - chunk.start))
 
-        ids = self._prompt(spec)
+        ids = spec.keyed(self.engine)
         try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
             return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
@@ -335,7 +324,7 @@ class ConnectorWorker(Side):
             a, b = max(lo, chunk.start), min(hi, chunk.end)
             return blocks.load(kv, chunk.start, spec.block_ids, a, b) if a < b else []
 
-        ids = self._prompt(spec)
+        ids = spec.keyed(self.engine)
         try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
             return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
         finally:  # the lookup's pins (taken for the scheduler) end with the load
@@ -479,7 +468,7 @@ class ConnectorWorker(Side):
                        num_kv_heads=spec_kv.num_kv_heads, head_size=spec_kv.head_size, dtype=layers[0].dtype)
         t0 = time.perf_counter()
         try:
-            res = self.engine.store(self._prompt(spec), src, extra=spec.extra)
+            res = self.engine.store(spec.keyed(self.engine), src, extra=spec.extra)
             self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
             self.metrics.usage(self.engine.hierarchy.tiers)
         except Exception:
@@ -489,9 +478,9 @@ class ConnectorWorker(Side):
         """Pin what is cached already and set up the gather of the rest (``None``: nothing to
         do); the gather's buffer is on the engine's device, kept for ``role`` (see :meth:`_buffer`)."""
         assert self.engine is not None
-        skip = self.engine.lookup(self._prompt(spec), pin=True, extra=spec.extra)
+        skip = self.engine.lookup(spec.keyed(self.engine), pin=True, extra=spec.extra)
         if skip >= len(spec.token_ids):
-            self.engine.release(self._prompt(spec), extra=spec.extra)
+            self.engine.release(spec.keyed(self.engine), extra=spec.extra)
             return None
         # from here on, what this lookup leased is token_ids[:skip]: every release below
         # drops exactly that (a chunk past it may be another caller's lease by then)
@@ -528,13 +517,13 @@ class ConnectorWorker(Side):
             # chunks before ``skip`` stay pinned (leased) until after the store, so the
             # store skips them and never reads their unfilled rows
             t0 = time.perf_counter()
-            res = self.engine.store(self._prompt(spec), view, extra=spec.extra)
+            res = self.engine.store(spec.keyed(self.engine), view, extra=spec.extra)
             self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
             self.metrics.usage(self.engine.hierarchy.tiers)
         except Exception:
             log.exception("lmcache: storing %s failed", spec.req_id)
         finally:
-            self.engine.release(self._prompt(spec), extra=spec.extra, upto=skip)
+            self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata | None) -> None:
         """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk);
@@ -552,7 +541,7 @@ class ConnectorWorker(Side):
         if self.layerwise:
             if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
                 for spec, _, _, skip in self._layer_saves:
-                    self.engine.release(self._prompt(spec), extra=spec.extra, upto=skip)
+                    self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
                 self._layer_saves = []
             return
         for spec in filter(None, (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves)):
@@ -570,7 +559,7 @@ class ConnectorWorker(Side):
                 K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
             except Exception:
                 log.exception("lmcache: gathering %s failed", spec.req_id)
-                self.engine.release(self._prompt(spec), extra=spec.extra, upto=skip)
+                self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
                 continue
             self._finish_save(spec, dev_buf, skip)
 
