@@ -24,6 +24,7 @@ COPY plugins /src/plugins
 COPY kernels /src/kernels
 COPY cli /src/cli
 COPY benchmarks /src/benchmarks
+COPY demos /src/demos
 RUN /opt/build/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation \
         --wheel-dir /dist /src
 

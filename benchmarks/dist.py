@@ -106,7 +106,7 @@ def _pct(sorted_s: list[float]) -> dict[str, float]:
 
 
 def _machine() -> dict[str, Any]:
-    from .harness import machine_info, warn_if_busy  # lazy: cli.bench imports this module
+    from .harness import machine_info, warn_if_busy  # lazy: benchmarks.commands imports this module
 
     m = machine_info()
     warn_if_busy(m)

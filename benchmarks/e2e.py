@@ -103,7 +103,7 @@ def run(
     TransformersConnector = connector("transformers")  # through the plugin registries
     kv_spec_of = TransformersConnector.kv_spec_of
 
-    from .demo import demo_config, prose_ids
+    from .handbook import demo_config, prose_ids
 
     def say(msg: str) -> None:
         if progress is not None:
@@ -386,12 +386,12 @@ def main(
     as_json: bool = False,
     plot_path: Path | None = None,
 ) -> None:
-    """``lmcache bench e2e`` (its options are declared in :mod:`lmcache.cli.bench`, which calls this)."""
+    """``lmcache bench e2e`` (its options are declared in :mod:`lmcache.benchmarks.commands`, which calls this)."""
     from lmcache import connector
 
     kv_spec_of = connector("transformers").kv_spec_of
 
-    from .demo import MODEL_KEY, demo_config, load_model, warm_up
+    from .handbook import MODEL_KEY, demo_config, load_model, warm_up
 
     ls = parse_lengths(lengths)
     memcpy_bytes = size_option(memcpy_size, "--memcpy-size", auto=False) or (256 << 20)
@@ -527,7 +527,7 @@ def bench_text_path() -> Path:
 
 
 def _qa_doc_ids(tok: Any, user: int, n: int, seed: int) -> list[int]:
-    from .demo import prose_ids
+    from .handbook import prose_ids
 
     head = _qa_encode(tok, "<|im_start|>user\nHere is my document:\n\n")
     tail = _qa_encode(tok, "<|im_end|>\n")
@@ -618,7 +618,7 @@ def qa_run(
     from lmcache.engine import CacheEngine
     from lmcache.plugins.connectors.hf import TransformersConnector, _cache_of, kv_spec_of
 
-    from .demo import demo_config
+    from .handbook import demo_config
 
     cfg = demo_config(
         chunk_size,
@@ -885,7 +885,7 @@ def qa_main(
 
     kv_spec_of = connector("transformers").kv_spec_of
 
-    from .demo import MODEL_KEY, demo_config, load_model, warm_up
+    from .handbook import MODEL_KEY, demo_config, load_model, warm_up
 
     base = QA_QUICK if quick else QA_DEFAULTS
     users = users or base["users"]

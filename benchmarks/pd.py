@@ -873,7 +873,7 @@ def build_prompts(tok: Any, n: int, tokens: int, seed: int, kind: str = "random"
                 text = tok.decode(re_ids[:tokens])
             out.append(text)
     elif kind == "handbook":
-        from .demo import handbook_text
+        from .handbook import handbook_text
 
         for i in range(n):
             sections = 4

@@ -49,7 +49,7 @@ GOALS = {"hit_rate": 0.80, "prefix_hit_rate_below": 0.50, "top1": 0.97, "greedy_
 
 def _prompts(tok: Any, workload: str, window: int, steps: int, seed: int) -> list[tuple[list[int], list[int]]]:
     """``steps + 1`` (prompt, held-out) pairs; the first only fills the cache."""
-    from .demo import prose_ids
+    from .handbook import prose_ids
 
     system = tok(SYSTEM)["input_ids"]
     stride = max(window // 8, 1)  # new tokens per step: an eighth of the window
@@ -241,8 +241,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 def main(workloads: list[str], windows: list[int], modes: list[str], steps: int, chunk_size: int, seed: int,
          threads: int | None, as_json: bool, plot_path: Path | None) -> None:
-    """``lmcache bench truncation`` (options in :mod:`lmcache.cli.bench`)."""
-    from .demo import MODEL_KEY, load_model, warm_up
+    """``lmcache bench truncation`` (options in :mod:`lmcache.benchmarks.commands`)."""
+    from .handbook import MODEL_KEY, load_model, warm_up
 
     harness.need_pyplot(plot_path)
     harness.set_threads(threads)

@@ -135,7 +135,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 def main(workloads: list[str], windows: list[int], modes: list[str], steps: int, chunk_size: int, seed: int,
          threads: int | None, vllm_venv: Path | None, as_json: bool) -> None:
-    """``lmcache bench truncation --engine vllm`` (options in :mod:`lmcache.cli.bench`)."""
+    """``lmcache bench truncation --engine vllm`` (options in :mod:`lmcache.benchmarks.commands`)."""
     import tempfile
 
     from transformers import AutoTokenizer

@@ -102,7 +102,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 # --------------------------------------------------------------------------- workload
 def documents(tokenizer: Any, docs: int, doc_tokens: int) -> list[str]:
     """``docs`` handbooks of at least ``doc_tokens`` tokens each (different seeds)."""
-    from .demo import handbook_text, key_facts
+    from .handbook import handbook_text, key_facts
 
     out_docs = []
     for d in range(docs):
@@ -119,7 +119,7 @@ def documents(tokenizer: Any, docs: int, doc_tokens: int) -> list[str]:
 
 
 def questions() -> list[str]:
-    from .demo import key_facts
+    from .handbook import key_facts
 
     return [f.question for f in key_facts(0)]
 

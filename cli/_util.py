@@ -1,7 +1,7 @@
 """Shared pieces of the ``lmcache`` command: consoles, error handling, option parsing.
 
 Data goes to stdout (``out``), diagnostics and progress to stderr (``err``); those two and
-``print_json``/``size_option`` live in :mod:`lmcache.benchmarks.harness`, shared with the benchmarks. Errors that
+``print_json``/``size_option`` live in :mod:`lmcache.cli.console`, shared with the benchmarks and demos. Errors that
 lmcache raises on purpose (:class:`lmcache.errors.LMCacheError`), usage errors and
 operating-system errors print one line and exit non-zero; ``LMCACHE_DEBUG=1`` shows the
 traceback instead.
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
-from lmcache.benchmarks.harness import err, need_pyplot, out, print_json, pyplot, size_option  # noqa: F401 (shared)
+from .console import err, need_pyplot, out, print_json, pyplot, size_option  # noqa: F401 (shared)
 from lmcache.errors import LMCacheError
 from lmcache.redact import redact_text
 from lmcache.units import parse_duration

@@ -1,8 +1,11 @@
 """The ``lmcache`` command.
 
-One module per command group, joined here with ``add_typer``. Data goes to stdout and
-diagnostics to stderr; known errors print one line (``lmcache: error: ...``) and exit
-non-zero, with the traceback only when ``LMCACHE_DEBUG=1``.
+One module per command group, joined here with ``add_typer``; more commands plug in as
+entry points of the group ``lmcache.commands`` (:mod:`lmcache.cli.plugged`): ``bench``
+(:mod:`lmcache.benchmarks.commands`) and ``demo`` (:mod:`lmcache.demos.commands`) among
+them, so that the command imports neither the benchmarks nor the demos. Data goes to
+stdout and diagnostics to stderr; known errors print one line (``lmcache: error: ...``)
+and exit non-zero, with the traceback only when ``LMCACHE_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -12,20 +15,19 @@ from typing import Annotated
 
 import typer
 
-from . import (bench, compress_cmd, config_cmd, controller_cmd, dashboard_cmd, demo, evict_cmd, ls_cmd, pin_cmd,
-               plugin_cmd, plugins_cmd, server_cmd, stats_cmd, tiers_cmd)
-from ._util import LMCacheGroup, print_json
+from . import (compress_cmd, config_cmd, controller_cmd, dashboard_cmd, evict_cmd, ls_cmd, pin_cmd, plugin_cmd,
+               plugins_cmd, server_cmd, stats_cmd, tiers_cmd)
+from ._util import print_json
+from .plugged import RootGroup
 
 app = typer.Typer(
-    cls=LMCacheGroup,
+    cls=RootGroup,
     name="lmcache",
     help="lmcache: a KV-cache layer for LLM inference.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
 )
-app.add_typer(demo.app)
-app.add_typer(bench.app, name="bench")
 app.add_typer(plugins_cmd.app)
 app.add_typer(plugin_cmd.app, name="plugin")
 app.add_typer(tiers_cmd.app)

@@ -1,5 +1,7 @@
 """The package's shape: test tooling stays out of the core, no import circles, and imports
-that run one way: ``lmcache.cli`` -> ``lmcache.benchmarks`` -> the core."""
+that run one way: ``lmcache.demos`` -> ``lmcache.benchmarks`` -> ``lmcache.cli.console`` ->
+the core. The command (``lmcache.cli``) imports neither the benchmarks nor the demos: they
+plug into it as entry points of the group ``lmcache.commands``."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: folders of the core, as installed (pyproject's package-dir)
 CORE = {"lmcache": ROOT / "lmcache", "lmcache.backends": ROOT / "backends", "lmcache.plugins": ROOT / "plugins",
         "lmcache.kernels": ROOT / "kernels"}
-#: the front: the command and the benchmarks/demos it runs (their .py files; benchmarks/
-#: also holds plain scripts in subfolders, e.g. compare/lmcache_ref.py, that are no modules)
-FRONT = {"lmcache.cli": ROOT / "cli", "lmcache.benchmarks": ROOT / "benchmarks"}
+#: the front: the command and the benchmarks and demos plugged into it (their .py files;
+#: benchmarks/ also holds plain scripts in subfolders, e.g. compare/lmcache_ref.py, that are
+#: no modules)
+FRONT = {"lmcache.cli": ROOT / "cli", "lmcache.benchmarks": ROOT / "benchmarks", "lmcache.demos": ROOT / "demos"}
 
 
 def _modules(folders: dict[str, Path] | None = None) -> dict[str, Path]:
@@ -113,19 +116,42 @@ def test_no_import_circles_in_the_cli_and_benchmarks():
     assert not circles, circles
 
 
-def test_imports_run_one_way_cli_then_benchmarks_then_core():
-    """The core imports neither the command nor the benchmarks, and the benchmarks never
-    import the command (``cli -> benchmarks -> lmcache``)."""
+def _room(name: str) -> str:
+    return next((r for r in ("lmcache.cli", "lmcache.benchmarks", "lmcache.demos") if name.startswith(r)), "core")
+
+
+#: who may import whom across rooms (a room always imports itself)
+MAY_IMPORT = {
+    "core": set(),
+    "lmcache.cli": {"core"},
+    "lmcache.benchmarks": {"core", "lmcache.cli.console"},
+    "lmcache.demos": {"core", "lmcache.cli.console", "lmcache.benchmarks"},
+}
+
+
+def test_imports_run_one_way_demos_then_benchmarks_then_the_commands_console_then_core():
+    """The core imports none of the front; the command imports neither the benchmarks nor
+    the demos; the benchmarks import no demo, and of the command only its console."""
     core, front = _modules(), _modules(FRONT)
     both = {**core, **front}
-    offenders = sorted(
-        f"{name} imports {dep}"
-        for name, path in both.items()
-        for dep in _imports(name, path, both)
-        if (name in core and dep in front)
-        or (name.startswith("lmcache.benchmarks") and dep.startswith("lmcache.cli"))
-    )
-    assert not offenders, offenders
+    offenders = []
+    for name, path in both.items():
+        room = _room(name)
+        for dep in _imports(name, path, both, type_only=True):
+            dep_room = _room(dep)
+            if dep_room != room and dep_room not in MAY_IMPORT[room] and dep not in MAY_IMPORT[room]:
+                offenders.append(f"{name} imports {dep}")
+    assert not sorted(offenders), sorted(offenders)
+
+
+def test_the_benchmarks_and_demos_plug_into_the_command_by_entry_point():
+    """``lmcache bench`` and ``lmcache demo`` are the entry points the package declares in
+    the group ``lmcache.commands``, the same way a third-party package adds a command."""
+    from lmcache.cli.plugged import entry_points
+
+    eps = entry_points()
+    assert {n: eps[n].value for n in ("bench", "demo")} == {
+        "bench": "lmcache.benchmarks.commands:app", "demo": "lmcache.demos.commands:app"}
 
 
 def test_every_error_lmcache_defines_is_an_lmcache_error():

@@ -23,13 +23,8 @@ HANG = 300.0  # a generous guard on the whole run, not a timing assertion
 
 
 def _command() -> list[str]:
-    """``lmcache demo distributed`` once it is registered; until then the module's own app."""
-    from lmcache.cli import demo
-
-    names = {c.name for c in demo.app.registered_commands}
-    if "distributed" in names:
-        return [sys.executable, "-m", "lmcache.cli.main", "demo", "distributed"]
-    return [sys.executable, "-m", "lmcache.benchmarks.demo_distributed"]
+    """``lmcache demo distributed``, as users run it."""
+    return [sys.executable, "-m", "lmcache.cli.main", "demo", "distributed"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +92,7 @@ def test_the_killed_instance_is_gone(run):
 
 def test_an_instance_that_cannot_start_is_an_error_not_a_hang(tmp_path):
     """A broken instance (here: its spec file is missing) is reported with its log, promptly."""
-    from lmcache.benchmarks.demo_distributed import Instance
+    from lmcache.demos.distributed import Instance
     from lmcache.errors import LMCacheError
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
@@ -112,7 +107,7 @@ def test_an_instance_that_cannot_start_is_an_error_not_a_hang(tmp_path):
 
 
 def test_instance_roles():
-    from lmcache.benchmarks.demo_distributed import DECODE, PEER, PREFILL, instance_config
+    from lmcache.demos.distributed import DECODE, PEER, PREFILL, instance_config
 
     cfgs = {i: instance_config(i, "http://127.0.0.1:1", "c", "p", "a", 256, 0.5, "256MiB") for i in (PREFILL, DECODE, PEER)}
     assert [c["p2p"]["fetch"] for c in cfgs.values()] == [True, False, True]  # decode gets only what is pushed

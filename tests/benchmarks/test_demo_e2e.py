@@ -13,7 +13,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from lmcache.benchmarks import demo as demo_cli
+from lmcache.benchmarks import handbook as demo_cli
 from lmcache.cli.main import app
 from lmcache.errors import MissingDependencyError
 

@@ -226,10 +226,15 @@ def test_help(args):
 
 
 def _command_paths(cmd, path=()):
-    """Every command and group under ``cmd`` (hidden ones too), as argument paths."""
+    """Every command and group under ``cmd`` (hidden ones and those plugged in by entry
+    points too, as the group lists them), as argument paths."""
+    import typer
+
     yield path
-    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
-        yield from _command_paths(sub, (*path, name))
+    if hasattr(cmd, "list_commands"):
+        ctx = typer.Context(cmd)
+        for name in sorted(cmd.list_commands(ctx)):
+            yield from _command_paths(cmd.get_command(ctx, name), (*path, name))
 
 
 def test_every_commands_help_renders():

@@ -58,7 +58,7 @@ def model():
 
 def prompts(seed: int, questions: int = 2) -> list[str]:
     """Questions about one handbook: they share the document (several 256-token chunks)."""
-    from lmcache.benchmarks.demo import handbook_text, key_facts
+    from lmcache.benchmarks.handbook import handbook_text, key_facts
 
     facts = key_facts(seed)
     doc = handbook_text(DOC_SECTIONS, seed, facts)
@@ -332,7 +332,7 @@ def test_shifted_reuse_of_a_truncated_prompt(vllm_bin, model, tmp_path):
     (a sliding window) loads the chunks the longer prompt computed, re-rotated (vLLM
     reports them as external hits), what it computes on them is stored apart, and an exact
     repeat of the longer prompt still answers exactly as its first run."""
-    from lmcache.benchmarks.demo import handbook_text, key_facts
+    from lmcache.benchmarks.handbook import handbook_text, key_facts
 
     api = free_port()
     kv = lmcache_cfg(tmp_path, [{"backend": "cpu", "capacity": "256MiB"}], chunk_size=64,

@@ -48,7 +48,7 @@ REQUEST_BYTES = 40 << 20  # one ~850-token prompt's KV in SmolLM2-135M fp32 is ~
 
 
 def prompts(seed: int, questions: int, sections: int = 14) -> list[str]:
-    from lmcache.benchmarks.demo import handbook_text, key_facts
+    from lmcache.benchmarks.handbook import handbook_text, key_facts
 
     facts = key_facts(seed)
     doc = handbook_text(sections, seed, facts)

@@ -31,7 +31,7 @@ SEEDS = (1, 2)
 
 def questions(seed: int) -> list[str]:
     """Two questions about one handbook (about 600 tokens: two whole 256-token chunks and more)."""
-    from lmcache.benchmarks.demo import handbook_text, key_facts
+    from lmcache.benchmarks.handbook import handbook_text, key_facts
 
     facts = key_facts(seed)
     doc = handbook_text(14, seed, facts)

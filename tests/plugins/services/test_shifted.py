@@ -29,7 +29,7 @@ def _engine(model, approx=True, recompute=0.15, **extra):
 
 @pytest.fixture(scope="module")
 def texts(smollm2):
-    from lmcache.benchmarks.demo import prose_ids
+    from lmcache.benchmarks.handbook import prose_ids
 
     model, tok = smollm2
     system = tok("You are a careful reader. Answer from the text.\n")["input_ids"]

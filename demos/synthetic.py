@@ -8,8 +8,8 @@ tier, as a restarted server would, and retrieves everything again. Throughput of
 tier is put next to memcpy and raw file I/O measured in the same run.
 
 No model is involved: this is the storage path alone, at a realistic KV size. The real
-model demo is ``lmcache demo`` (:mod:`lmcache.benchmarks.demo`), which registers this function
-as its ``synthetic`` subcommand.
+model demo is ``lmcache demo`` (:mod:`lmcache.demos.model`); :mod:`lmcache.demos.commands`
+registers this function as its ``synthetic`` subcommand.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from rich.table import Table
 
 from lmcache.units import format_size
 
-from . import harness, tiers
-from .harness import err, out, size_option
+from lmcache.benchmarks import harness, tiers
+from lmcache.benchmarks.harness import err, out, size_option
 
 def _tiers_text(tiers: dict[str, int]) -> str:
     return " + ".join(f"{name} x{n}" for name, n in tiers.items()) or "-"
@@ -140,12 +140,9 @@ def _intro(o, wl: tiers.Workload, cpu_cap: int, disk_cap: int, wd: harness.WorkD
     )
     where = f"{wd.path / 'kv'}" + (" (temporary)" if wd.temporary else "")
     t.add_row("tiers", f"cpu {format_size(cpu_cap)} -> disk {format_size(disk_cap)} at {where}, write-through")
-    gpu = machine.get("gpu") or "no GPU"
     t.add_row(
         "machine",
-        f"{machine['cpus_usable']} CPUs ({machine.get('cpu_model') or machine['machine']}), "
-        f"{format_size(machine['memory_bytes'] or 0)} RAM, {gpu}, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), "
+        f"{harness.machine_text(machine, ram=True)}, "
         f"filesystem {machine.get('filesystem') or '?'}, load average {machine.get('load_average_1m') or 0:.2f}",
     )
     o.print(t)

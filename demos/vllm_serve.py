@@ -21,7 +21,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
-from .harness import out
+from lmcache.benchmarks.harness import out
 
 CHUNK = 256
 
@@ -41,9 +41,9 @@ def demo_vllm_cmd(
 
     from lmcache.plugins.connectors.hf_models import smollm2_checkpoint
 
-    from .harness import open_work_dir
-    from .demo import build_document
-    from .vllm_live import VllmServer, find_vllm, lmcache_kv_config
+    from lmcache.benchmarks.harness import open_work_dir
+    from lmcache.benchmarks.handbook import build_document
+    from lmcache.benchmarks.vllm_live import VllmServer, find_vllm, lmcache_kv_config
 
     o = out()
     vllm = find_vllm(vllm_venv).parent.parent

@@ -5,7 +5,7 @@ Why real processes: what the walk-through shows (a router's lookup, a peer fetch
 skips a prefill, a prefill -> decode push, a move, an instance dying) only means
 something across process boundaries, so every piece runs as a user would run it: the
 controller is ``lmcache controller serve``; each instance is its own Python process
-(this module run as ``python -m lmcache.benchmarks.demo_distributed instance SPEC``) loading
+(this module run as ``python -m lmcache.demos.distributed instance SPEC``) loading
 SmolLM2-135M-Instruct on the CPU with the transformers connector over a
 :class:`~lmcache.engine.CacheEngine` that has a CPU tier, the instance API, a peer
 endpoint and a controller worker; and every operator step is the real ``lmcache
@@ -46,7 +46,7 @@ import typer
 
 from lmcache.errors import LMCacheError
 
-from .harness import child_procs, err, out
+from lmcache.benchmarks.harness import child_procs, err, out
 
 PREFILL, DECODE, PEER = "prefill-a", "decode-b", "peer-c"
 ROLES = (PREFILL, DECODE, PEER)
@@ -59,7 +59,7 @@ def instance_config(iid: str, ctl_url: str, ctl_token: str, p2p_token: str, api_
                     heartbeat: float, cpu_capacity: str) -> dict[str, Any]:
     """One instance's engine config: a CPU tier, the instance API, a peer endpoint and
     the controller worker, all on loopback with tokens."""
-    from .demo import MODEL_KEY
+    from lmcache.benchmarks.handbook import MODEL_KEY
 
     return {
         "chunk_size": chunk_size,
@@ -92,7 +92,7 @@ def instance_main(spec_path: str) -> None:
     TransformersConnector = connector("transformers")  # through the plugin registries
     kv_spec_of = TransformersConnector.kv_spec_of
 
-    from .demo import build_document, load_model, warm_up
+    from lmcache.benchmarks.handbook import build_document, load_model, warm_up
 
     model, tok, info = load_model(None)
     warm_up(model, tok, spec["doc_tokens"])
@@ -142,7 +142,7 @@ class Instance:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.benchmarks.demo_distributed", "instance", str(spec_path)],
+            [sys.executable, "-m", "lmcache.demos.distributed", "instance", str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -267,7 +267,6 @@ def _answer_line(w: Walk, who: str, a: dict[str, Any], expected: str) -> None:
 
 def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: dict[str, Instance],
                  max_new_tokens: int, instance_timeout: float) -> None:
-    from lmcache.plugins.services.api_client import ApiClient
     from lmcache.controller.client import ControllerClient
 
     client = ControllerClient(ctl_url, ctl_token, 10.0)
@@ -290,7 +289,15 @@ def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: d
     w.say()
     w.say(f"Prompt 1: a staff handbook (seed 0) + {p1['question']!r}: {len(ids1):,} tokens, saved as {f1}")
     w.say(f"Prompt 2: another handbook (seed 1) + {p2['question']!r}: {len(ids2):,} tokens, saved as {f2}")
+    _steps_1_to_3(w, client, ctl_url, a, c, p1, f1, max_new_tokens)
+    _step_4_push(w, a, b, p2, api_token, max_new_tokens)
+    _step_5_move(w, client, ctl_url, p2, f2)
+    _step_6_kill(w, client, ctl_url, a, (p1, f1), (p2, f2), instance_timeout)
 
+
+def _steps_1_to_3(w: Walk, client: Any, ctl_url: str, a: Instance, c: Instance, p1: dict[str, Any], f1: Path,
+                  max_new_tokens: int) -> None:
+    ids1 = p1["ids"]
     # 1 ------------------------------------------------------------------
     w.step(1, f"prompt 1 on {PREFILL}: nothing is cached anywhere, a full prefill")
     r1 = a.call(op="ask", tokens=ids1, max_new_tokens=max_new_tokens)
@@ -316,6 +323,11 @@ def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: d
             r3["cached_tokens"] == len(ids1) - 1 and p2p["fetched_chunks"] > 0)
     w.check(f"{PEER}'s answer is identical to {PREFILL}'s full-prefill answer", r3["tokens"] == r1["tokens"])
 
+
+def _step_4_push(w: Walk, a: Instance, b: Instance, p2: dict[str, Any], api_token: str, max_new_tokens: int) -> None:
+    from lmcache.plugins.services.api_client import ApiClient
+
+    ids2 = p2["ids"]
     # 4 ------------------------------------------------------------------
     w.step(4, f"prefill -> decode: {PREFILL} prefills prompt 2 and pushes its KV to {DECODE}")
     r4a = a.call(op="ask", tokens=ids2, max_new_tokens=1)
@@ -342,6 +354,9 @@ def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: d
             r4["cached_tokens"] == len(ids2) - 1 and r4["p2p"]["fetched_chunks"] == before["fetched_chunks"])
     w.check(f"{DECODE}'s answer is identical to its answer without lmcache", r4["tokens"] == base["tokens"])
 
+
+def _step_5_move(w: Walk, client: Any, ctl_url: str, p2: dict[str, Any], f2: Path) -> None:
+    ids2 = p2["ids"]
     # 5 ------------------------------------------------------------------
     w.step(5, f"the operator moves prompt 2 from {DECODE}'s cpu tier to {PEER}'s")
     p = w.cli("controller", "move", DECODE, "cpu", PEER, "cpu", "--tokens-file", f2, "--remove-source", "--url", ctl_url)
@@ -359,6 +374,11 @@ def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: d
     h = _holders(client, ids2)
     w.check(f"lookup lists {PEER} holding prompt 2, and no longer {DECODE}", h.get(PEER) == len(ids2) and DECODE not in h)
 
+
+def _step_6_kill(w: Walk, client: Any, ctl_url: str, a: Instance, one: tuple[dict[str, Any], Path],
+                 two: tuple[dict[str, Any], Path], instance_timeout: float) -> None:
+    (p1, f1), (p2, f2) = one, two
+    ids1, ids2 = p1["ids"], p2["ids"]
     # 6 ------------------------------------------------------------------
     w.step(6, f"{PREFILL} dies (SIGKILL): the controller stops routing to it")
     a.proc.send_signal(signal.SIGKILL)
@@ -383,6 +403,16 @@ def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: d
 
 
 # ============================================================================ the command
+def _show_config(w: Walk, ctl_url: str, chunk_size: int, heartbeat: float) -> None:
+    import yaml
+
+    masked = json.loads(json.dumps(instance_config(PEER, ctl_url, "***", "***", "***", chunk_size, heartbeat, "256MiB")))
+    w.say()
+    w.say(f"Each instance is a process loading the model, with this lmcache config ({PEER}'s; "
+          f"{PREFILL} differs only in instance_id, {DECODE} also has p2p.fetch: false; tokens masked):")
+    w.say(yaml.safe_dump(masked, sort_keys=False, default_flow_style=None).rstrip())
+
+
 def distributed_cmd(
     doc_tokens: Annotated[int, typer.Option("--doc-tokens", min=64, help="Tokens of each prompt's handbook, rounded to whole chunks.")] = 1536,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest answer, in tokens (greedy).")] = 8,
@@ -395,8 +425,6 @@ def distributed_cmd(
     """A 3-instance walk-through with the real model on loopback: a controller, a prefill, a
     decode and a peer instance; lookup, P2P fetch, prefill->decode push, move, and an
     instance dying. Each step prints the real command and its output."""
-    import yaml
-
     started = time.perf_counter()
     o, e = out(), err()
     work = Path(tempfile.mkdtemp(prefix="lmcache-demo-dist-"))
@@ -435,11 +463,7 @@ def distributed_cmd(
             spec.write_text(json.dumps({"config": cfg, "doc_tokens": doc_tokens, "chunk_size": chunk_size,
                                         "threads": threads}))
             insts[iid] = Instance(iid, spec, work / f"{iid}.log", env)
-        masked = json.loads(json.dumps(instance_config(PEER, ctl_url, "***", "***", "***", chunk_size, heartbeat, "256MiB")))
-        w.say()
-        w.say(f"Each instance is a process loading the model, with this lmcache config ({PEER}'s; "
-              f"{PREFILL} differs only in instance_id, {DECODE} also has p2p.fetch: false; tokens masked):")
-        w.say(yaml.safe_dump(masked, sort_keys=False, default_flow_style=None).rstrip())
+        _show_config(w, ctl_url, chunk_size, heartbeat)
         with e.status("three instances load the model ..."):
             for iid, inst in insts.items():
                 inst.info = inst.reply(HANG)
@@ -457,14 +481,19 @@ def distributed_cmd(
         keep = keep or bool(failed or bad)  # the instance logs say why
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    seconds = time.perf_counter() - started
+    _verdict(w, failed, bad, time.perf_counter() - started, work, keep)
+
+
+def _verdict(w: Walk, failed: str | None, bad: list[str], seconds: float, work: Path, keep: bool) -> None:
+    """PASS, or FAIL with why (exit 1)."""
+    o = out()
     o.print()
     if failed or bad or not w.checks:
         why = failed or ("; ".join(bad) if bad else "no checks ran")
         o.print(f"[bold red]FAIL[/]: {why} ({len(w.checks) - len(bad)}/{len(w.checks)} checks passed, {seconds:.0f} s)",
                 soft_wrap=True)
-        e.print(f"lmcache demo distributed: {why} (configs and instance logs kept in {work})",
-                markup=False, soft_wrap=True)
+        err().print(f"lmcache demo distributed: {why} (configs and instance logs kept in {work})",
+                    markup=False, soft_wrap=True)
         raise typer.Exit(1)
     o.print(f"[bold green]PASS[/]: all {len(w.checks)} checks passed ({seconds:.0f} s in all)."
             + (f" Work directory: {work}" if keep else ""), soft_wrap=True)

@@ -1,5 +1,6 @@
-"""``lmcache demo``: the typer group of the demos in :mod:`lmcache.benchmarks` (the model
-demo :mod:`~lmcache.benchmarks.demo`, ``synthetic``, ``distributed`` and ``vllm``).
+"""``lmcache demo``: the typer group of the demos in :mod:`lmcache.demos` (the model demo
+:mod:`~lmcache.demos.model`, ``synthetic``, ``distributed`` and ``vllm``). It plugs into
+the command as the entry point ``demo`` of the group ``lmcache.commands``.
 
 The demo modules import the model, transformers and vLLM only inside their functions, so
 ``lmcache --help`` stays fast.
@@ -12,9 +13,13 @@ from typing import Annotated
 
 import typer
 
-from lmcache.benchmarks import demo as impl  # its top imports no model: transformers load inside its functions
-from lmcache.benchmarks import demo_distributed, demo_synthetic, demo_vllm
+from lmcache.benchmarks.handbook import MAX_QUESTIONS, NUM_KEY_FACTS
 from lmcache.benchmarks.tiers import Dir, MemcpySize, Threads
+
+from . import distributed as demo_distributed
+from . import model as impl  # its top imports no model: transformers load inside its functions
+from . import synthetic as demo_synthetic
+from . import vllm_serve as demo_vllm
 
 
 app = typer.Typer(
@@ -31,7 +36,7 @@ app.command("vllm")(demo_vllm.demo_vllm_cmd)
 # --------------------------------------------------------------------------- options
 
 Questions = Annotated[
-    int, typer.Option("--questions", min=1, max=impl.MAX_QUESTIONS, help="Questions asked in the first process (the first one is the cold prefill).")
+    int, typer.Option("--questions", min=1, max=MAX_QUESTIONS, help="Questions asked in the first process (the first one is the cold prefill).")
 ]
 DocTokens = Annotated[
     int,
@@ -73,7 +78,7 @@ def demo(
 @app.command("restart-check", hidden=True)
 def restart_check_cmd(
     directory: Annotated[Path, typer.Option("--dir")],
-    fact: Annotated[int, typer.Option("--fact", min=1, max=impl.NUM_KEY_FACTS)],
+    fact: Annotated[int, typer.Option("--fact", min=1, max=NUM_KEY_FACTS)],
     disk_capacity: Annotated[int, typer.Option("--disk-capacity", min=1)],
     doc_tokens: DocTokens = 3072,
     chunk_size: ChunkSize = 256,

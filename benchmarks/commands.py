@@ -1,4 +1,5 @@
-"""``lmcache bench``: the typer group of the benchmarks in :mod:`lmcache.benchmarks`.
+"""``lmcache bench``: the typer group of the benchmarks in :mod:`lmcache.benchmarks`; it
+plugs into the command as the entry point ``bench`` of the group ``lmcache.commands``.
 
 Each command parses its options and calls one benchmark module, imported inside the
 command so that ``lmcache --help`` stays fast: ``tiers`` (:mod:`lmcache.benchmarks.tiers`,
