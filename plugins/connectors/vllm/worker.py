@@ -2,10 +2,10 @@
 engine (:mod:`.registry`), whose ``lookup`` service answers the scheduler.
 
 :meth:`ConnectorWorker.register_kv_caches` detects the layout of vLLM's per-layer tensors
-from their shapes (:mod:`.layout`); loads (:meth:`ConnectorWorker._load_bulk`) scatter each
-chunk from the engine's memory pool into the paged blocks with :mod:`lmcache.kernels`
-through slot mappings built from block ids (:meth:`ConnectorWorker._load_direct`; MLA and
-shifted reuse through a staging buffer); saves gather and store
+from their shapes (:mod:`.layout`); every load (:meth:`ConnectorWorker.load`) retrieves into
+one of the sinks of :mod:`.load_sinks` (each chunk from the engine's memory pool into the
+paged blocks with :mod:`lmcache.kernels` through slot mappings built from block ids; MLA,
+vLLM's CPU layout and shifted reuse through a staging buffer; layer by layer); saves gather and store
 (:meth:`ConnectorWorker._prepare_save`, :meth:`ConnectorWorker._finish_save`). A load that
 returns fewer tokens than promised reports the affected blocks through
 :meth:`ConnectorWorker.get_block_ids_with_load_errors`, so vLLM recomputes them.
@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,9 +36,9 @@ from .blocks import BlockEntries, block_entries_layout, packed_rows, savable
 from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_BHNC, VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
+from .load_sinks import Blocks, Direct, Layerwise, LoadSink, Staged
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
 from .pd import PDWorker, receiver_port
-from .shifted_load import load_shifted
 from .registry import acquire_engine, add_worker, release_engine, remove_worker
 
 if TYPE_CHECKING:
@@ -255,33 +255,33 @@ class ConnectorWorker(Side):
         slots[:valid] = _slots(spec.block_ids, self.block_size, valid)
         return slots
 
-    def _load_bulk(self, spec: LoadSpec, role: str = "load") -> int:
-        """Retrieve and scatter one load; the number of tokens loaded.
-
-        Each chunk is scattered from the engine's memory pool straight into the paged
-        blocks as it is ready (``retrieve(into=...)``): one copy. MLA (the kernels read
-        its latent halves in another order than the engine stores them) and shifted
-        reuse (it re-rotates the keys in a buffer) go through a staging buffer, and so
-        does vLLM's CPU attention backend (:meth:`_per_chunk`)."""
+    def load(self, spec: LoadSpec, role: str | None = "load") -> int:
+        """Load one request into its paged blocks; the number of tokens loaded. Every load
+        goes one way (:mod:`.load_sinks`): the PD pull where the request has one, the
+        engine's retrieve into the sink :meth:`_sink` picks (the lookup's pins, taken for
+        the scheduler, end with it), then the sink's finish into the blocks."""
         assert self.engine is not None
         if spec.pull is not None and self._pd is not None:  # PD, vLLM's flow: the prefiller's offer first
             self._pd.pull(spec)
-        if self._block_entries is not None:
-            return self._load_blocks(spec)
-        if self._per_chunk() and not spec.shifted:
-            return self._load_direct(spec)
-        buf, view = self._buffer(len(spec.token_ids), role)
-        ids = spec.keyed(self.engine)
+        sink = self._sink(spec, role)
+        keys = spec.keyed(self.engine)
         try:
-            got = self.engine.retrieve(ids, out=view, extra=spec.extra).num_tokens
-        finally:  # the lookup's pins (taken for the scheduler) end with the load
-            self.engine.release(ids, extra=spec.extra)
-        if spec.shifted and got == len(ids) and got < spec.load_end:
-            got = self._load_shifted(spec, got, view)
-        if min(got, spec.load_end) > spec.skip:
-            slots = self._load_slots(spec, got)
-            K.scatter(buf.to(self._device()), self._layout, slots, self._layers, spec.skip)
-        return got
+            got = sink.fetch(keys)
+        finally:
+            self.engine.release(keys, extra=spec.extra)
+        return sink.finish(got)
+
+    def _sink(self, spec: LoadSpec, role: str | None) -> LoadSink:
+        """Where this load's chunks go: layer by layer (``use_layerwise``, not on the I/O
+        thread), whole blocks, each chunk straight into the paged blocks, or one staging
+        buffer (MLA, vLLM's CPU attention layout, shifted reuse: :meth:`_per_chunk`)."""
+        if self.layerwise and not spec.is_async:
+            return Layerwise(self, spec)
+        if self._block_entries is not None:
+            return Blocks(self, spec)
+        if self._per_chunk() and not spec.shifted:
+            return Direct(self, spec)
+        return Staged(self, spec, role)
 
     def _per_chunk(self) -> bool:
         """Whether loads and saves move each chunk straight between the pool and the paged
@@ -292,48 +292,6 @@ class ConnectorWorker(Side):
         kept host buffer and one bulk gather or scatter (docs/benchmarks.md, "vLLM")."""
         return not (self.is_mla or self._split)
 
-    def _load_direct(self, spec: LoadSpec) -> int:
-        """:meth:`_load_bulk` without staging: chunk by chunk from the pool into the paged
-        blocks (tokens below ``skip`` are vLLM's already, slots past ``load_end`` are
-        padding; a chunk read after a miss lands in blocks reported failed, so recomputed)."""
-        assert self.engine is not None
-        slots = self._load_slots(spec, spec.load_end)
-        device = self._device()
-        layers = len(self._layers)
-
-        def sink(chunk: Any, kv: torch.Tensor) -> None:
-            if chunk.end <= spec.skip:
-                return
-            buf = kv.view(layers, 1, *kv.shape[2:]) if self._split else kv  # the kernels' chunk form
-            K.scatter(buf.to(device), self._layout, slots[chunk.start : chunk.end], self._layers,
-                      max(0, spec.skip - chunk.start))
-
-        ids = spec.keyed(self.engine)
-        try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
-            return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
-        finally:  # the lookup's pins (taken for the scheduler) end with the load
-            self.engine.release(ids, extra=spec.extra)
-
-    def _load_blocks(self, spec: LoadSpec) -> int:
-        """:meth:`_load_direct` for whole-block entries (:mod:`.blocks`): each block of a chunk is
-        one copy per layer from the pool into the request's block (some left running: retrieve waits)."""
-        assert self.engine is not None and self._block_entries is not None
-        blocks, lo, hi = self._block_entries, spec.skip, spec.load_end
-
-        def sink(chunk: Any, kv: torch.Tensor) -> list[Future]:
-            a, b = max(lo, chunk.start), min(hi, chunk.end)
-            return blocks.load(kv, chunk.start, spec.block_ids, a, b) if a < b else []
-
-        ids = spec.keyed(self.engine)
-        try:  # the scheduler's lookup leased these chunks on this rank: the leases guard the read
-            return self.engine.retrieve(ids, into=sink, extra=spec.extra, leased=True).num_tokens
-        finally:  # the lookup's pins (taken for the scheduler) end with the load
-            self.engine.release(ids, extra=spec.extra)
-
-    def _load_shifted(self, spec: LoadSpec, start: int, view: torch.Tensor) -> int:
-        """Shifted reuse after the exact part (:func:`.shifted_load.load_shifted`)."""
-        return load_shifted(self, spec, start, view)
-
     def _load_async(self, spec: LoadSpec) -> None:
         """One asynchronous load, on the I/O thread: failures are filed before the request
         is reported finished, so vLLM sees them no later than the finish."""
@@ -341,7 +299,7 @@ class ConnectorWorker(Side):
         t0 = time.perf_counter()
         got = 0
         try:
-            got = self._load_bulk(spec, "io")
+            got = self.load(spec, "io")
             if got < spec.load_end:
                 bad = self._bad_blocks(spec, got)
         except Exception:
@@ -380,18 +338,7 @@ class ConnectorWorker(Side):
                 continue
             t0 = time.perf_counter()
             try:
-                if self.layerwise:
-                    assert self.engine is not None
-                    buf, view = self._buffer(len(spec.token_ids))
-                    try:
-                        handle = self.engine.retrieve_layerwise(spec.token_ids, view, extra=spec.extra)
-                    finally:
-                        self.engine.release(spec.token_ids, extra=spec.extra)
-                    got = handle.num_tokens
-                    slots = self._load_slots(spec, got)
-                    self._layer_loads.append((spec, handle, buf, slots))
-                else:
-                    got = self._load_bulk(spec)
+                got = self.load(spec)
                 self._loaded(spec, got, t0)
                 if got < spec.load_end:
                     self._fail(spec, got)
