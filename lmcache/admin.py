@@ -518,9 +518,8 @@ def _recode(t: Tier, keys: Sequence[str], codec: object) -> tuple[list[tuple[str
     evicting others, or the entry is skipped. ``([(key, bytes before, bytes after)],
     [(key, why not)])``."""
     from . import payload
-    from .storage import BytesBackend
 
-    if not isinstance(t.backend, BytesBackend):
+    if not t.backend.supports_bytes:
         raise AdminError(f"tier {t.name!r} ({t.cfg.backend}) does not store encoded bytes; only such tiers can be re-encoded")
     done: list[tuple[str, int, int]] = []
     skipped: list[tuple[str, str]] = []

@@ -35,7 +35,7 @@ import json
 import secrets
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from . import payload
 from .errors import CorruptPayloadError, EntryPathError, PluginError
@@ -79,8 +79,9 @@ def fit(backend: StorageBackend, *, max_value_size: int | None = None, max_key_l
     for label, v, lo in (("max_value_size", value, MIN_VALUE_SIZE), ("max_key_length", key, MIN_KEY_LENGTH)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
             raise PluginError(f"backend {name}: {label} must be None or an integer of at least {lo}, got {v!r}")
-    if not isinstance(backend, BytesBackend):
-        raise PluginError(f"backend {name} declares size limits but is not a BytesBackend; only byte backends are split")
+    if not backend.supports_bytes:
+        raise PluginError(f"backend {name} declares size limits but does not store bytes (supports_bytes is false); "
+                          "only byte backends are split")
     return FittedBackend(backend, value, key)
 
 
@@ -146,12 +147,14 @@ class _Head:
 
 
 class FittedBackend(BytesBackend):
-    """A byte backend seen without its size limits (see the module docstring). Attributes
-    it does not define are the wrapped backend's (``inner``)."""
+    """A byte backend seen without its size limits (see the module docstring). It answers
+    the backend contract and nothing else: what is particular to the wrapped backend is
+    ``inner``'s (no blind delegation of unknown attributes)."""
 
     def __init__(self, inner: BytesBackend, max_value_size: int | None, max_key_length: int | None):
         # not BytesBackend.__init__: the inner backend is open and its options checked
         self.inner = inner
+        self.supports_bytes = inner.supports_bytes
         self.context = inner.context
         self.options = inner.options
         self.integrity = inner.integrity
@@ -164,11 +167,6 @@ class FittedBackend(BytesBackend):
         self._marked = False  # the store holds MARK (it never goes away)
         self._mark_checked = float("-inf")
         self._mark_lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (copying, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"fit({self.inner!r}, max_value_size={self.max_value_size}, max_key_length={self.max_key_length})"

@@ -166,6 +166,11 @@ class StorageBackend:
 
     #: backend-specific config keys and their defaults; unknown keys are config errors
     OPTIONS: ClassVar[Mapping[str, Any]] = {}
+    #: True if the backend stores self-describing payload bytes (:class:`BytesBackend`:
+    #: ``read``/``write``/``delete``/``exists``/``list`` under the object methods): a tier
+    #: can then split values over its size limits (:mod:`lmcache.fit`) and ``lmcache
+    #: compress`` can re-encode its entries. Code asks this, never ``isinstance``.
+    supports_bytes: ClassVar[bool] = False
     #: True if the backend keeps :class:`MemoryObj` references (the CPU tier): a hit is a
     #: reference into the memory pool, not a copy.
     holds_memory_objects: ClassVar[bool] = False
@@ -313,6 +318,8 @@ class BytesBackend(StorageBackend):
     Implement ``read``, ``write``, ``delete``, ``exists`` and ``list``; ``read`` may
     return any bytes-like object.
     """
+
+    supports_bytes: ClassVar[bool] = True
 
     def __init__(self, context: BackendContext):
         super().__init__(context)

@@ -132,7 +132,7 @@ def test_fit_leaves_an_unbounded_backend_as_it_is_and_checks_limits():
     class ObjectsWithLimit(StorageBackend):
         max_value_size = 1 << 20
 
-    with pytest.raises(PluginError, match="is not a BytesBackend"):
+    with pytest.raises(PluginError, match="does not store bytes"):
         fit(ObjectsWithLimit(BackendContext.standalone()))
 
 

@@ -79,7 +79,6 @@ class RealSizeTests:
         entries into; a backend that declares one stores bytes, and takes a value of exactly
         its limit (up to a real chunk's size) under a key of exactly its limit (up to 4 KiB)."""
         from ..fit import MIN_KEY_LENGTH, MIN_VALUE_SIZE
-        from ..storage import BytesBackend
 
         limits = {"max_value_size": (backend.max_value_size, MIN_VALUE_SIZE),
                   "max_key_length": (backend.max_key_length, MIN_KEY_LENGTH)}
@@ -87,7 +86,7 @@ class RealSizeTests:
             assert v is None or (type(v) is int and v >= lo), f"{name} = {v!r}: expected None or an int >= {lo}"
         if backend.max_value_size is None and backend.max_key_length is None:
             return  # unbounded: the real-size tests above hand it everything as it is
-        assert isinstance(backend, BytesBackend), "a backend with size limits must be a BytesBackend"
+        assert backend.supports_bytes, "a backend with size limits must store bytes (supports_bytes)"
         real = math.prod(self.real_chunk_shape) * 2
         value = random.Random(0).randbytes(min(backend.max_value_size or real, real))
         key = _key_of_length(min(backend.max_key_length or 4096, 4096))

@@ -276,8 +276,9 @@ def test_a_non_string_value_under_a_key_is_a_miss_dropped_and_rewritten(kind, st
     with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [tier], "kv_spec": KVSpec(L, H, D, "float32")}) as e:
         e.store(toks, kv_for(toks))
         backend = e.hierarchy.tiers[0].backend
-        raw = backend._conn()
-        second = backend.prefix + e.chunk_keys(toks)[1][1]
+        own = getattr(backend, "inner", backend)  # the Redis backend itself under a size-limit view (lmcache.fit)
+        raw = own._conn()
+        second = own.prefix + e.chunk_keys(toks)[1][1]
         raw.delete(second)
         raw.rpush(second, b"not", b"a", b"payload")
         assert e.lookup(toks) == 16
@@ -306,11 +307,12 @@ def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
         wrong = MemoryPool.allocate_unpooled((L, 2, 16, H, D * 2), torch.float32)  # another head size
         wrong.tensor.zero_()
         data = b"".join(bytes(b) for b in payload.encode(keys[0], wrong, load_codec(REGS.codecs.load, "raw")))
-        raw = redis_tier.backend._conn()
-        raw.set(redis_tier.backend.prefix + keys[0], data)  # valid header and checksums, wrong shape
+        own = getattr(redis_tier.backend, "inner", redis_tier.backend)  # under a size-limit view (lmcache.fit)
+        raw = own._conn()
+        raw.set(own.prefix + keys[0], data)  # valid header and checksums, wrong shape
         assert e.retrieve(toks).num_tokens == 0
         assert keys[0] not in dict(e.hierarchy.tiers[0].keys())  # never promoted into the CPU tier
-        assert raw.exists(redis_tier.backend.prefix + keys[0]) == 0  # and dropped from Redis
+        assert raw.exists(own.prefix + keys[0]) == 0  # and dropped from Redis
         assert e.stats()["tiers"][redis_tier.name]["corrupt"] == 1
 
 
