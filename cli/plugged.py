@@ -58,7 +58,8 @@ def load(name: str, ep: md.EntryPoint) -> Any:
 
 
 class RootGroup(LMCacheGroup):
-    """The root group: lmcache's own commands, then those plugged in by entry points."""
+    """The root group: lmcache's own commands and those plugged in by entry points (listed
+    first, by name); an own command's name is never taken by a plugged one."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
