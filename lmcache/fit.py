@@ -154,7 +154,6 @@ class FittedBackend(BytesBackend):
     def __init__(self, inner: BytesBackend, max_value_size: int | None, max_key_length: int | None):
         # not BytesBackend.__init__: the inner backend is open and its options checked
         self.inner = inner
-        self.supports_bytes = inner.supports_bytes
         self.context = inner.context
         self.options = inner.options
         self.integrity = inner.integrity
