@@ -3,8 +3,9 @@ transfer channel (:mod:`lmcache.transfer`), against a memcpy of the same bytes.
 
 Two processes on this host, each with its own memory pool and transfer endpoint. The
 sender fills ``chunks`` pool objects of ``chunk_mib`` MiB; each pass pushes all of them
-as one request (allocate at the receiver, write, commit into the receiver's sink) and
-then pulls them back the other way (offer, read, release). The baseline is a
+as one request (allocate at the receiver, write, commit into the receiver's sink), pushes
+them again by read (``push_by: read``: the receiver reserves, reads from the sender's pool,
+commits, answers; channels that read one-sidedly only) and then pulls them back the other way (offer, read, release). The baseline is a
 single-threaded ``torch`` copy of the same chunks into other pool objects in the sender
 process, interleaved with the passes (the same load on the machine). Medians of ``passes`` passes (after one warm-up pass that also
 opens the connection and, for NIXL, exchanges agent metadata). Each channel runs with each
@@ -72,6 +73,7 @@ def _peer(channel: str) -> None:
                 d.tensor.copy_(o.tensor)
             r = {"seconds": time.perf_counter() - t0}
         elif op == "push":
+            ep.push_by = cmd.get("by", "write")
             r = ep.push(cmd["url"], cmd["request"], items)
         elif op == "offer":
             r = ep.offer(cmd["request"], items)
@@ -132,11 +134,13 @@ def run(channels: tuple[str, ...] = ("nixl", "tcp"), chunks: int = 32, chunk_mib
             try:
                 tx(op="fill", n=chunks, nbytes=nbytes)
                 rx(op="fill", n=chunks, nbytes=nbytes)
-                mem, push, write, pull = [], [], [], []
+                mem, push, write, pull, fetch = [], [], [], [], []
                 for i in range(passes + 1):  # interleaved, so that each sees the same load
                     m = tx(op="memcpy")["seconds"]
                     r = tx(op="push", url=rx.url, request=f"bench-{i}")
-                    assert r.get("committed") == chunks, r
+                    assert r.get("committed") == chunks and r["by"] == "write", r
+                    f = tx(op="push", url=rx.url, request=f"read-{i}", by="read")
+                    assert f.get("committed") == chunks, f
                     o = rx(op="offer", request=f"back-{i}")
                     q = tx(op="pull", offer=o)
                     assert q.get("committed") == chunks, q
@@ -145,6 +149,8 @@ def run(channels: tuple[str, ...] = ("nixl", "tcp"), chunks: int = 32, chunk_mib
                         push.append(r["seconds"])
                         write.append(r["write_seconds"])
                         pull.append(q["seconds"])
+                        if f["by"] == "read":
+                            fetch.append(f["seconds"])
                 memcpy = statistics.median(mem)
                 idle = []
                 for p in (rx, tx):
@@ -153,9 +159,10 @@ def run(channels: tuple[str, ...] = ("nixl", "tcp"), chunks: int = 32, chunk_mib
                     idle.append(p(op="cpu")["cpu"] - a)
                 row = {"channel": ch + (" +progress thread" if pthread else ""), "verify": v, "bytes": total, "memcpy_s": memcpy,
                        "push_s": statistics.median(push), "push_best_s": min(push), "memcpy_best_s": min(mem), "write_s": statistics.median(write),
-                       "pull_s": statistics.median(pull), "idle_cpu_receiver_s": idle[0], "idle_cpu_sender_s": idle[1]}
-                for k in ("push", "write", "pull"):
-                    row[f"{k}_x_memcpy"] = row[f"{k}_s"] / memcpy
+                       "pull_s": statistics.median(pull),
+                       "push_read_s": statistics.median(fetch) if fetch else None, "idle_cpu_receiver_s": idle[0], "idle_cpu_sender_s": idle[1]}
+                for k in ("push", "write", "pull", "push_read"):
+                    row[f"{k}_x_memcpy"] = row[f"{k}_s"] / memcpy if row[f"{k}_s"] is not None else None
                 rows.append(row)
             finally:
                 rx.close()
@@ -168,17 +175,19 @@ def markdown(rows: list[dict[str, Any]], chunks: int, chunk_mib: float) -> str:
     out = [f"One request: {chunks} chunks of {chunk_mib:g} MiB ({chunks * chunk_mib:g} MiB), sender pool -> receiver "
            f"pool, two processes on this host ({os.cpu_count()} cores, load average {load:.1f} at the end); medians.",
            "",
-           "| channel | checksums | memcpy | push (alloc+write+commit) | write alone | pull (offer->read->release) "
-           "| push best / memcpy best | idle CPU over 2 s (rx / tx) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| channel | checksums | memcpy | push (alloc+write+commit) | write alone | push by read (fetch) "
+           "| pull (offer->read->release) | push best / memcpy best | idle CPU over 2 s (rx / tx) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['channel']} | {r['verify']} | {r['error']} | | | | | |")
+            out.append(f"| {r['channel']} | {r['verify']} | {r['error']} | | | | | | |")
             continue
         ms = lambda s: f"{s * 1000:.1f} ms"  # noqa: E731
         out.append(f"| {r['channel']} | {r['verify']} | {ms(r['memcpy_s'])} "
                    f"| {ms(r['push_s'])} ({r['push_x_memcpy']:.2f}x) | {ms(r['write_s'])} ({r['write_x_memcpy']:.2f}x) "
-                   f"| {ms(r['pull_s'])} ({r['pull_x_memcpy']:.2f}x) "
+                   + (f"| {ms(r['push_read_s'])} ({r['push_read_x_memcpy']:.2f}x) " if r["push_read_s"] is not None
+                      else "| – (no one-sided read) ")
+                   + f"| {ms(r['pull_s'])} ({r['pull_x_memcpy']:.2f}x) "
                    f"| {ms(r['push_best_s'])} / {ms(r['memcpy_best_s'])} ({r['push_best_s'] / r['memcpy_best_s']:.2f}x) "
                    f"| {r['idle_cpu_receiver_s'] * 1000:.1f} / {r['idle_cpu_sender_s'] * 1000:.1f} ms |")
     return "\n".join(out) + "\n"

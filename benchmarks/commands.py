@@ -290,7 +290,7 @@ def channel_cmd(
 
 @app.command("pd")
 def pd_cmd(
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: alone (one vllm serve, no connector: the reference outputs), vllm-nixl (vLLM's NixlConnector 1P1D behind vLLM's toy proxy), lmcache-nixl, lmcache-tcp (lmcache's connector as PD sender/receiver behind LMCache's disagg proxy).")] = "alone,vllm-nixl,lmcache-nixl,lmcache-tcp",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: alone (one vllm serve, no connector: the reference outputs), vllm-nixl (vLLM's NixlConnector 1P1D behind vLLM's toy proxy), lmcache-nixl, lmcache-tcp (lmcache's connector as PD sender/receiver behind LMCache's disagg proxy; over nixl the decoder reads each push), lmcache-nixl-write (not by default: the prefiller writes).")] = "alone,vllm-nixl,lmcache-nixl,lmcache-tcp",
     prompts: Annotated[int, typer.Option("--prompts", min=1, help="Prompts in the workload.")] = 8,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, help="Tokens per prompt (about).")] = 1500,
     text: Annotated[str, typer.Option("--text", help="random (seeded random token ids decoded to text) or handbook (handbook prose).")] = "random",
@@ -305,6 +305,7 @@ def pd_cmd(
     ref_venv: Annotated[Path | None, typer.Option("--ref-venv", file_okay=False, help="The venv with LMCache 0.5.6 that runs its proxy (default: .venv-lmcache-ref).")] = None,
     proxies: Annotated[Path | None, typer.Option("--proxies", file_okay=False, help="The folder of the two proxy files (default: .cache/pd-proxies, made by requirements/setup-pd-proxies.sh).")] = None,
     directory: Annotated[Path | None, typer.Option("--dir", file_okay=False, help="Folder of the servers' logs and configs (new or empty; kept). Default: a temporary one, removed unless a mode failed.")] = None,
+    passes: Annotated[int, typer.Option("--passes", min=1, help="Workload passes per mode (the same prompts again; throughput: the median pass's).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Prefill->decode disaggregation, 1 prefiller + 1 decoder vllm serve behind a proxy, against
@@ -314,5 +315,6 @@ def pd_cmd(
 
     if text not in ("random", "handbook"):
         raise typer.BadParameter(f"expected random or handbook, got {text!r}", param_hint="'--text'")
-    bench_pd.main(csv_option(modes, "'--modes'", bench_pd.MODES), prompts, prompt_tokens, text, max_tokens, clients, seed,
-                  tensor_parallel, nixl_fixups, warmup, request_timeout, vllm_venv, ref_venv, proxies, directory, as_json)
+    bench_pd.main(csv_option(modes, "'--modes'", bench_pd.MODES + bench_pd.EXTRA_MODES), prompts, prompt_tokens, text, max_tokens, clients, seed,
+                  tensor_parallel, nixl_fixups, warmup, request_timeout, vllm_venv, ref_venv, proxies, directory, as_json,
+                  passes=passes)

@@ -29,7 +29,9 @@ seeded random token ids decoded to text, or handbook prose; ``max_tokens`` greed
 - ``alone``: one ``vllm serve`` on core 0, one thread, no connector (the reference outputs);
 - ``vllm-nixl``: vLLM's NixlConnector 1P1D, driven by :class:`ToyProxy`;
 - ``lmcache-nixl`` / ``lmcache-tcp``: lmcache's connector (``LMCacheConnectorV1``, PD
-  sender/receiver over the nixl or tcp transfer channel), driven by :class:`LMCacheProxy`.
+  sender/receiver over the nixl or tcp transfer channel), driven by :class:`LMCacheProxy`;
+  over nixl the decoder reads each push (``transfer.push_by: read``, the default);
+  ``lmcache-nixl-write`` (asked for by name) has the prefiller write it instead.
 
 Per mode: TTFT (client side, from sending to the first non-empty text piece) mean/p50/p99,
 ITL (the gaps between text pieces) mean/p99, total time, outputs identical to ``alone``, and
@@ -70,6 +72,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -85,12 +88,14 @@ from .vllm_live import VllmServer, find_vllm, free_port, stop_group
 __all__ = ["PDPair", "LMCacheProxy", "ToyProxy", "Streamed", "free_port", "stream_completion", "join_sse", "sse_pieces",
            "parse_prometheus", "by_label", "metric_value", "histogram_mean", "ratio", "transfer_delta", "per_request",
            "memcpy_seconds", "time_memcpy", "kv_bytes_per_token", "goals", "lmcache_pd_configs", "summarize_mode",
-           "print_table", "MODES", "NIXL_KV", "main"]
+           "print_table", "MODES", "EXTRA_MODES", "NIXL_KV", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: where requirements/setup-pd-proxies.sh puts the two proxies
 PROXY_DIR = ROOT / ".cache" / "pd-proxies"
 MODES = ("alone", "vllm-nixl", "lmcache-nixl", "lmcache-tcp")
+#: not run by default: lmcache over nixl with the sender writing (``transfer.push_by: write``)
+EXTRA_MODES = ("lmcache-nixl-write",)
 #: vLLM's own NixlConnector on CPU (both sides kv_both; the proxy sets who prefills)
 NIXL_KV: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 PD_BUFFER = 1 << 30
@@ -333,7 +338,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 #: the transfer endpoint's counters (``/v1/stats`` -> ``transfer``) kept as deltas
-_TRANSFER_KEYS = ("pushed_requests", "pushed_chunks", "pushed_bytes", "push_seconds", "push_alloc_seconds",
+_TRANSFER_KEYS = ("pushed_requests", "pushed_by_read", "pushed_chunks", "pushed_bytes", "push_seconds", "push_alloc_seconds",
                   "push_write_seconds", "push_commit_seconds", "push_refused", "push_failed",
                   "pulled_requests", "pulled_chunks", "pulled_bytes", "pull_failed")
 
@@ -345,7 +350,11 @@ def transfer_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | 
     a = (after or {}).get("transfer")
     if not isinstance(a, Mapping) or not isinstance(b, Mapping):
         return None
-    return {k: a[k] - b.get(k, 0) for k in _TRANSFER_KEYS if k in a}
+    out: dict[str, Any] = {k: a[k] - b.get(k, 0) for k in _TRANSFER_KEYS if k in a}
+    n, recent = int(out.get("pushed_requests") or 0), a.get("push_recent")
+    if n and isinstance(recent, list) and n <= len(recent):  # this workload's pushes, each
+        out["push_each_s"] = recent[-n:]
+    return out
 
 
 def per_request(seconds: float | None, nbytes: float | None, n: float | None) -> tuple[float | None, float | None]:
@@ -401,6 +410,12 @@ def _row(rows: Sequence[Mapping[str, Any]], mode: str) -> Mapping[str, Any] | No
     return None
 
 
+def throughput(row: Mapping[str, Any]) -> float | None:
+    """A mode's requests/s: the median pass's with several passes, else the workload's."""
+    m = row.get("requests_per_s_median")
+    return m if m is not None else row.get("requests_per_s")
+
+
 def goals(rows: Sequence[Mapping[str, Any]], chunk: int = CHUNK) -> list[dict[str, Any]]:
     """The issue's goals against the modes' rows: ``{goal, mode, value, limit, met}`` each
     (``met`` is ``None`` where the figure is missing). The lmcache modes: decoder recomputed
@@ -422,11 +437,13 @@ def goals(rows: Sequence[Mapping[str, Any]], chunk: int = CHUNK) -> list[dict[st
         if m.startswith("lmcache-"):
             add("decoder recomputed tokens per request < one chunk", m, r.get("decoder_recomputed_per_request"),
                 chunk - 1, True)
-            if m == "lmcache-nixl":
-                add("transfer time per request / memcpy of its bytes", m, r.get("transfer_vs_memcpy"), 2.0, True)
+            if m.startswith("lmcache-nixl"):
+                x = r.get("transfer_median_vs_memcpy")  # the median request's; the mean's where no median
+                add("transfer time per request (median) / memcpy of its bytes", m,
+                    x if x is not None else r.get("transfer_vs_memcpy"), 2.0, True)
             add("decoder TTFT / CPU-tier hit's decoder TTFT", m, r.get("decoder_ttft_vs_cpu_hit"), 1.2, True)
             add("throughput (requests/s) / vllm-nixl's", m,
-                ratio(r.get("requests_per_s"), nixl.get("requests_per_s") if nixl else None), 1.0, False)
+                ratio(throughput(r), throughput(nixl) if nixl else None), 1.0, False)
         if m != "alone":
             ident = r.get("identical")
             add("outputs identical to alone's (of the requests)", m, None if ident is None else float(ident),
@@ -820,7 +837,8 @@ def _yaml(cfg: Mapping[str, Any]) -> str:
 
 def lmcache_pd_configs(channel: str, directory: Path, *, notify_port: int, init_ports: Sequence[int],
                        alloc_ports: Sequence[int], chunk_size: int = CHUNK, pd_buffer_size: int = PD_BUFFER,
-                       prefiller_api_port: int | None = None, decoder_api_port: int | None = None) -> dict[str, Any]:
+                       prefiller_api_port: int | None = None, decoder_api_port: int | None = None,
+                       push_by: str = "read") -> dict[str, Any]:
     """The prefiller's and decoder's ``--kv-transfer-config`` and ``LMCACHE_CONFIG_FILE``
     (written into ``directory``) of lmcache's connector as a PD sender and receiver. With an
     ``*_api_port``, that side's instance API is on (our ``api`` section beside LMCache's keys:
@@ -833,6 +851,8 @@ def lmcache_pd_configs(channel: str, directory: Path, *, notify_port: int, init_
     dec = {**common, "pd_role": "receiver", "transfer_channel": channel, "pd_peer_host": "127.0.0.1",
            "pd_peer_init_port": ports(init_ports), "pd_peer_alloc_port": ports(alloc_ports),
            "pd_buffer_size": pd_buffer_size, "pd_buffer_device": "cpu", "nixl_backends": ["UCX"]}
+    if push_by != "read":  # our key beside LMCache's (the default needs none)
+        pre["transfer"] = {"push_by": push_by}
     if prefiller_api_port is not None:
         pre["api"] = {"enabled": True, "port": prefiller_api_port}
     if decoder_api_port is not None:
@@ -984,7 +1004,8 @@ def table_lines(data: Mapping[str, Any]) -> list[str]:
     """The table, as lines (the tests check them)."""
     lines = [f"{'mode':<14}{'total s':>8}{'TTFT mean':>10}{'p50':>7}{'p99':>7}{'ITL mean ms':>12}{'p99 ms':>8}"
              f"{'same':>7}{'dec recomp/req':>15}{'dec external/req':>17}{'req/s':>7}{'tok/s':>7}"
-             f"{'dec TTFT':>9}{'hit TTFT':>9}{'dec/hit':>8}{'xfer ms/req':>12}{'MB/req':>8}{'x memcpy':>9}"]
+             f"{'dec TTFT':>9}{'hit TTFT':>9}{'dec/hit':>8}{'xfer ms/req':>12}{'median':>8}{'MB/req':>8}{'x memcpy':>9}"
+             f"{'median x':>9}"]
     for m in data["modes"]:
         if not m.get("ok", True) and not m.get("answered"):
             lines.append(f"{m['mode']:<14}  did not run: {m.get('reason', '')}")
@@ -993,11 +1014,12 @@ def table_lines(data: Mapping[str, Any]) -> list[str]:
         lines.append(f"{m['mode']:<14}{_f(m['total_s'], '.1f'):>8}{_f(m['ttft_mean']):>10}{_f(m['ttft_p50']):>7}"
                      f"{_f(m['ttft_p99']):>7}{_f(m['itl_mean'], '.0f', 1000):>12}{_f(m['itl_p99'], '.0f', 1000):>8}"
                      f"{same:>7}{_f(m.get('decoder_recomputed_per_request'), '.1f'):>15}"
-                     f"{_f(m.get('decoder_external_per_request'), '.1f'):>17}{_f(m.get('requests_per_s'), '.3f'):>7}"
+                     f"{_f(m.get('decoder_external_per_request'), '.1f'):>17}{_f(throughput(m), '.3f'):>7}"
                      f"{_f(m.get('output_tokens_per_s'), '.2f'):>7}{_f(m.get('decoder_ttft_mean'), '.3f'):>9}"
                      f"{_f(m.get('cpu_hit_decoder_ttft'), '.3f'):>9}{_f(m.get('decoder_ttft_vs_cpu_hit')):>8}"
-                     f"{_f(m.get('transfer_s_per_request'), '.1f', 1000):>12}"
-                     f"{_f(m.get('transfer_bytes_per_request'), '.1f', 1e-6):>8}{_f(m.get('transfer_vs_memcpy')):>9}")
+                     f"{_f(m.get('transfer_s_per_request'), '.1f', 1000):>12}{_f(m.get('transfer_s_median'), '.1f', 1000):>8}"
+                     f"{_f(m.get('transfer_bytes_per_request'), '.1f', 1e-6):>8}{_f(m.get('transfer_vs_memcpy')):>9}"
+                     f"{_f(m.get('transfer_median_vs_memcpy')):>9}")
         if not m.get("ok", True):
             lines.append(f"{'':<14}  failed: {m.get('reason', '')}")
     return lines
@@ -1119,7 +1141,7 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
              max_tokens: int, clients: int, tensor_parallel: int, max_model_len: int, request_timeout: float,
              warmup: str | None, nixl_fixups: bool, say: Callable[[str], None],
              ref_venv: Path | None = None, proxies: Path | None = None, cpu_hit_passes: int = 3,
-             memcpy_passes: int = 7, request_bytes_estimate: int | None = None) -> dict[str, Any]:
+             memcpy_passes: int = 7, request_bytes_estimate: int | None = None, passes: int = 1) -> dict[str, Any]:
     logs = work / mode
     logs.mkdir(parents=True, exist_ok=True)
     row: dict[str, Any] = {"mode": mode, "ok": False, "reason": "", "commands": {}, "logs": str(logs)}
@@ -1152,14 +1174,15 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                     row["startup_s"] = time.perf_counter() - t_start
                     proxy: _Proxy = stack.enter_context(ToyProxy(pair, log_path=logs / "proxy.log"))
                 else:
-                    channel = mode.split("-", 1)[1]
+                    channel = mode.split("-")[1]
                     notify = free_port()
                     init_ports = [free_port() for _ in range(tensor_parallel)]
                     alloc_ports = [free_port() for _ in range(tensor_parallel)]
                     # the prefiller's instance API (its transfer counters); one port: one rank
                     api_port = free_port() if tensor_parallel == 1 else None
                     cfg = lmcache_pd_configs(channel, logs, notify_port=notify, init_ports=init_ports,
-                                             alloc_ports=alloc_ports, prefiller_api_port=api_port)
+                                             alloc_ports=alloc_ports, prefiller_api_port=api_port,
+                                             push_by="write" if mode.endswith("-write") else "read")
                     row["lmcache_yaml"] = {"prefiller": cfg["prefiller_yaml"], "decoder": cfg["decoder_yaml"]}
                     pair = stack.enter_context(PDPair(
                         model, vllm=vllm, prefiller_kv_transfer_config=cfg["prefiller_kv"],
@@ -1194,12 +1217,24 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                 row["affinity"] = {side: affinity_summary(s.proc.pid) for side, s, _ in sides if s is not None}
             stats_before = _api_stats(api_port)
             before = _decoder_snapshot(metrics_port)
-            say(f"{mode}: {len(prompts)} requests, {clients} clients ...")
+            say(f"{mode}: {len(prompts)} requests, {clients} clients" + (f", {passes} passes" if passes > 1 else "")
+                + " ...")
             results, total, errors = run_workload(send, prompts, clients)
+            totals = [total]
+            while len(totals) < passes and not errors:  # the same prompts again: a throughput per pass
+                more, t, errors = run_workload(send, prompts, clients)
+                results, total = results + more, total + t
+                totals.append(t)
             after = _decoder_snapshot(metrics_port)
             stats_after = _api_stats(api_port)
             delta = metrics_delta(before, after) if before and after else None
-            row.update(summarize_mode(mode, results, total, reference, delta))
+            row.update(summarize_mode(mode, results, total, None if reference is None else list(reference) * passes,
+                                      delta))
+            if passes > 1:
+                row["outputs"] = row["outputs"][: len(prompts)]
+                row["pass_s"] = totals
+                row["requests_per_s_passes"] = [len(prompts) / t for t in totals if t > 0]
+                row["requests_per_s_median"] = statistics.median(row["requests_per_s_passes"])
             row["ok"] = not errors
             row["reason"] = "; ".join(errors[:3])
             if api_port is not None:
@@ -1232,6 +1267,8 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
     else:
         secs, nbytes = None, None
     row["transfer_s_per_request"], row["transfer_bytes_per_request"] = secs, nbytes
+    each = (push or {}).get("push_each_s")
+    row["transfer_s_median"] = statistics.median(each) if each else None
     if push and push.get("pushed_requests"):  # where a push's time went, per request
         row["transfer_phases_s_per_request"] = {
             k: push[f"push_{k}_seconds"] / push["pushed_requests"] for k in ("alloc", "write", "commit")
@@ -1242,6 +1279,7 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
     row["memcpy"] = {"threads": 1, "estimate_bytes": request_bytes_estimate, "samples": memcpy}
     row["memcpy_s_per_request"] = memcpy_seconds(memcpy, nbytes)
     row["transfer_vs_memcpy"] = ratio(secs, row["memcpy_s_per_request"])
+    row["transfer_median_vs_memcpy"] = ratio(row["transfer_s_median"], row["memcpy_s_per_request"])
     return row
 
 
@@ -1249,7 +1287,7 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
          max_tokens: int = 16, clients: int = 2, seed: int = 0, tensor_parallel: int = 1, nixl_fixups: bool = True,
          warmup: bool = True, request_timeout: float = 600.0, vllm_venv: Path | None = None,
          ref_venv: Path | None = None, proxies: Path | None = None, directory: Path | None = None,
-         as_json: bool = False, cpu_hit_passes: int = 3, memcpy_passes: int = 7) -> dict[str, Any]:
+         as_json: bool = False, cpu_hit_passes: int = 3, memcpy_passes: int = 7, passes: int = 1) -> dict[str, Any]:
     import platform
 
     from transformers import AutoTokenizer
@@ -1259,8 +1297,8 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
     from .harness import emit, err, open_work_dir, out
 
     for m in modes:
-        if m not in MODES:
-            raise LMCacheError(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in MODES + EXTRA_MODES:
+            raise LMCacheError(f"unknown mode {m!r}; known: {', '.join(MODES + EXTRA_MODES)}")
     if max_tokens < 2:
         raise LMCacheError("max_tokens must be at least 2 (LMCache's proxy asks the decoder for max_tokens - 1)")
     vllm = find_vllm(vllm_venv).parent.parent
@@ -1291,10 +1329,11 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
         row = run_mode(m, model, vllm, texts, reference, wd.path, max_tokens=max_tokens, clients=clients,
                        tensor_parallel=tensor_parallel, max_model_len=max_len, request_timeout=request_timeout,
                        warmup=warm, nixl_fixups=nixl_fixups, say=say, ref_venv=ref_venv, proxies=proxies,
-                       cpu_hit_passes=cpu_hit_passes, memcpy_passes=memcpy_passes, request_bytes_estimate=request_bytes)
+                       cpu_hit_passes=cpu_hit_passes, memcpy_passes=memcpy_passes, request_bytes_estimate=request_bytes,
+                       passes=passes)
         if m == "alone" and row.get("ok"):
             reference = row["outputs"]
-            row["identical"], row["differing"] = len(texts), []
+            row["identical"], row["differing"] = row["requests"], []
         rows.append(row)
     data: dict[str, Any] = {
         "modes": rows, "prompts": prompts, "prompt_tokens": round(sum(lens) / len(lens)), "prompt_tokens_each": lens,
@@ -1302,10 +1341,11 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
         "tensor_parallel": tensor_parallel, "nixl_fixups": nixl_fixups, "warmup": warmup,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "model": str(model), "work_dir": str(wd.path),
         "argv": [sys.executable, *sys.argv], "cpu_hit_passes": cpu_hit_passes, "memcpy_passes": memcpy_passes,
+        "passes": passes,
         "kv_bytes_per_token": kv_per_token, "load_before": load_before,
     }
     nixl = _row(rows, "vllm-nixl")
-    data["throughput_vs_vllm_nixl"] = {r["mode"]: ratio(r.get("requests_per_s"), nixl.get("requests_per_s"))
+    data["throughput_vs_vllm_nixl"] = {r["mode"]: ratio(throughput(r), throughput(nixl))
                                        for r in rows if nixl and r.get("answered") and r["mode"] != "vllm-nixl"}
     data["goals"] = goals(rows)
     data["load_after"] = os.getloadavg()

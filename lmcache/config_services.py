@@ -150,6 +150,9 @@ class TransferConfig:
     ``full`` over tcp, ``sample`` over nixl), ``full``, ``sample``, ``off``.
     ``nixl_backends``: the NIXL backends to start (LMCache's key; ``[UCX]``).
     ``advertise_host``: the host peers use to reach this endpoint (``null``: derived at run time).
+    ``push_by``: how a push (LMCache's PD flow) moves the bytes: ``read`` (the receiver
+    reads them from the sender's pool where the channel reads one-sidedly, nixl, and the
+    receiver answers ``fetch``; otherwise as ``write``) or ``write`` (the sender writes).
     ``thread_nice``: how much higher than the engine's the transfer threads run (the
     endpoint's, a sender's pushes, a decoder's pulls: a nice value lower by that much),
     where the process may raise a thread's priority (root or CAP_SYS_NICE; elsewhere one
@@ -166,6 +169,7 @@ class TransferConfig:
     timeout: float = option(5.0, check.seconds())
     verify: str = option("auto", check.choice("auto", "full", "sample", "off"))
     nixl_backends: list[str] = option(["UCX"], lambda k, v, s: _names(k, v, s))
+    push_by: str = option("read", check.choice("read", "write"))
     thread_nice: int = option(-5, check.rule(lambda v: -20 <= v <= 0, "must be between -20 and 0, got {}",
                                              after=check.integer(-20)))
 

@@ -3,10 +3,14 @@ another's, as prefill->decode (PD) disaggregation needs.
 
 Two directions, one contract (:class:`ChannelEndpoint`):
 
-* **push** (LMCache's PD flow): the sender asks the receiver to *allocate* slots for a
-  request (``alloc``), writes its chunks straight from its own pool memory into those
-  slots, and *commits* them (``commit``): the receiver checks each chunk and hands it to
-  its sink (an engine's top tier), or the sender *aborts* (``abort``).
+* **push** (LMCache's PD flow), by *read* (``push_by: read``, channels that read
+  one-sidedly): the sender holds the chunks as an offer and asks the receiver to
+  ``fetch`` them; the receiver reserves slots, reads the bytes from the sender's pool,
+  checks and commits them, and answers (one round trip; the receiver's core copies).
+  By *write*: the sender asks the receiver to *allocate* slots for a request
+  (``alloc``), writes its chunks straight from its own pool memory into those slots, and
+  *commits* them (``commit``), or *aborts* (``abort``). Either way the receiver checks
+  each chunk and hands it to its sink (an engine's top tier).
 * **pull** (vLLM's flow, ``do_remote_decode`` / ``remote_block_ids``): the prefiller
   *offers* a request's chunks (:meth:`ChannelEndpoint.offer`: it holds them, and returns a
   JSON-able description with the chunks' addresses); the decoder *pulls* them
@@ -61,8 +65,9 @@ import torch
 from .memory import MemoryObj, MemoryPool
 
 from .transfer_buffer import (  # noqa: F401 (re-exported: the channels and the service import them from here)
-    SAMPLE, VERIFY, Allocation, BufferStats, ChunkMeta, EndpointStats, Offer, ReceiveBuffer, byte_buffer, checksum,
+    RECENT, SAMPLE, VERIFY, Allocation, BufferStats, ChunkMeta, EndpointStats, Offer, ReceiveBuffer, byte_buffer, checksum,
     offer_name, verify_mode)
+from .transfer_serve import Serving
 from .transfer_channel import Channel  # noqa: F401 (re-exported: the plugin contract)
 from .transfer_wire import (  # noqa: F401 (re-exported)
     CHANNELS, DEFAULT_PORT, KIND_AUTH, KIND_MSG, MAGIC, MAX_CHUNKS, MAX_KEY, MAX_MSG, VERSION, ChannelUnavailable,
@@ -73,7 +78,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[str, MemoryObj], bool]
 
 
-class ChannelEndpoint:
+class ChannelEndpoint(Serving):
     """One instance's side of the transfer channel: both roles (it receives pushes and
     serves pulls on its control endpoint, and pushes to and pulls from peers).
 
@@ -99,8 +104,12 @@ class ChannelEndpoint:
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  buffer_size: int | None = None, slot_timeout: float = 10.0, alloc_wait: float = 2.0,
                  timeout: float = 5.0, verify: bool | str | None = None, identity: str | None = None,
-                 options: dict[str, Any] | None = None, registries: Any = None, thread_nice: int = 0):
+                 options: dict[str, Any] | None = None, registries: Any = None, thread_nice: int = 0,
+                 push_by: str = "read"):
+        if push_by not in ("read", "write"):
+            raise ValueError(f"push_by must be read or write, got {str(push_by)[:40]!r}")
         self.pool = pool
+        self.push_by = push_by
         self.thread_nice = thread_nice
         self.sink: Sink = sink if sink is not None else _drop
         self.token = token
@@ -127,6 +136,8 @@ class ChannelEndpoint:
         except ModuleNotFoundError as exc:
             raise ChannelUnavailable(str(registries.channels.missing(channel, exc))) from None
         self.name = channel
+        #: whether this side can read a peer's memory one-sidedly, and so serve a ``fetch``
+        self._reads = bool(getattr(cls, "one_sided", False))
         self.verify = verify_mode(getattr(cls, "default_verify", "full") if verify is None else verify)
         try:
             self.server = ControlServer(host, port, token, self.identity, self._handle, self._conn_closed,
@@ -185,120 +196,6 @@ class ChannelEndpoint:
             log.warning("transfer: offer of request %r not pulled within its ttl; released", o.request[:100])
             o.release()
 
-    # ------------------------------------------------------------ server side
-    def _handle(self, conn: _ServerConn, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg.get("op")
-        if op == "hello":
-            return {"ok": True, "identity": self.identity, "channel": self.name, **self.channel.on_hello(conn, msg)}
-        if op == "alloc":
-            return self._serve_alloc(msg)
-        if op == "write":
-            a = self._alloc_of(msg)
-            self.channel.serve_write(conn, msg, a)  # type: ignore[attr-defined]
-            return None
-        if op == "commit":
-            return self._serve_commit(msg)
-        if op == "abort":
-            return {"ok": True, "aborted": self.buffer.abort(str(msg.get("alloc")))}
-        if op == "read":
-            o = self._offer_of(msg)
-            idx = msg.get("index")
-            if not isinstance(idx, list) or not all(isinstance(i, int) and 0 <= i < len(o.items) for i in idx):
-                raise ValueError("read: bad chunk indices")
-            self.channel.serve_read(conn, msg, [o.items[i][1] for i in idx])  # type: ignore[attr-defined]
-            return None
-        if op == "describe":  # a puller that knows only the offer's name (pull_named)
-            return {"ok": True, "offer": self._offer_of(msg).description}
-        if op == "claim":  # a puller starts reading: the offer lives for slot_timeout from now
-            o = self._offer_of(msg)
-            with self._lock:
-                o.deadline = max(o.deadline, time.monotonic() + self.slot_timeout)
-                left = o.deadline - time.monotonic()
-            return {"ok": True, "expires_in": round(left, 3)}
-        if op == "release":
-            with self._lock:
-                o = self._offers.pop(str(msg.get("offer")), None)
-            if o is not None:
-                o.release()
-                self.stats.offers_released += 1
-            return {"ok": True, "released": o is not None}
-        if op == "stats":
-            return {"ok": True, **self.info()}
-        raise ValueError(f"unknown op {str(op)[:40]!r}")
-
-    def _alloc_of(self, msg: dict[str, Any]) -> Allocation:
-        a = self.buffer.get(str(msg.get("alloc")))
-        if a is None:
-            raise TransferError("unknown or expired allocation")
-        return a
-
-    def _offer_of(self, msg: dict[str, Any]) -> Offer:
-        with self._lock:
-            o = self._offers.get(str(msg.get("offer")))
-        if o is None:
-            raise TransferError("unknown or expired offer")
-        return o
-
-    def _serve_alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
-        request = msg.get("request")
-        chunks = msg.get("chunks")
-        if not isinstance(request, str) or not 0 < len(request) <= MAX_KEY:
-            raise ValueError("alloc: request id must be a string of 1-1024 characters")
-        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
-            raise ValueError(f"alloc: 1-{MAX_CHUNKS} chunks")
-        metas = [ChunkMeta.from_json(c) for c in chunks]
-        a = self.buffer.reserve(request, metas)
-        if a is None:
-            return {"ok": False, "full": True, "error": f"receive buffer full ({self.buffer.in_flight} of "
-                                                        f"{self.buffer.capacity} bytes in flight)"}
-        self._kick()
-        return {"ok": True, "alloc": a.id, "slots": [self.channel.describe(o) for o in a.objs],
-                "expires_in": round(a.deadline - self.buffer.clock(), 3)}
-
-    def _serve_commit(self, msg: dict[str, Any]) -> dict[str, Any]:
-        a = self._alloc_of(msg)
-        sums = msg.get("checksums")
-        if sums is not None and (not isinstance(sums, list) or len(sums) != len(a.objs)):
-            raise ValueError("commit: one checksum per chunk")
-        if not self.channel.written(a, a.deadline):  # type: ignore[attr-defined]
-            raise TransferError("commit: the chunks' bytes have not arrived")
-        a = self.buffer.take(a.id)
-        if a is None:
-            raise TransferError("unknown or expired allocation")
-        n, bad = self._commit(a.metas, a.objs, sums, str(msg.get("verify", "full")))
-        a.objs = []
-        self.buffer.stats.committed += 1
-        return {"ok": True, "committed": n, "rejected": bad}
-
-    def _commit(self, metas: Sequence[ChunkMeta], objs: Sequence[MemoryObj], sums: Sequence[Any] | None,
-                mode: str) -> tuple[int, list[str]]:
-        """Check and sink each chunk (references taken over); returns (committed, rejected keys)."""
-        n, bad = 0, []
-        for j, (m, o) in enumerate(zip(metas, objs)):
-            want = sums[j] if sums is not None else None
-            if want is not None and mode in ("full", "sample") and checksum(o, mode) != want:
-                o.unref()
-                bad.append(m.key)
-                log.error("transfer: chunk %s failed its checksum; dropped", m.key[:100])
-                continue
-            try:
-                ok = self.sink(m.key, o)  # takes over o's reference
-            except Exception as exc:
-                log.error("transfer: chunk %s refused: %s", m.key[:100], exc)
-                ok = False
-            if ok:
-                n += 1
-            else:
-                bad.append(m.key)
-        self.buffer.stats.committed_chunks += n
-        self.buffer.stats.rejected_chunks += len(bad)
-        return n, bad
-
-    def _conn_closed(self, conn: _ServerConn) -> None:
-        close = getattr(self.channel, "on_close", None)
-        if close is not None:
-            close(conn)
-
     # ------------------------------------------------------------ client side
     def _connect(self, url: str, identity: str | None = None) -> Connection:
         """An authenticated connection to ``url`` (pooled); with ``identity``, the endpoint
@@ -317,6 +214,7 @@ class ChannelEndpoint:
             raise TransferError(f"transfer endpoint {url} runs channel {str(r.get('channel'))[:20]!r}, "
                                 f"this side {self.name!r}")
         self.channel.on_hello(c, r)
+        c.state["fetch"] = r.get("fetch") is True
         return c
 
     def _done(self, c: Connection) -> None:
@@ -332,56 +230,38 @@ class ChannelEndpoint:
     def push(self, url: str, request: str, items: Sequence[tuple[str, MemoryObj]], *,
              alloc_wait: float | None = None) -> dict[str, Any]:
         """Send ``items`` (``(key, pool object)``; the caller keeps its references) to the
-        endpoint at ``url`` as request ``request``: allocate there (retrying a full buffer
-        with backoff for at most ``alloc_wait`` seconds, then :class:`TransferRefused`),
-        write, commit. Returns ``{chunks, bytes, seconds, waited, write_seconds, commit_seconds,
-        committed, rejected}`` (``waited``: until the slots were granted);
-        :class:`TransferError` on any failure (the receiver's slots are aborted, or freed
-        by its deadline)."""
+        endpoint at ``url`` as request ``request``, one of two ways:
+
+        * by *read* (``push_by: read``, a channel that reads one-sidedly (nixl) on both
+          sides): this side holds the chunks as an offer and asks the receiver to ``fetch``
+          them; the receiver reserves slots, reads the bytes from this side's pool, checks
+          and commits them, and answers: one round trip, and the copy is made by the
+          receiver's core (a prefiller's core is the busy one);
+        * by *write*: allocate there, write from this side, commit.
+
+        A full receiver is retried with backoff for at most ``alloc_wait`` seconds, then
+        :class:`TransferRefused`. Returns ``{chunks, bytes, seconds, waited, write_seconds,
+        commit_seconds, committed, rejected, by}`` (``waited``: until the slots were granted;
+        ``write_seconds``: the channel's move, made by the receiver when ``by`` is ``read``);
+        :class:`TransferError` on any failure (nothing of it is committed there)."""
         if not items:
-            return {"chunks": 0, "bytes": 0, "seconds": 0.0, "waited": 0.0, "committed": 0, "rejected": []}
+            return {"chunks": 0, "bytes": 0, "seconds": 0.0, "waited": 0.0, "committed": 0, "rejected": [],
+                    "by": self.push_by}
         t0 = time.perf_counter()
-        metas = [ChunkMeta.of(k, o) for k, o in items]
-        objs = [o for _, o in items]
         wait = self.alloc_wait if alloc_wait is None else alloc_wait
         c = self._connect(url)
-        try:
-            msg = {"op": "alloc", "request": request, "chunks": [m.to_json() for m in metas]}
-            deadline, backoff = time.monotonic() + wait, 0.005
-            while True:
-                try:
-                    r = c.call(msg)
-                    break
-                except TransferRefused as exc:
-                    if "full" not in str(exc) or time.monotonic() + backoff > deadline:
-                        self.stats.push_refused += 1
-                        raise TransferRefused(f"push of request {request[:100]!r} to {url}: {exc} "
-                                              f"(gave up after {wait:g}s)") from None
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 0.1)
-            waited = time.perf_counter() - t0
-            alloc, slots = r.get("alloc"), r.get("slots")
-            if not isinstance(alloc, str) or not isinstance(slots, list) or len(slots) != len(objs):
-                raise TransferError(f"transfer endpoint {url}: a malformed alloc answer for {len(objs)} chunks")
-            # give up well before the receiver frees the slots, so a late write never lands in reused memory
-            expires = r.get("expires_in", self.slot_timeout)
-            expires = float(expires) if isinstance(expires, (int, float)) else self.slot_timeout
-            xfer_deadline = time.monotonic() + max(expires * 0.8, 0.05)
+        by = "read" if self.push_by == "read" and self._reads and c.state.get("fetch") else "write"
+        if by == "read":
             try:
-                sums = [checksum(o, self.verify) for o in objs] if self.verify != "off" else None
-                tw = time.perf_counter()
-                self.channel.write(c, objs, slots, alloc, xfer_deadline)  # type: ignore[attr-defined]
-                tc = time.perf_counter()
-                write_seconds = tc - tw
-                r = c.call({"op": "commit", "alloc": alloc, "checksums": sums, "verify": self.verify},
-                           timeout=max(xfer_deadline - time.monotonic(), 0.05) + self.timeout)
-            except BaseException:
-                try:
-                    if not c.closed:
-                        c.call({"op": "abort", "alloc": alloc})
-                except TransferError:
-                    pass
-                raise
+                for _, o in items:
+                    self.channel.describe(o)
+            except TransferError:  # a chunk outside the registered pool: only a write sends it
+                by = "write"
+        try:
+            if by == "read":
+                r, waited, write_seconds = self._push_by_read(c, url, request, items, wait, t0)
+            else:
+                r, waited, write_seconds = self._push_by_write(c, url, request, items, wait, t0)
         except TransferRefused:
             c.close()
             raise
@@ -390,19 +270,91 @@ class ChannelEndpoint:
             c.close()
             raise
         self._done(c)
-        nbytes = sum(m.nbytes for m in metas)
+        nbytes = sum(o.nbytes for _, o in items)
         seconds = time.perf_counter() - t0
-        commit_seconds = time.perf_counter() - tc
+        commit_seconds = max(seconds - waited - write_seconds, 0.0)
         self.stats.pushed_requests += 1
+        self.stats.pushed_by_read += by == "read"
         self.stats.pushed_chunks += len(items)
         self.stats.pushed_bytes += nbytes
         self.stats.push_seconds += seconds
+        recent = self.stats.push_recent
+        recent.append(round(seconds, 6))
+        del recent[:-RECENT]
         self.stats.push_alloc_seconds += waited
         self.stats.push_write_seconds += write_seconds
         self.stats.push_commit_seconds += commit_seconds
         return {"chunks": len(items), "bytes": nbytes, "seconds": seconds, "waited": waited,
-                "write_seconds": write_seconds, "commit_seconds": commit_seconds,
+                "write_seconds": write_seconds, "commit_seconds": commit_seconds, "by": by,
                 "committed": int(r.get("committed", 0)), "rejected": list(r.get("rejected", []))}
+
+    def _granted(self, c: Connection, msg: Callable[[], dict[str, Any]], url: str, request: str, wait: float,
+                 timeout: Callable[[], float | None] = lambda: None) -> dict[str, Any]:
+        """``c.call(msg())`` until the receiver has room: a *full* answer is retried with
+        backoff for at most ``wait`` seconds, then :class:`TransferRefused`."""
+        deadline, backoff = time.monotonic() + wait, 0.005
+        while True:
+            try:
+                return c.call(msg(), timeout=timeout())
+            except TransferRefused as exc:
+                if "full" not in str(exc) or time.monotonic() + backoff > deadline:
+                    self.stats.push_refused += 1
+                    raise TransferRefused(f"push of request {request[:100]!r} to {url}: {exc} "
+                                          f"(gave up after {wait:g}s)") from None
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.1)
+
+    def _push_by_write(self, c: Connection, url: str, request: str, items: Sequence[tuple[str, MemoryObj]],
+                       wait: float, t0: float) -> tuple[dict[str, Any], float, float]:
+        metas = [ChunkMeta.of(k, o) for k, o in items]
+        objs = [o for _, o in items]
+        msg = {"op": "alloc", "request": request, "chunks": [m.to_json() for m in metas]}
+        r = self._granted(c, lambda: msg, url, request, wait)
+        waited = time.perf_counter() - t0
+        alloc, slots = r.get("alloc"), r.get("slots")
+        if not isinstance(alloc, str) or not isinstance(slots, list) or len(slots) != len(objs):
+            raise TransferError(f"transfer endpoint {url}: a malformed alloc answer for {len(objs)} chunks")
+        # give up well before the receiver frees the slots, so a late write never lands in reused memory
+        expires = r.get("expires_in", self.slot_timeout)
+        expires = float(expires) if isinstance(expires, (int, float)) else self.slot_timeout
+        xfer_deadline = time.monotonic() + max(expires * 0.8, 0.05)
+        try:
+            sums = [checksum(o, self.verify) for o in objs] if self.verify != "off" else None
+            tw = time.perf_counter()
+            self.channel.write(c, objs, slots, alloc, xfer_deadline)  # type: ignore[attr-defined]
+            write_seconds = time.perf_counter() - tw
+            r = c.call({"op": "commit", "alloc": alloc, "checksums": sums, "verify": self.verify},
+                       timeout=max(xfer_deadline - time.monotonic(), 0.05) + self.timeout)
+        except BaseException:
+            try:
+                if not c.closed:
+                    c.call({"op": "abort", "alloc": alloc})
+            except TransferError:
+                pass
+            raise
+        return r, waited, write_seconds
+
+    def _push_by_read(self, c: Connection, url: str, request: str, items: Sequence[tuple[str, MemoryObj]],
+                      wait: float, t0: float) -> tuple[dict[str, Any], float, float]:
+        # the offer outlives every attempt: a receiver reads only within the life it is told
+        o = self._hold(secrets.token_hex(8), request, items, wait + self.slot_timeout)
+        desc = {k: o.description[k] for k in ("offer", "request", "chunks", "addrs", "checksums", "verify")}  # type: ignore[index]
+        sent = [t0]
+
+        def msg() -> dict[str, Any]:
+            sent[0] = time.perf_counter()
+            return {"op": "fetch", "offer": desc, "expires_in": round(max(o.deadline - time.monotonic(), 0.0), 3)}
+
+        try:
+            r = self._granted(c, msg, url, request, wait, lambda: max(o.deadline - time.monotonic(), 0.0) + self.timeout)
+        finally:
+            if not c.closed:  # the receiver answered: it is not reading (any more)
+                self._release(o.id)
+            # no answer: it may still be reading; the offer is freed at its deadline, after the read's
+        read = r.get("read_seconds")
+        read = float(read) if isinstance(read, (int, float)) and not isinstance(read, bool) else 0.0
+        waited = sent[0] - t0
+        return r, waited, min(max(read, 0.0), time.perf_counter() - sent[0])
 
     def offer(self, request: str, items: Sequence[tuple[str, MemoryObj]], ttl: float | None = None, *,
               name: str | None = None) -> dict[str, Any]:
@@ -412,12 +364,16 @@ class ChannelEndpoint:
         peer that knows only the name and this endpoint's URL can :meth:`pull_named` it
         (vLLM's kv_transfer_params flow); an offer of the same name is replaced."""
         oid = offer_name(name) if name is not None else secrets.token_hex(8)
+        o = self._hold(oid, request, items, self.slot_timeout if ttl is None else ttl)
+        self.stats.offers += 1
+        return o.description  # type: ignore[return-value]
+
+    def _hold(self, oid: str, request: str, items: Sequence[tuple[str, MemoryObj]], ttl: float) -> Offer:
         metas = [ChunkMeta.of(k, o) for k, o in items]
         for _, o in items:
             o.ref()
         sums = [checksum(o, self.verify) for _, o in items] if self.verify != "off" else None
-        o = Offer(oid, request, list(zip(metas, [x for _, x in items])),
-                  time.monotonic() + (self.slot_timeout if ttl is None else ttl), sums)
+        o = Offer(oid, request, list(zip(metas, [x for _, x in items])), time.monotonic() + ttl, sums)
         o.description = {"url": self.url, "identity": self.identity, "channel": self.name, "offer": o.id,
                          "request": request, "chunks": [m.to_json() for m in metas],
                          "addrs": [self.channel.describe(x) for _, x in o.items], "checksums": sums,
@@ -427,9 +383,15 @@ class ChannelEndpoint:
             self._offers[o.id] = o
         if old is not None:
             old.release()
-        self.stats.offers += 1
         self._kick()
-        return o.description
+        return o
+
+    def _release(self, oid: str) -> bool:
+        with self._lock:
+            o = self._offers.pop(oid, None)
+        if o is not None:
+            o.release()
+        return o is not None
 
     def pull_named(self, url: str, name: str, *, identity: str | None = None, deadline: float | None = None,
                    alloc_wait: float | None = None) -> dict[str, Any]:

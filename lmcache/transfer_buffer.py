@@ -8,7 +8,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -244,6 +244,9 @@ class EndpointStats:
     push_alloc_seconds: float = 0.0  # of push_seconds: until the receiver granted slots
     push_write_seconds: float = 0.0  # of push_seconds: the channel's move of the bytes
     push_commit_seconds: float = 0.0  # of push_seconds: the commit's round trip (checks and sink there)
+    #: the last RECENT pushes' seconds each, oldest first (a median per request for benches)
+    push_recent: list[float] = field(default_factory=list)
+    pushed_by_read: int = 0  # of pushed_requests: the receiver read them (push_by: read)
     push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
     push_failed: int = 0
     pulled_requests: int = 0
@@ -251,9 +254,17 @@ class EndpointStats:
     pulled_bytes: int = 0
     pull_failed: int = 0
     release_failed: int = 0  # a pull's bytes arrived but its release did not reach the offering side
+    fetched_requests: int = 0  # peers' pushes by read that this side read and committed
+    fetched_bytes: int = 0
+    fetch_read_seconds: float = 0.0
+    fetch_failed: int = 0
     offers: int = 0
     offers_released: int = 0
     offers_expired: int = 0
+
+
+#: how many pushes' durations :attr:`EndpointStats.push_recent` keeps
+RECENT = 256
 
 
 @dataclass

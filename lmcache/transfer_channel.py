@@ -29,6 +29,9 @@ class Channel:
     name = "?"
     #: whether :meth:`progress` must be called while transfers are open (NIXL: yes)
     needs_progress = False
+    #: whether :meth:`read` needs nothing from the offering side but its memory (NIXL's
+    #: one-sided READ): then a push can be made by the receiver reading (``push_by: read``)
+    one_sided = False
 
     def __init__(self, endpoint: Any):  # the lmcache.transfer.ChannelEndpoint it serves
         self.endpoint = endpoint

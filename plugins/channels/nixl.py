@@ -76,6 +76,7 @@ class NixlChannel(Channel):
     #: hashing every byte on both sides costs more than NIXL's move (docs/distributed.md)
     default_verify = "sample"
     needs_progress = True
+    one_sided = True
 
     def __init__(self, endpoint: Any):
         super().__init__(endpoint)

@@ -58,7 +58,7 @@ class TransferService:
             host=host, port=port, token=t.token, buffer_size=t.buffer_size, slot_timeout=t.slot_timeout,
             alloc_wait=t.alloc_wait, timeout=t.timeout, verify=None if t.verify == "auto" else t.verify,
             identity=view.instance_id, options={"nixl_backends": list(t.nixl_backends)},
-            registries=view.hierarchy.registries, thread_nice=t.thread_nice)
+            registries=view.hierarchy.registries, thread_nice=t.thread_nice, push_by=t.push_by)
         log.info("lmcache transfer endpoint (%s) listening on %s", self.endpoint.name, self.endpoint.url)
 
     @property

@@ -206,6 +206,11 @@ def test_transfer_figures():
     assert d == {"pushed_requests": 8, "pushed_chunks": 48, "pushed_bytes": 8000000,
                  "push_seconds": pytest.approx(0.4), "push_failed": 0}
     assert pd.transfer_delta(before, {"tiers": {}}) is None and pd.transfer_delta(None, after) is None
+    # each push of the workload from the endpoint's recent durations (for a median), when it kept them all
+    recent = [0.5] + [0.01 * i for i in range(1, 9)]
+    d2 = pd.transfer_delta(before, {"transfer": {**after["transfer"], "push_recent": recent}})
+    assert d2["push_each_s"] == recent[1:]
+    assert "push_each_s" not in pd.transfer_delta(before, {"transfer": {**after["transfer"], "push_recent": recent[:3]}})
     secs, nbytes = pd.per_request(d["push_seconds"], d["pushed_bytes"], d["pushed_requests"])
     assert secs == pytest.approx(0.05) and nbytes == 1e6
     assert pd.per_request(0.4, 100, 0) == (None, None) and pd.per_request(None, 100, 2) == (None, None)
@@ -240,6 +245,10 @@ def test_goals():
            for g in pd.goals([alone, nixl, lm, tcp, failed])}
     assert got[("lmcache-nixl", "decoder recomputed")] == (221.0, 255, True)
     assert got[("lmcache-nixl", "transfer time")] == (2.5, 2.0, False)
+    # the median request's figure where the row has one; the write variant has the goal too
+    lm2 = {**lm, "mode": "lmcache-nixl-write", "transfer_median_vs_memcpy": 1.9}
+    got2 = {(g["mode"], g["goal"].split()[0]): (g["value"], g["met"]) for g in pd.goals([nixl, lm2])}
+    assert got2[("lmcache-nixl-write", "transfer")] == (1.9, True)
     assert got[("lmcache-nixl", "decoder TTFT")] == (1.1, 1.2, True)
     assert got[("lmcache-nixl", "throughput (requests/s)")] == (pytest.approx(1.25), 1.0, True)
     assert got[("lmcache-nixl", "outputs identical")] == (4.0, 4.0, True)
@@ -250,6 +259,13 @@ def test_goals():
     assert got[("lmcache-tcp", "outputs identical")] == (3.0, 4.0, False)
     assert got[("vllm-nixl", "outputs identical")] == (4.0, 4.0, True)
     assert not any(m == "alone" for m, _ in got)
+    # with several passes the median pass's throughput counts, not the whole workload's
+    assert pd.throughput({"requests_per_s": 0.4, "requests_per_s_median": 0.45}) == 0.45
+    assert pd.throughput({"requests_per_s": 0.4}) == 0.4
+    lm3 = {**lm, "requests_per_s": 0.3, "requests_per_s_median": 0.42}
+    nixl3 = {**nixl, "requests_per_s": 0.5, "requests_per_s_median": 0.4}
+    tp = [g for g in pd.goals([nixl3, lm3]) if g["goal"].startswith("throughput")]
+    assert [(g["value"], g["met"]) for g in tp] == [(pytest.approx(1.05), True)]
     # without a vllm-nixl row the throughput goal has no figure
     assert [g["met"] for g in pd.goals([lm]) if g["goal"].startswith("throughput")] == [None]
 
@@ -289,12 +305,12 @@ def test_mode_row_and_table():
             "max_tokens": 16, "clients": 2, "tensor_parallel": 1, "machine": "x86_64 2 cpus"}
     lines = pd.table_lines(data)
     assert lines[0].split()[:3] == ["mode", "total", "s"]
-    assert lines[0].split()[-12:] == ["req/s", "tok/s", "dec", "TTFT", "hit", "TTFT", "dec/hit", "xfer", "ms/req",
-                                      "MB/req", "x", "memcpy"]
+    assert lines[0].split()[-15:] == ["req/s", "tok/s", "dec", "TTFT", "hit", "TTFT", "dec/hit", "xfer", "ms/req",
+                                      "median", "MB/req", "x", "memcpy", "median", "x"]
     assert lines[1].split() == ["alone", "8.0", "1.00", "1.00", "1.00", "200", "200", "4/4", "-", "-", "0.500",
-                                "-", "-", "-", "-", "-", "-", "-"]
+                                "-", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert lines[2].split() == ["vllm-nixl", "9.5", "2.50", "2.50", "3.97", "150", "294", "3/4", "1.0", "1499.0",
-                                "0.421", "6.32", "0.600", "0.500", "1.20", "300.0", "60.0", "1.50"]
+                                "0.421", "6.32", "0.600", "0.500", "1.20", "300.0", "-", "60.0", "1.50", "-"]
     assert lines[3].startswith("lmcache-tcp") and "did not run: LMCacheError: vllm serve exited" in lines[3]
     # a mode that answered part of the prompts before an error: its row, and why it stopped
     part = pd.summarize_mode("lmcache-nixl", [results[0], None, None, None], 5.0, ref, None)
@@ -365,6 +381,11 @@ def test_lmcache_pd_configs_with_the_instance_api(tmp_path):
     assert "api" not in yaml.safe_load((tmp_path / "decoder-nixl.yaml").read_text())
     c = load_config(pre_f, environ={})
     assert c.api.enabled and c.api.port == 7010 and c.pd.role == "sender" and c.transfer_channel == "nixl"
+    assert c.transfer.push_by == "read"  # the default: the decoder reads each push
+    pd.lmcache_pd_configs("nixl", tmp_path, notify_port=7001, init_ports=[7002], alloc_ports=[7003],
+                          push_by="write")
+    assert load_config(pre_f, environ={}).transfer.push_by == "write"
+    assert "transfer" not in yaml.safe_load((tmp_path / "decoder-nixl.yaml").read_text())
 
 
 def test_cores_and_pinning():

@@ -1,8 +1,9 @@
 """One transfer endpoint in its own process, driven by JSON lines on stdin (tests and the
 channel benchmark). Prints ``READY <url>`` once listening, then one JSON answer per command.
 
-Commands: ``{"op": "fill", "n": N, "nbytes": B, "seed": S}`` (N chunks of deterministic bytes
-in the pool, keys ``k0..``), ``push {url, request, n?, alloc_wait?}``, ``offer {request, ttl?}``,
+Commands: ``{"op": "fill", "n": N, "nbytes": B, "seed": S, "heap": false}`` (N chunks of
+deterministic bytes in the pool, or on the heap, keys ``k0..``), ``push {url, request, n?, alloc_wait?, by?}``, ``fetch_and_die {url, request}``,
+``fetch_raw {url, patch, expires_in?}``, ``offer {request, ttl?}``,
 ``pull {offer}``, ``digests`` (xxh3 of every committed chunk, by key), ``stats``, ``cpu``
 (process CPU seconds), ``exit``."""
 
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from lmcache.memory import MemoryPool
+from lmcache.memory import MemoryObj, MemoryPool
 from lmcache.transfer import TransferError, checksum, open_channel
 
 
@@ -50,12 +51,17 @@ def main() -> None:
                     o.unref()
                 items = []
                 for i in range(cmd["n"]):
-                    o = pool.allocate((cmd["nbytes"] // 2,), torch.float16)
+                    if cmd.get("heap"):  # outside the pool (and so outside what NIXL has registered)
+                        t = torch.empty((cmd["nbytes"] // 2,), dtype=torch.float16)
+                        o = MemoryObj(None, 0, cmd["nbytes"], t.shape, t.dtype, t)
+                    else:
+                        o = pool.allocate((cmd["nbytes"] // 2,), torch.float16)
                     assert o is not None, "pool full"
                     o.byte_view().copy_(torch.randint(0, 256, (cmd["nbytes"],), dtype=torch.uint8, generator=g))
                     items.append((f"k{i}", o))
                 r = {"digests": {k: checksum(o) for k, o in items}}
             elif op == "push":
+                ep.push_by = cmd.get("by", ep.push_by)
                 n = cmd.get("n", len(items))
                 r = ep.push(cmd["url"], cmd["request"], items[:n], alloc_wait=cmd.get("alloc_wait"))
             elif op == "hold":  # allocate at the receiver, write (half, over tcp), never commit: then be killed
@@ -71,6 +77,23 @@ def main() -> None:
                 else:
                     ep.channel.write(c, objs, a["slots"], a["alloc"], time.monotonic() + 5)
                 r = {"alloc": a["alloc"], "slots": len(a["slots"])}
+            elif op == "fetch_and_die":  # ask the receiver to read this side's chunks, then exit at once
+                c = ep._connect(cmd["url"])
+                o = ep._hold("dying", cmd["request"], items, 30.0)
+                d = o.description
+                c.send({"op": "fetch", "expires_in": 30.0,
+                        "offer": {k: d[k] for k in ("offer", "request", "chunks", "addrs", "checksums", "verify")}})
+                os._exit(0)
+            elif op == "fetch_raw":  # a fetch message as given (hostile input), answered as it comes back
+                c = ep._connect(cmd["url"])
+                o = ep._hold("raw", "raw", items, 30.0)
+                d = {k: o.description[k] for k in ("offer", "request", "chunks", "addrs", "checksums", "verify")}
+                d.update(cmd.get("patch", {}))
+                try:
+                    r = c.call({"op": "fetch", "expires_in": cmd.get("expires_in", 30.0), "offer": d})
+                except TransferError as exc:
+                    r = {"error": f"{type(exc).__name__}: {exc}"}
+                ep._release(o.id)
             elif op == "offer":
                 r = ep.offer(cmd["request"], items, ttl=cmd.get("ttl"))
             elif op == "pull":

@@ -84,12 +84,16 @@ def _cpu_over(peer: Peer, seconds: float) -> float:
     return b["cpu"] - a["cpu"] - 0.0  # the two answers themselves cost microseconds
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
-def test_push_and_pull_are_bit_exact(peers, channel):
+@pytest.mark.parametrize("channel,by", [("tcp", "read"), ("nixl", "read"), ("nixl", "write")])
+def test_push_and_pull_are_bit_exact(peers, channel, by):
     rx, tx = peers(channel), peers(channel)
     want = tx(op="fill", n=24, nbytes=2 * MiB + 512, seed=1)["digests"]
-    r = tx(op="push", url=rx.url, request="req-1")
+    r = tx(op="push", url=rx.url, request="req-1", by=by)
     assert r["committed"] == 24 and r["rejected"] == [], r
+    # over nixl a push by read is made by the receiver (one fetch); tcp cannot read one-sidedly: it writes
+    assert r["by"] == ("read" if (channel, by) == ("nixl", "read") else "write"), r
+    fetched = rx(op="stats")
+    assert fetched["fetched_requests"] == (1 if r["by"] == "read" else 0), fetched
     assert rx(op="digests")["digests"] == want
     # pull (vLLM's direction): the other side reads what this one offers
     want2 = tx(op="fill", n=16, nbytes=MiB, seed=2)["digests"]
@@ -168,6 +172,69 @@ def test_sender_killed_mid_transfer_leaves_nothing_committed_and_no_slot_held(pe
     want = tx2(op="fill", n=4, nbytes=MiB, seed=5)["digests"]
     assert tx2(op="push", url=rx.url, request="req-next")["committed"] == 4
     assert rx(op="digests")["digests"] == want
+
+
+def test_a_push_of_chunks_outside_the_registered_pool_is_made_by_write(peers):
+    rx, tx = peers("nixl"), peers("nixl")
+    want = tx(op="fill", n=3, nbytes=MiB, seed=4, heap=True)["digests"]
+    r = tx(op="push", url=rx.url, request="req-heap", by="read")
+    assert r["committed"] == 3 and r["by"] == "write", r
+    assert rx(op="digests")["digests"] == want
+
+
+def test_a_sender_dying_while_the_receiver_reads_leaves_all_or_nothing_and_no_slot_held(peers):
+    """Push by read: the sender asks the receiver to fetch, then exits at once (a prefiller
+    killed mid-transfer). Whatever the race gives, the receiver commits every chunk with its
+    exact bytes or none of them, holds no slot, and serves the next sender."""
+    rx = peers("nixl", slot_timeout=2.0)
+    fetched = 0
+    for attempt in range(3):
+        tx = peers("nixl")
+        want = tx(op="fill", n=16, nbytes=MiB, seed=10 + attempt)["digests"]
+        tx.p.stdin.write(json.dumps({"op": "fetch_and_die", "url": rx.url, "request": f"dying-{attempt}"}) + "\n")
+        tx.p.stdin.flush()
+        assert tx.p.wait(10) == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            st = rx(op="stats")
+            if st["fetched_requests"] + st["fetch_failed"] > attempt:
+                break
+            time.sleep(0.05)
+        assert st["fetched_requests"] + st["fetch_failed"] == attempt + 1, st
+        assert st["open_allocations"] == 0 and st["in_flight_bytes"] == 0, st
+        got = rx(op="digests")["digests"]
+        exact = [k for k, v in want.items() if got.get(k) == v]
+        committed = st["fetched_requests"] > fetched
+        fetched = st["fetched_requests"]
+        assert len(exact) == (16 if committed else 0), (attempt, st, len(exact))
+        print(f"attempt {attempt}: {'committed whole' if committed else 'nothing committed'}")
+    tx2 = peers("nixl")
+    want = tx2(op="fill", n=4, nbytes=MiB, seed=5)["digests"]
+    assert tx2(op="push", url=rx.url, request="req-next")["committed"] == 4
+    assert {k: v for k, v in rx(op="digests")["digests"].items() if k in want} == want
+
+
+@pytest.mark.parametrize("patch,expires_in,why", [
+    ({"addrs": [[0, 1]]}, 30.0, "another number of chunks"),
+    ({"checksums": [1, 2, 3]}, 30.0, "one checksum per chunk"),
+    ({"checksums": [1, 2]}, 30.0, "rejected"),
+    ({"chunks": []}, 30.0, "1-"),
+    ({"request": ""}, 30.0, "request id"),
+    ({}, -1.0, "positive expires_in"),
+    ({}, True, "positive expires_in"),
+], ids=["addrs", "checksum-count", "wrong-checksums", "no-chunks", "no-request", "expired", "bool-expiry"])
+def test_a_hostile_fetch_is_one_line_and_leaves_nothing(peers, patch, expires_in, why):
+    rx, tx = peers("nixl"), peers("nixl")
+    tx(op="fill", n=2, nbytes=MiB)
+    r = tx(op="fetch_raw", url=rx.url, patch=patch, expires_in=expires_in)
+    if why == "rejected":  # checksums that do not match the bytes read: nothing reaches the sink
+        assert r.get("committed") == 0 and r.get("rejected") == ["k0", "k1"], r
+    else:
+        assert why in r.get("error", ""), r
+        assert "\n" not in r["error"]
+    st = rx(op="stats")
+    assert st["open_allocations"] == 0 and st["in_flight_bytes"] == 0 and st["committed_chunks"] == 0, st
+    assert rx(op="digests")["digests"] == {}
 
 
 def test_an_unknown_nixl_backend_is_one_line_at_start(peers):

@@ -5,7 +5,8 @@
 ``{"ret_first_tok": true, "disagg_spec": {"req_id", "receiver_host", "receiver_init_port": [..],
 "receiver_alloc_port": [..]}}``. Once the prompt's KV is stored, each prefiller rank *pushes* the
 request's chunks into the decoder rank's transfer endpoint (``receiver_host:receiver_init_port[rank]``,
-where a ``pd.role: receiver`` decoder's rank listens), on a thread of its own, and then notifies the
+where a ``pd.role: receiver`` decoder's rank listens; over nixl the decoder reads them:
+``transfer.push_by``), on a thread of its own, and then notifies the
 proxy (ZMQ PUSH to ``pd.proxy_host:pd.proxy_port``, the msgpack map ``{"type": "ProxyNotif",
 "req_id": ...}``). The notification is sent whether or not the push succeeded: the proxy waits for
 it without a timeout, and a decoder whose KV did not arrive simply computes the prompt.
