@@ -305,7 +305,7 @@ def pd_cmd(
     ref_venv: Annotated[Path | None, typer.Option("--ref-venv", file_okay=False, help="The venv with LMCache 0.5.6 that runs its proxy (default: .venv-lmcache-ref).")] = None,
     proxies: Annotated[Path | None, typer.Option("--proxies", file_okay=False, help="The folder of the two proxy files (default: .cache/pd-proxies, made by requirements/setup-pd-proxies.sh).")] = None,
     directory: Annotated[Path | None, typer.Option("--dir", file_okay=False, help="Folder of the servers' logs and configs (new or empty; kept). Default: a temporary one, removed unless a mode failed.")] = None,
-    passes: Annotated[int, typer.Option("--passes", min=1, help="Workload passes per mode (the same prompts again; throughput: the median pass's).")] = 1,
+    passes: Annotated[int, typer.Option("--passes", min=1, help="Workload passes per mode, each with its own --prompts prompts (throughput: the median pass's).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Prefill->decode disaggregation, 1 prefiller + 1 decoder vllm serve behind a proxy, against

@@ -1217,23 +1217,24 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                 row["affinity"] = {side: affinity_summary(s.proc.pid) for side, s, _ in sides if s is not None}
             stats_before = _api_stats(api_port)
             before = _decoder_snapshot(metrics_port)
-            say(f"{mode}: {len(prompts)} requests, {clients} clients" + (f", {passes} passes" if passes > 1 else "")
-                + " ...")
-            results, total, errors = run_workload(send, prompts, clients)
-            totals = [total]
-            while len(totals) < passes and not errors:  # the same prompts again: a throughput per pass
-                more, t, errors = run_workload(send, prompts, clients)
-                results, total = results + more, total + t
+            each = len(prompts) // passes  # a pass: its own prompts (repeated ones would be cache hits)
+            say(f"{mode}: {len(prompts)} requests, {clients} clients" + (f", {passes} passes of {each}" if passes > 1
+                                                                          else "") + " ...")
+            results, total, errors, totals = [], 0.0, [], []
+            for g in range(passes):
+                if errors:
+                    break
+                got, t, errors = run_workload(send, prompts[g * each:(g + 1) * each], clients)
+                results, total = results + got, total + t
                 totals.append(t)
+            results += [None] * (len(prompts) - len(results))
             after = _decoder_snapshot(metrics_port)
             stats_after = _api_stats(api_port)
             delta = metrics_delta(before, after) if before and after else None
-            row.update(summarize_mode(mode, results, total, None if reference is None else list(reference) * passes,
-                                      delta))
+            row.update(summarize_mode(mode, results, total, reference, delta))
             if passes > 1:
-                row["outputs"] = row["outputs"][: len(prompts)]
                 row["pass_s"] = totals
-                row["requests_per_s_passes"] = [len(prompts) / t for t in totals if t > 0]
+                row["requests_per_s_passes"] = [each / t for t in totals if t > 0]
                 row["requests_per_s_median"] = statistics.median(row["requests_per_s_passes"])
             row["ok"] = not errors
             row["reason"] = "; ".join(errors[:3])
@@ -1313,7 +1314,7 @@ def main(modes: Sequence[str], prompts: int = 8, prompt_tokens: int = 1500, prom
     wd = open_work_dir(directory, "lmcache-bench-pd-")
     model = smollm2_checkpoint(progress=say)
     tok = AutoTokenizer.from_pretrained(str(model))
-    texts = build_prompts(tok, prompts, prompt_tokens, seed, prompt_kind)
+    texts = build_prompts(tok, prompts * passes, prompt_tokens, seed, prompt_kind)  # passes: prompts each
     lens = [len(tok(t)["input_ids"]) for t in texts]
     warm = build_prompts(tok, 1, 300, seed + 7919, prompt_kind)[0] if warmup else None
     max_len = max(4096, max(lens) + max_tokens + 64)
