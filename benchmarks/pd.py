@@ -1247,8 +1247,11 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
                 assert pair is not None and pair.prefiller is not None and pair.decoder is not None
                 say(f"{mode}: CPU-tier hits at the decoder, {cpu_hit_passes} passes ...")
                 try:
-                    row["cpu_hit"] = cpu_hit_baseline(pair.prefiller.port, pair.decoder.port, prompts, max_tokens,
-                                                      clients, cpu_hit_passes, request_timeout, row.get("outputs"))
+                    # the last pass's prompts: the decoder's cpu tier holds the latest requests' KV
+                    outs = row.get("outputs")
+                    row["cpu_hit"] = cpu_hit_baseline(pair.prefiller.port, pair.decoder.port, prompts[-each:],
+                                                      max_tokens, clients, cpu_hit_passes, request_timeout,
+                                                      outs[-each:] if outs else outs)
                 except Exception as exc:  # noqa: BLE001 -- the workload's figures stand without it
                     row["cpu_hit"] = {"error": f"{type(exc).__name__}: {exc}"}
                     say(f"{mode}: CPU-tier hit baseline failed: {row['cpu_hit']['error']}")

@@ -535,6 +535,36 @@ def test_unfull_chunk(model_config, unfull):
         eng.close()
 
 
+@pytest.mark.parametrize("layout", ["flash_attn", "std_nhd"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
+def test_a_hit_ending_inside_a_block_loads_to_its_last_token(model_config, layout, layerwise):
+    """A PD decoder's request (LMCache's decoder config: ``skip_last_n_tokens: 1``,
+    ``discard_partial_chunks: false``): the stored prompt plus one token (the prefiller's
+    first). The hit (250 tokens: 3 full chunks and an unfull one) ends before the last
+    token, inside vLLM's 16th block: it is loaded to its last token, and vLLM computes one
+    token, not the 10 that rounding down to a whole block would leave it."""
+    eng = Engine(make_config(model_config, upstream=True, skip_last_n_tokens=1, discard_partial_chunks=False,
+                             use_layerwise=layerwise), kv_cache_config(False))
+    gen = torch.Generator().manual_seed(5)
+    try:
+        a_layers, b_layers = alloc(layout), alloc(layout)
+        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+        prompt = list(range(1, 251))
+        eng.submit("a", prompt)
+        out, _ = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
+        a_blocks = new_req(out, "a").block_ids[0]
+        eng.finish("a")
+        eng.sched.reset_prefix_cache()
+        eng.submit("b", prompt + [77])
+        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
+        b = new_req(out, "b")
+        assert b.num_computed_tokens == 250 and out.num_scheduled_tokens["b"] == 1 and invalid == set()
+        assert out.kv_connector_metadata.loads[0].load_end == 250
+        assert same(a_layers, layout, slots_of(a_blocks, 250), b_layers, layout, slots_of(b.block_ids[0], 250))
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("layerwise", [False, True], ids=["bulk", "layerwise"])
 def test_failed_load_reports_blocks(model_config, layerwise):
     layout = "blocks_first"

@@ -72,3 +72,19 @@ class Side:
         #: upstream LMCache's Prometheus metrics, in vLLM's /metrics (plugins/connectors/prometheus.py)
         self.metrics = Metrics(model_name=str(getattr(mc, "model", "")), worker_id=self.tp_rank, role=self.role,
                                served_model_name=str(served[0] if isinstance(served, (list, tuple)) and served else served or ""))
+
+
+def usable_tokens(found: int, num_tokens: int, block_size: int, exact: int | None = None) -> int:
+    """How many of a request's ``num_tokens`` a hit of ``found`` tokens lets vLLM skip.
+    vLLM computes at least the last token: where that cap is what limits the hit, it is
+    rounded down to a whole block (the block holding the last token is computed), and so
+    is a hit that shifted reuse extends past its ``exact`` part. An exact hit that ends
+    before the cap is taken to its last token, also inside a block: vLLM accepts a partial
+    last block, and only layouts that load per token store a partial block, so a hit ends
+    inside a block only where it can be loaded so. A PD decoder's prompt is the prompt plus
+    the prefiller's first token: it computes that one token, not the rest of the prompt's
+    last block."""
+    cap = num_tokens - 1
+    if found <= cap and (exact is None or found <= exact):
+        return found
+    return min(found, cap) // block_size * block_size

@@ -195,11 +195,13 @@ class PDScheduler:
 
     def pull_match(self, request: Any, num_computed: int, block_size: int) -> int:
         """Decoder, vLLM's flow: how many tokens past ``num_computed`` the offer brings
-        (block aligned, never the last prompt token)."""
+        (:func:`.common.usable_tokens`)."""
         p = self.plans[request.request_id]
         assert p.pull is not None
-        usable = min(p.pull["tokens"], len(request.prompt_token_ids or []), request.num_tokens - 1)
-        return max(0, usable // block_size * block_size - num_computed)
+        from .common import usable_tokens
+
+        offered = min(p.pull["tokens"], len(request.prompt_token_ids or []))
+        return max(0, usable_tokens(offered, request.num_tokens, block_size) - num_computed)
 
     def send(self, req_id: str, prompt: list[int], extra: Any) -> PDSend | None:
         """The request's prompt is stored this step: what its workers send (once)."""

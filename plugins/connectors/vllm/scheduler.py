@@ -22,7 +22,7 @@ from lmcache.keys import KeyExtra
 
 from ...services.lookup import LookupReply, socket_path
 from ...services.lookup_client import LookupClient
-from .common import Side
+from .common import Side, usable_tokens
 from .events import BlockInfo, LMCacheTierEvents, block_info
 from .extra import SKIP_SAVE, TAG_PREFIX, request_extra, request_params
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, LookupAsk, SaveSpec, _Lookup, _ReqState
@@ -243,8 +243,8 @@ class ConnectorScheduler(Side):
         if not lk.counted:
             lk.counted = True
             self.metrics.lookup(len(lk.tokens), hit, num_computed_tokens, time.monotonic() - lk.started)
-        # vLLM computes at least the last token; hits are whole blocks
-        usable = min(hit, request.num_tokens - 1) // self.block_size * self.block_size
+        exact = min(r.exact(self.chunk_size) for r in lk.replies)
+        usable = usable_tokens(hit, request.num_tokens, self.block_size, exact)
         if usable <= num_computed_tokens:
             self._release_lookup(lk)
             del self._lookups[req_id]
