@@ -510,27 +510,38 @@ def test_vllm_prefix_cache_hit_is_skipped(model_config):
         eng.close()
 
 
+def _store_then_reload(eng: Engine, layout: str, prompt: list[int], tail: list[int], seed: int, layerwise: bool = False):
+    """Request "a" stores ``prompt`` from one worker's blocks; vLLM forgets it; request "b"
+    (``prompt + tail``) is scheduled on another worker: (b, b's step output, its invalid
+    blocks, a check that b's first ``n`` tokens hold a's KV)."""
+    gen = torch.Generator().manual_seed(seed)
+    a_layers, b_layers = alloc(layout), alloc(layout)
+    wa, wb = eng.worker(a_layers), eng.worker(b_layers)
+    eng.submit("a", prompt)
+    out, _ = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
+    a_blocks = new_req(out, "a").block_ids[0]
+    eng.finish("a")
+    eng.sched.reset_prefix_cache()
+    eng.submit("b", prompt + tail)
+    out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
+    b = new_req(out, "b")
+
+    def same_kv(n: int) -> bool:
+        return same(a_layers, layout, slots_of(a_blocks, n), b_layers, layout, slots_of(b.block_ids[0], n))
+
+    return b, out, invalid, same_kv
+
+
 @pytest.mark.parametrize("unfull", [True, False])
 def test_unfull_chunk(model_config, unfull):
-    layout = "flash_attn"
     eng = Engine(make_config(model_config, **{"lmcache.save_unfull_chunk": unfull}), kv_cache_config(False))
-    gen = torch.Generator().manual_seed(3)
     try:
-        a_layers, b_layers = alloc(layout), alloc(layout)
-        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
         prompt = list(range(1, 251))  # 3 full chunks + 58 tokens
-        eng.submit("a", prompt)
-        out, _ = eng.step(wa, a_layers, layout, gen)
-        a_blocks = new_req(out, "a").block_ids[0]
-        assert wa.engine.lookup(prompt) == (250 if unfull else 192)
-        eng.finish("a")
-        eng.sched.reset_prefix_cache()
-        eng.submit("b", prompt)  # the same prompt: all but its last token may be loaded
-        out, invalid = eng.step(wb, b_layers, layout, gen)
-        b = new_req(out, "b")
-        want = 240 if unfull else 192  # block aligned, never the last prompt token
-        assert b.num_computed_tokens == want and invalid == set()
-        assert same(a_layers, layout, slots_of(a_blocks, want), b_layers, layout, slots_of(b.block_ids[0], want))
+        # the same prompt again: all but its last token may be loaded
+        b, _, invalid, same_kv = _store_then_reload(eng, "flash_attn", prompt, [], seed=3)
+        assert eng.sched.connector.stats["hit_tokens"] == b.num_computed_tokens
+        want = 240 if unfull else 192  # the last token's block is computed; no unfull chunk: whole chunks
+        assert b.num_computed_tokens == want and invalid == set() and same_kv(want)
     finally:
         eng.close()
 
@@ -545,22 +556,11 @@ def test_a_hit_ending_inside_a_block_loads_to_its_last_token(model_config, layou
     token, not the 10 that rounding down to a whole block would leave it."""
     eng = Engine(make_config(model_config, upstream=True, skip_last_n_tokens=1, discard_partial_chunks=False,
                              use_layerwise=layerwise), kv_cache_config(False))
-    gen = torch.Generator().manual_seed(5)
     try:
-        a_layers, b_layers = alloc(layout), alloc(layout)
-        wa, wb = eng.worker(a_layers), eng.worker(b_layers)
-        prompt = list(range(1, 251))
-        eng.submit("a", prompt)
-        out, _ = eng.step(wa, a_layers, layout, gen, layerwise=layerwise)
-        a_blocks = new_req(out, "a").block_ids[0]
-        eng.finish("a")
-        eng.sched.reset_prefix_cache()
-        eng.submit("b", prompt + [77])
-        out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise)
-        b = new_req(out, "b")
+        b, out, invalid, same_kv = _store_then_reload(eng, layout, list(range(1, 251)), [77], seed=5,
+                                                      layerwise=layerwise)
         assert b.num_computed_tokens == 250 and out.num_scheduled_tokens["b"] == 1 and invalid == set()
-        assert out.kv_connector_metadata.loads[0].load_end == 250
-        assert same(a_layers, layout, slots_of(a_blocks, 250), b_layers, layout, slots_of(b.block_ids[0], 250))
+        assert out.kv_connector_metadata.loads[0].load_end == 250 and same_kv(250)
     finally:
         eng.close()
 
