@@ -86,18 +86,24 @@ class Serving:
             raise TransferError("unknown or expired offer")
         return o
 
+    @staticmethod
+    def _metas(op: str, request: Any, chunks: Any) -> list[ChunkMeta]:
+        """A peer's request id and chunk list, checked, as the chunks' metadata."""
+        if not isinstance(request, str) or not 0 < len(request) <= MAX_KEY:
+            raise ValueError(f"{op}: request id must be a string of 1-1024 characters")
+        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
+            raise ValueError(f"{op}: 1-{MAX_CHUNKS} chunks")
+        return [ChunkMeta.from_json(c) for c in chunks]
+
+    def _full(self) -> dict[str, Any]:
+        return {"ok": False, "full": True, "error": f"receive buffer full ({self.buffer.in_flight} of "
+                                                    f"{self.buffer.capacity} bytes in flight)"}
+
     def _serve_alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
         request = msg.get("request")
-        chunks = msg.get("chunks")
-        if not isinstance(request, str) or not 0 < len(request) <= MAX_KEY:
-            raise ValueError("alloc: request id must be a string of 1-1024 characters")
-        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
-            raise ValueError(f"alloc: 1-{MAX_CHUNKS} chunks")
-        metas = [ChunkMeta.from_json(c) for c in chunks]
-        a = self.buffer.reserve(request, metas)
+        a = self.buffer.reserve(request, self._metas("alloc", request, msg.get("chunks")))
         if a is None:
-            return {"ok": False, "full": True, "error": f"receive buffer full ({self.buffer.in_flight} of "
-                                                        f"{self.buffer.capacity} bytes in flight)"}
+            return self._full()
         self._kick()
         return {"ok": True, "alloc": a.id, "slots": [self.channel.describe(o) for o in a.objs],
                 "expires_in": round(a.deadline - self.buffer.clock(), 3)}
@@ -126,18 +132,13 @@ class Serving:
         desc, left = msg.get("offer"), msg.get("expires_in")
         if not isinstance(desc, dict) or isinstance(left, bool) or not isinstance(left, (int, float)) or not left > 0:
             raise ValueError("fetch: an offer and a positive expires_in")
-        request, chunks, sums = desc.get("request"), desc.get("chunks"), desc.get("checksums")
-        if not isinstance(request, str) or not 0 < len(request) <= MAX_KEY:
-            raise ValueError("fetch: request id must be a string of 1-1024 characters")
-        if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_CHUNKS:
-            raise ValueError(f"fetch: 1-{MAX_CHUNKS} chunks")
-        if sums is not None and (not isinstance(sums, list) or len(sums) != len(chunks)):
+        request, sums = desc.get("request"), desc.get("checksums")
+        metas = self._metas("fetch", request, desc.get("chunks"))
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(metas)):
             raise ValueError("fetch: one checksum per chunk")
-        metas = [ChunkMeta.from_json(c) for c in chunks]
         a = self.buffer.reserve(request, metas)
         if a is None:
-            return {"ok": False, "full": True, "error": f"receive buffer full ({self.buffer.in_flight} of "
-                                                        f"{self.buffer.capacity} bytes in flight)"}
+            return self._full()
         # the slots count as in flight until committed; the read ends well before either side
         # frees memory: the peer keeps its chunks for expires_in, the reaper these slots until
         # their deadline

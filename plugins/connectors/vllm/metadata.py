@@ -214,6 +214,10 @@ class _Lookup:
     def hit(self) -> int:
         return min((r.hit for r in self.replies), default=0) if self.replies else 0
 
+    def exact(self, chunk_size: int) -> int:
+        """The exact (not shifted) part of the hit that every rank holds."""
+        return min((r.exact(chunk_size) for r in self.replies), default=0) if self.replies else 0
+
     def tier_of_chunk(self, i: int) -> int:
         """The deepest tier any rank holds hit chunk ``i`` in."""
         assert self.replies

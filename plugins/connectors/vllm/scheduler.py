@@ -243,8 +243,7 @@ class ConnectorScheduler(Side):
         if not lk.counted:
             lk.counted = True
             self.metrics.lookup(len(lk.tokens), hit, num_computed_tokens, time.monotonic() - lk.started)
-        exact = min(r.exact(self.chunk_size) for r in lk.replies)
-        usable = usable_tokens(hit, request.num_tokens, self.block_size, exact)
+        usable = usable_tokens(hit, request.num_tokens, self.block_size, lk.exact(self.chunk_size))
         if usable <= num_computed_tokens:
             self._release_lookup(lk)
             del self._lookups[req_id]
@@ -318,7 +317,7 @@ class ConnectorScheduler(Side):
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         # the load reads (and then releases on every rank) the prefix all ranks hold; a
         # rank's pins past it expire after lookup_pin_timeout
-        exact = min(r.exact(self.chunk_size) for r in lk.replies)
+        exact = lk.exact(self.chunk_size)
         shifted = end > exact
         self._loads[req_id] = LoadSpec(req_id, lk.tokens[: lk.hit], block_ids, local, end, is_async, exact, shifted,
                                        lk.extra, seq=lk.seq if lk.inband else None)
