@@ -148,7 +148,9 @@ class ChunkGateway:
         of it is checked first (:meth:`check`): a mismatch stores nothing. ``observers``
         are told once, before the puts, when ``tokens`` (what ``chunks`` are of) is given.
         References are released on every path; ``pool``/``in_flight``: see
-        :func:`~lmcache.engine_io.store_chunks`."""
+        :func:`~lmcache.engine_io.store_chunks` (the pool is used where two chunks or more
+        are put: one has nothing to overlap with). :meth:`CacheEngine.store
+        <lmcache.CacheEngine.store>` stores through here."""
         keys = list(keys)
         if chunks is None:
             pages = list(kv)
@@ -173,6 +175,8 @@ class ChunkGateway:
             observe(tokens, list(chunks), keys)
         present = self.contains(keys, tier)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
+        if sum(1 for here in present if not here) < 2:  # one chunk to put: nothing to overlap it with
+            pool = None
         res = store_chunks(target, src, self.layout(), list(chunks), keys, present, pool, in_flight)
         held = [here or target.taken.get(k, False) for k, here in zip(keys, present)]
         return ChunkStoreResult(res.stored_tokens, res.skipped_tokens, res.dropped_tokens, held, len(target.taken))

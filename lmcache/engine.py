@@ -218,12 +218,12 @@ class CacheEngine:
         prompt = self.prompt(tokens, extra)
         if self.miss_fillers:  # a service fetches what the tiers miss (the p2p endpoint)
             chunks, keys = prompt.chunks, prompt.keys
-            tiers = self.hierarchy.contains_prefix(keys)
+            tiers = self.chunks.contains_prefix(keys)
             for fill in self.miss_fillers:
                 if len(tiers) == len(keys):
                     break
                 if fill(chunks, keys, len(tiers)):
-                    tiers = self.hierarchy.contains_prefix(keys)
+                    tiers = self.chunks.contains_prefix(keys)
             n = chunks[len(tiers) - 1].end if tiers else 0
         else:
             # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
@@ -231,7 +231,7 @@ class CacheEngine:
             keys, tiers = [], []
             for batch in prompt.batches():
                 keys += batch
-                got = self.hierarchy.contains_prefix(batch)
+                got = self.chunks.contains_prefix(batch)
                 tiers += got
                 if len(got) < len(batch):
                     break
@@ -258,20 +258,17 @@ class CacheEngine:
         """
         self._check_open()
         src = _KV.wrap(kv)
-        spec = self._adopt_spec(src)
+        self._adopt_spec(src)
         prompt = self.prompt(tokens, extra)
-        chunks, keys = prompt.chunks, prompt.keys
         if src.num_tokens != len(prompt):
             raise KVShapeError(f"kv holds {src.num_tokens} tokens but {len(prompt)} tokens were given")
-        for observe in self.store_observers if not prompt.extra else ():  # (the KV-event publisher: token ids for BlockStored)
-            observe(prompt.tokens, chunks, keys)
-        present = self.hierarchy.contains(keys)
-        self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         # a file-like top tier writes on the store's own I/O threads, so that the write of
-        # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held)
-        pipelined = sum(1 for here in present if not here) > 1 and self.hierarchy.tiers[0].backend.streams_gets
-        return store_chunks(self.hierarchy, src, spec, chunks, keys, present,
-                            self._put_pool() if pipelined else None, PUTS_IN_FLIGHT)
+        # chunk i overlaps the copy of chunk i+1 (at most PUTS_IN_FLIGHT chunks held);
+        # the store observers (the KV-event publisher) hear the token ids of plain keys
+        pool = self._put_pool() if self.hierarchy.tiers[0].backend.streams_gets else None
+        r = self.chunks.store(prompt.keys, src, chunks=prompt.chunks, tokens=None if prompt.extra else prompt.tokens,
+                              pool=pool, in_flight=PUTS_IN_FLIGHT)
+        return StoreResult(r.stored_tokens, r.skipped_tokens, r.dropped_tokens)
 
     def _put_pool(self) -> Any:
         with self._lock:
