@@ -15,7 +15,7 @@ def load_shifted(self: Any, spec: LoadSpec, start: int, view: torch.Tensor) -> i
     """``self``: the :class:`~.worker.ConnectorWorker`. Shifted reuse after the exact part (``view[:, :, :start]``): the chunks the
     content index has for the next tokens, their keys re-rotated to these positions,
     without a gap; returns how far they reach. The request's KV from ``start`` on is
-    approximate: its saves go under shifted keys (:meth:`_finish_save`)."""
+    approximate: its saves go under shifted keys (:meth:`.save_sources.Staged._store`)."""
     from lmcache.kernels import rope
 
     assert self.engine is not None

@@ -5,8 +5,9 @@ engine (:mod:`.registry`), whose ``lookup`` service answers the scheduler.
 from their shapes (:mod:`.layout`); every load (:meth:`ConnectorWorker.load`) retrieves into
 one of the sinks of :mod:`.load_sinks` (each chunk from the engine's memory pool into the
 paged blocks with :mod:`lmcache.kernels` through slot mappings built from block ids; MLA,
-vLLM's CPU layout and shifted reuse through a staging buffer; layer by layer); saves gather and store
-(:meth:`ConnectorWorker._prepare_save`, :meth:`ConnectorWorker._finish_save`). A load that
+vLLM's CPU layout and shifted reuse through a staging buffer; layer by layer); every save takes its
+KV through one of the sources of :mod:`.save_sources` (straight from the paged blocks into
+the pool, or through a staging buffer, at once or layer by layer). A load that
 returns fewer tokens than promised reports the affected blocks through
 :meth:`ConnectorWorker.get_block_ids_with_load_errors`, so vLLM recomputes them.
 """
@@ -26,7 +27,6 @@ import torch
 from lmcache import kernels as K
 from lmcache.config import load_config
 from lmcache.engine import CacheEngine
-from lmcache.engine_io import KVGather
 from lmcache.keys import KeyExtra
 from lmcache.kernels import KVLayout
 from lmcache.services import EngineView
@@ -36,10 +36,12 @@ from .blocks import BlockEntries, block_entries_layout, packed_rows, savable
 from .common import Side, lookup_mode
 from .events import EventBridge, LMCacheTierEvents
 from .layout import VLLM_BHNC, VLLM_CPU_VEC, _slots, cpu_isa, detect_layout, tp_rank_of
-from .load_sinks import Blocks, Direct, Layerwise, LoadSink, Staged
+from . import load_sinks, save_sources
+from .load_sinks import LoadSink
 from .metadata import LMCacheConnectorMetadata, LMCacheWorkerMetadata, LoadSpec, SaveSpec
 from .pd import PDWorker, receiver_port
 from .registry import acquire_engine, add_worker, release_engine, remove_worker
+from .save_sources import SaveSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,7 +93,7 @@ class ConnectorWorker(Side):
         self._split = False
         self._failed: set[int] = set()
         self._layer_loads: list[tuple[LoadSpec, Any, torch.Tensor, torch.Tensor]] = []
-        self._layer_saves: list[tuple[SaveSpec, torch.Tensor, torch.Tensor, int]] = []
+        self._layer_saves: list[SaveSource] = []  # this step's layerwise saves, between layer 0 and the last
         self._async_lock = threading.Lock()
         self._async_done: set[str] = set()
         self._io: ThreadPoolExecutor | None = None
@@ -276,12 +278,12 @@ class ConnectorWorker(Side):
         thread), whole blocks, each chunk straight into the paged blocks, or one staging
         buffer (MLA, vLLM's CPU attention layout, shifted reuse: :meth:`_per_chunk`)."""
         if self.layerwise and not spec.is_async:
-            return Layerwise(self, spec)
+            return load_sinks.Layerwise(self, spec)
         if self._block_entries is not None:
-            return Blocks(self, spec)
+            return load_sinks.Blocks(self, spec)
         if self._per_chunk() and not spec.shifted:
-            return Direct(self, spec)
-        return Staged(self, spec, role)
+            return load_sinks.Direct(self, spec)
+        return load_sinks.Staged(self, spec, role)
 
     def _per_chunk(self) -> bool:
         """Whether loads and saves move each chunk straight between the pool and the paged
@@ -378,99 +380,29 @@ class ConnectorWorker(Side):
         if meta is None or not meta.saves or i is None or not self._layers:
             return
         if i == 0:
-            self._layer_saves = []
-            for spec in filter(None, (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves)):
-                prepared = self._prepare_save(spec)
-                if prepared is not None:
-                    self._layer_saves.append(prepared)
-        for spec, dev_buf, slots, skip in self._layer_saves:
-            for j in self._kernel_layers(i):
-                K.gather_layer(self._layers[j], self._layout, slots, dev_buf[j], skip)
+            self._layer_saves = [src for src in (save_sources.Layerwise(self, s) for s in self._savable(meta)) if src.begin()]
+        for src in self._layer_saves:
+            src.layer(i)
         if i == self.kv_spec.num_layers - 1:
             saves, self._layer_saves = self._layer_saves, []
-            for spec, dev_buf, slots, skip in saves:
-                self._finish_save(spec, dev_buf, skip)
+            for src in saves:
+                src.finish()
 
-    def _save_direct(self, spec: SaveSpec) -> None:
-        """Store one save with no staging: the engine asks for each chunk it does not hold
-        yet, gathered from the paged blocks straight into the cache's memory pool
-        (:class:`~lmcache.engine_io.KVGather`; on a GPU through one chunk-sized device
-        buffer); no lookup before it, no leases."""
-        assert self.engine is not None and self._layout is not None
-        slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
-        layers, layout, device, blocks = self._layers, self._layout, self._device(), self._block_entries
+    def _savable(self, meta: LMCacheConnectorMetadata) -> list[SaveSpec]:
+        return [s for s in (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves) if s is not None]
 
-        def fill(start: int, end: int, out: torch.Tensor) -> None:
-            shape = layout.chunk_shape(layers[0], len(layers), end - start)
-            if blocks is not None:  # whole blocks (.blocks)
-                blocks.save(out, start, end, spec.block_ids)
-            elif device.type == "cpu":
-                K.gather(layers, layout, slots[start:end], out.view(shape))
-            else:
-                out.view(shape).copy_(K.gather(layers, layout, slots[start:end],
-                                               torch.empty(shape, dtype=out.dtype, device=device)))
-
-        spec_kv = self.kv_spec
-        src = KVGather(fill, num_tokens=len(spec.token_ids), num_layers=spec_kv.num_layers,
-                       num_kv_heads=spec_kv.num_kv_heads, head_size=spec_kv.head_size, dtype=layers[0].dtype)
-        t0 = time.perf_counter()
-        try:
-            res = self.engine.store(spec.keyed(self.engine), src, extra=spec.extra)
-            self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
-            self.metrics.usage(self.engine.hierarchy.tiers)
-        except Exception:
-            log.exception("lmcache: storing %s failed", spec.req_id)
-
-    def _prepare_save(self, spec: SaveSpec, role: str | None = None) -> tuple[SaveSpec, torch.Tensor, torch.Tensor, int] | None:
-        """Pin what is cached already and set up the gather of the rest (``None``: nothing to
-        do); the gather's buffer is on the engine's device, kept for ``role`` (see :meth:`_buffer`)."""
-        assert self.engine is not None
-        skip = self.engine.lookup(spec.keyed(self.engine), pin=True, extra=spec.extra)
-        if skip >= len(spec.token_ids):
-            self.engine.release(spec.keyed(self.engine), extra=spec.extra)
-            return None
-        # from here on, what this lookup leased is token_ids[:skip]: every release below
-        # drops exactly that (a chunk past it may be another caller's lease by then)
-        slots = _slots(spec.block_ids, self.block_size, len(spec.token_ids))
-        dev_buf, _ = self._buffer(len(spec.token_ids), role, self._device())
-        return spec, dev_buf, slots, skip
-
-    def _gather_from(self, spec: SaveSpec, skip: int) -> int:
-        """Where a save's gather starts: ``skip`` (what is cached already), or the first
-        position a shifted load did not load exactly, if earlier."""
+    def shifted_from(self, req_id: str) -> int | None:
+        """Where a shifted load of ``req_id`` stopped loading exact KV (``None``: none did)."""
         with self._async_lock:
-            b = self._shifted_from.get(spec.req_id)
-        return skip if b is None else min(skip, b)
+            return self._shifted_from.get(req_id)
 
-    def _finish_save(self, spec: SaveSpec, dev_buf: torch.Tensor, skip: int) -> None:
-        assert self.engine is not None
-        try:
-            if dev_buf.device.type == "cpu":  # gathered on the host already (vLLM's CPU backend)
-                view = self._view_of(dev_buf)
-            else:
-                buf, view = self._buffer(len(spec.token_ids), "save")
-                g = self._gather_from(spec, skip)
-                buf[:, :, g:].copy_(dev_buf[:, :, g:])
-            with self._async_lock:
-                b = self._shifted_from.get(spec.req_id)
-            svc = self.engine.services.get("approximate_reuse")
-            if b is not None and b < len(spec.token_ids):
-                # KV built on shifted reuse is not exact: never under the exact keys
-                if b:
-                    self.engine.store(spec.token_ids[:b], view[:, :, :b], extra=spec.extra)
-                if svc is not None:
-                    svc.store_shifted(spec.token_ids, view, b // self.chunk_size)
-                return
-            # chunks before ``skip`` stay pinned (leased) until after the store, so the
-            # store skips them and never reads their unfilled rows
-            t0 = time.perf_counter()
-            res = self.engine.store(spec.keyed(self.engine), view, extra=spec.extra)
-            self.metrics.store(res.stored_tokens, time.perf_counter() - t0)
-            self.metrics.usage(self.engine.hierarchy.tiers)
-        except Exception:
-            log.exception("lmcache: storing %s failed", spec.req_id)
-        finally:
-            self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
+    def save_source(self, spec: SaveSpec) -> SaveSource:
+        """How a bulk save of ``spec`` takes its KV (:mod:`.save_sources`): straight from the
+        paged blocks where a chunk is gathered per token or stored as whole blocks, else
+        through the staging buffer (also every save of a request built on shifted reuse)."""
+        if (self._per_chunk() or self._block_entries is not None) and self.shifted_from(spec.req_id) is None:
+            return save_sources.Direct(self, spec)
+        return save_sources.Staged(self, spec)
 
     def wait_for_save(self, meta: LMCacheConnectorMetadata | None) -> None:
         """Bulk: gather and store this step's saves (layerwise: drop a partial layer walk);
@@ -486,29 +418,14 @@ class ConnectorWorker(Side):
             return
         assert self.engine is not None
         if self.layerwise:
-            if self._layer_saves:  # not every layer called save_kv_layer: store nothing partial
-                for spec, _, _, skip in self._layer_saves:
-                    self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
-                self._layer_saves = []
+            saves, self._layer_saves = self._layer_saves, []
+            for src in saves:  # not every layer called save_kv_layer: store nothing partial
+                src.abort()
             return
-        for spec in filter(None, (savable(s, self.kv_spec.layout, self.block_size) for s in meta.saves)):
-            # one after another: they share the "gather" buffer
-            with self._async_lock:
-                shifted = spec.req_id in self._shifted_from
-            if (self._per_chunk() or self._block_entries is not None) and not shifted:  # staging only where needed
-                self._save_direct(spec)
-                continue
-            prepared = self._prepare_save(spec, "gather")
-            if prepared is None:
-                continue
-            _, dev_buf, slots, skip = prepared
-            try:
-                K.gather(self._layers, self._layout, slots, dev_buf, self._gather_from(spec, skip))
-            except Exception:
-                log.exception("lmcache: gathering %s failed", spec.req_id)
-                self.engine.release(spec.keyed(self.engine), extra=spec.extra, upto=skip)
-                continue
-            self._finish_save(spec, dev_buf, skip)
+        for spec in self._savable(meta):  # one after another: they share the "gather" buffer
+            src = self.save_source(spec)
+            if src.begin():
+                src.finish()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Saves finish within the step; asynchronous loads are reported once done."""
