@@ -156,15 +156,22 @@ class CacheEngine:
         hashed now (:meth:`prompt` keeps them for the calls that follow)."""
         return self.tokens.chunk_keys(tokens, self._key_prefix(), extra)
 
-    def prompt(self, tokens: Any, extra: KeyExtra | None = None) -> Prompt:
+    def prompt(self, tokens: Any, extra: KeyExtra | None = None, request: str | None = None) -> Prompt:
         """``tokens`` with their chunk keys, hashed once for every call that follows:
         :meth:`lookup`, :meth:`locate`, :meth:`store`, :meth:`retrieve`, :meth:`release`
         and :meth:`retrieve_layerwise` take it in place of the tokens (and find it again
         when given the same tokens and extra: see :class:`~lmcache.prompt.PromptMemo`).
-        Needs the kv spec (the keys name it)."""
+        ``request``: the caller's name of the request these tokens are (a prefix or an
+        extension of) the tokens of; its prompt is then found by that name, with no digest
+        of the tokens (:meth:`~lmcache.prompt.PromptMemo.of_request`); :meth:`forget` it when
+        it finished. Needs the kv spec (the keys name it)."""
         if self.kv_spec is None:
             raise KVShapeError("no kv_spec yet: give the engine one, or store once, before building prompts")
-        return self.prompts.get(tokens, self._key_prefix(), extra)
+        return self.prompts.get(tokens, self._key_prefix(), extra, request)
+
+    def forget(self, request: str) -> None:
+        """Drop what :meth:`prompt` keeps of ``request`` (it finished)."""
+        self.prompts.forget(request)
 
     def _adopt_spec(self, kv: _KV) -> KVSpec:
         """This engine's kv spec, taken from the first KV stored; later KV must match it."""
@@ -241,8 +248,10 @@ class CacheEngine:
             if held < len(tiers):  # evicted between the lookup and its lease: promise what is held
                 tiers = tiers[:held]
                 n = min(held * self.tokens.chunk_size, len(prompt))
-            head = prompt.head(n) if 0 < n < len(prompt) else None
-            if head is not None:  # the retrieve of what was found follows: it finds the keys
+            # the retrieve of what was found follows: it finds the keys (a caller that
+            # brought its prompt, as the vLLM connector does, brings it again)
+            head = prompt.head(n) if 0 < n < len(prompt) and not isinstance(tokens, Prompt) else None
+            if head is not None:
                 self.prompts.put(head)
         return n, tiers
 

@@ -37,7 +37,7 @@ class Prompt:
     once. ``tokens`` is an int64 array (read-only and the prompt's own when remembered).
     """
 
-    __slots__ = ("tokens", "extra", "prefix", "stop", "_cs", "_keys", "_batches", "_lock")
+    __slots__ = ("tokens", "extra", "prefix", "stop", "_cs", "_proc", "_keys", "_batches", "_lock")
 
     def __init__(self, processor: TokenProcessor, prefix: str, tokens: np.ndarray, extra: KeyExtra | None,
                  known: list[str] | None = None):
@@ -48,6 +48,7 @@ class Prompt:
         self.prefix = prefix
         self.stop = processor._stop(len(tokens))  # where the last chunk ends
         self._cs = processor.chunk_size
+        self._proc = processor
         self._keys: list[str] = list(known or ())
         resume = (len(self._keys), self._keys[-1]) if self._keys else None
         self._batches: Iterator[list[str]] | None = processor.key_batches(tokens, prefix, extra=self.extra,
@@ -114,8 +115,18 @@ class Prompt:
         keys = self.keys_upto(num_tokens)
         head = Prompt.__new__(Prompt)
         head.tokens, head.extra, head.prefix, head._cs = self.tokens[:num_tokens], self.extra, self.prefix, self._cs
-        head.stop, head._keys, head._batches, head._lock = num_tokens, list(keys), None, threading.Lock()
+        head._proc, head.stop, head._keys, head._batches = self._proc, num_tokens, list(keys), None
+        head._lock = threading.Lock()
         return head
+
+    def prefix_of(self, num_tokens: int) -> Prompt:
+        """The prompt of ``tokens[:num_tokens]``: the full chunks' keys are this one's, a
+        partial last chunk of its own is hashed when asked (no token is converted again)."""
+        head = self.head(num_tokens)
+        if head is not None:
+            return head
+        full = num_tokens // self._cs
+        return Prompt(self._proc, self.prefix, self.tokens[:num_tokens], self.extra, self.keys_upto(full * self._cs)[:full])
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -136,17 +147,24 @@ class PromptMemo:
         self.max_tokens = max_tokens
         self._items: OrderedDict[tuple[str, bytes, int, bytes], Prompt] = OrderedDict()
         self._tokens = 0
+        #: each request's prompt, the longest its calls gave (:meth:`of_request`), bounded as ``_items``
+        self._requests: OrderedDict[tuple[str, str, bytes], Prompt] = OrderedDict()
+        self._request_tokens = 0
         self._lock = threading.Lock()
         #: prompts built (their tokens hashed) and prompts found again
         self.built = self.found = 0
 
-    def get(self, tokens: Any, prefix: str, extra: KeyExtra | None = None) -> Prompt:
+    def get(self, tokens: Any, prefix: str, extra: KeyExtra | None = None, request: str | None = None) -> Prompt:
         """The prompt of ``tokens`` (a list, array, tensor or a :class:`Prompt`) under
-        ``prefix`` and ``extra``: the remembered one if its tokens are exactly these."""
+        ``prefix`` and ``extra``: the remembered one if its tokens are exactly these.
+        ``request``: the tokens are (a prefix of, or an extension of) that request's, as
+        the earlier calls naming it gave them (:meth:`of_request`)."""
         if isinstance(tokens, Prompt):
             if tokens.prefix == prefix and tokens.extra == (extra or tokens.extra):
                 return tokens
             tokens, extra = tokens.tokens, extra or tokens.extra
+        if request is not None:
+            return self.of_request(request, tokens, prefix, extra)
         arr = as_token_array(tokens)
         if len(arr) > self.max_tokens:  # too long to keep: hashed for this call only
             return Prompt(self.processor, prefix, arr, extra)
@@ -169,6 +187,67 @@ class PromptMemo:
             self._keep(key, prompt)
         return prompt
 
+    def of_request(self, request: str, tokens: Any, prefix: str, extra: KeyExtra | None = None) -> Prompt:
+        """The prompt of ``tokens``, which the caller names as request ``request``'s: a
+        request's tokens only grow (a vLLM request's prompt, a chunked prefill's saves of
+        ``prompt[:n]``, a lookup that leaves the last token out), so ``tokens`` is taken
+        as a prefix or an extension of the longest tokens an earlier call of the request
+        gave, and no digest of the whole prompt is needed to find it: a prefix shares that
+        prompt's keys and converts nothing; an extension converts only the tokens past it
+        and hashes on from its last full chunk. The first and the last shared token are
+        checked (a request id reused for other tokens starts over, as a new request). The engine's callers that know the request (the
+        vLLM connector's lookup, loads, saves, KV events and PD sends) use this; the
+        request is forgotten by :meth:`forget` or, as the memo's prompts are, least
+        recently used first."""
+        extra = extra or None
+        key = (request, prefix, extra.to_bytes() if extra else b"")
+        n = len(tokens)
+        if not n:
+            return Prompt(self.processor, prefix, self._own(tokens), extra)
+        with self._lock:
+            p = self._requests.get(key)
+            if p is not None:
+                self._requests.move_to_end(key)
+        arr, known = None, None
+        m = min(n, len(p.tokens)) if p is not None else 0
+        if p is not None and m and int(tokens[0]) == int(p.tokens[0]) and int(tokens[m - 1]) == int(p.tokens[m - 1]):
+            if n <= len(p.tokens):
+                self.found += 1
+                return p.prefix_of(n)
+            arr = np.concatenate([p.tokens, as_token_array(tokens[len(p.tokens):])])
+            full = len(p.tokens) // self.processor.chunk_size
+            known = p.keys_upto(full * self.processor.chunk_size)[:full]
+        if arr is None:
+            arr = self._own(tokens)
+        arr.flags.writeable = False
+        if known is None:
+            known = self._known(prefix, extra, arr)
+        prompt = Prompt(self.processor, prefix, arr, extra, known)
+        with self._lock:
+            self.built += 1
+            old = self._requests.pop(key, None)
+            if old is not None:
+                self._request_tokens -= len(old.tokens)
+            self._requests[key] = prompt
+            self._request_tokens += len(arr)
+            while len(self._requests) > 1 and (len(self._requests) > self.max_prompts
+                                               or self._request_tokens > self.max_tokens):
+                _, old = self._requests.popitem(last=False)
+                self._request_tokens -= len(old.tokens)
+        return prompt
+
+    @staticmethod
+    def _own(tokens: Any) -> np.ndarray:
+        """``tokens`` as an int64 array this memo owns (a caller's array or tensor is copied)."""
+        arr = as_token_array(tokens)
+        return arr if type(tokens) in (list, tuple) else arr.copy()
+
+    def forget(self, request: str) -> None:
+        """Drop request ``request``'s prompts (it finished)."""
+        with self._lock:
+            for key in [k for k in self._requests if k[0] == request]:
+                self._request_tokens -= len(self._requests.pop(key).tokens)
+
     def put(self, prompt: Prompt) -> None:
         """Remember ``prompt`` (e.g. a :meth:`Prompt.head`), unless one of equal content is."""
         if len(prompt.tokens) > self.max_tokens or prompt.tokens.flags.writeable:
@@ -188,7 +267,7 @@ class PromptMemo:
             return None
         first = int(arr[0])
         with self._lock:
-            items = list(self._items.values())
+            items = list(self._items.values()) + list(self._requests.values())
         others = []
         for p in items:  # cheap checks first: the first token, and the last one both hold
             m = min(len(p.tokens), len(arr))
@@ -223,6 +302,8 @@ class PromptMemo:
         with self._lock:
             self._items.clear()
             self._tokens = 0
+            self._requests.clear()
+            self._request_tokens = 0
 
     def __len__(self) -> int:
         return len(self._items)

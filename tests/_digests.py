@@ -17,3 +17,18 @@ def count_digests(engine: Any) -> list[int]:
 
     engine.tokens._digest = digest
     return calls
+
+
+def count_prompt_digests(engine: Any) -> list[int]:
+    """Wrap the digest ``engine``'s prompt memo takes of a whole prompt to find it again
+    (:meth:`lmcache.prompt.PromptMemo._key`) so that ``calls[0]`` counts its calls."""
+    calls = [0]
+    memo = engine.prompts
+    real = memo._key
+
+    def key(*args: Any) -> Any:
+        calls[0] += 1
+        return real(*args)
+
+    memo._key = key
+    return calls

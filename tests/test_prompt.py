@@ -14,7 +14,7 @@ from lmcache.errors import KVShapeError
 from lmcache.keys import KeyExtra, TokenProcessor
 from lmcache.prompt import PromptMemo
 
-from _digests import count_digests
+from _digests import count_digests, count_prompt_digests
 from test_engine import D, H, L, engine, kv_for
 
 
@@ -69,6 +69,55 @@ def test_a_chunked_prefills_growing_saves_hash_each_chunk_once():
         out = torch.empty(L, 2, len(toks), H, D)
         assert e.retrieve(list(toks), out=out).num_tokens == len(toks)
         assert torch.equal(out, kv)
+
+
+def test_a_request_named_prompt_is_found_by_its_name_with_no_whole_prompt_digest():
+    """Issue 46: callers that name the request (the vLLM connector: the scheduler's lookup,
+    the load, each step's save of ``prompt[:n]``, the KV events) find its prompt by that
+    name: no digest of the whole prompt, each chunk hashed once, a prefix converts no
+    token again, an extension converts only its new tokens. The KV read back is the KV
+    stored; a request id given other tokens starts over; a finished request is forgotten."""
+    toks = list(range(3000, 3000 + 16 * 12 + 5))  # 13 chunks of 16 (the last partial)
+    kv = kv_for(toks)
+    with engine() as e:
+        e.store(list(range(7)), kv_for(list(range(7))))  # the engine's kv spec
+        chunks, whole = count_digests(e), count_prompt_digests(e)
+        lk = e.prompt(toks[:-1], request="r1")  # the lookup leaves the last token out
+        assert e.lookup(lk, pin=True) == 0
+        e.release(lk)
+        for end in (40, 130, len(toks)):  # a chunked prefill's growing saves
+            p = e.prompt(list(toks[:end]), request="r1")
+            skip = e.lookup(p, pin=True)
+            e.store(p, kv[:, :, :end])
+            e.release(p, upto=skip)
+        assert whole[0] == 0
+        # 12 full chunks once; the partial last chunks of the lookup (191 of 197 tokens) and
+        # of the saves that end inside a chunk (40, 130, 197)
+        assert chunks[0] == 12 + 4, chunks[0]
+        out = torch.empty(L, 2, len(toks), H, D)
+        hit = e.prompt(toks, request="r2")  # another request of the same prompt: a prefix's keys taken
+        assert e.retrieve(hit, out=out).num_tokens == len(toks)
+        assert torch.equal(out, kv)
+        assert hit.keys == TokenProcessor(16).chunk_keys(toks, e._key_prefix())[1]
+        assert e.prompt(toks[:100], request="r1").keys == hit.keys[:6] + [e.prompt(toks[:100]).keys[6]]
+        other = [t + 1 for t in toks]  # r1's name reused for other tokens: a new prompt, right keys
+        assert e.prompt(other, request="r1").keys == TokenProcessor(16).chunk_keys(other, e._key_prefix())[1]
+        assert whole[0] == 1  # the plain call above (no request) took the only whole-prompt digest
+        e.forget("r1")
+        e.forget("r2")
+        assert not e.prompts._requests and e.prompts._request_tokens == 0
+
+
+def test_request_prompts_stay_bounded():
+    tp = TokenProcessor(16)
+    memo = PromptMemo(tp, max_prompts=3, max_tokens=200)
+    for i in range(6):
+        memo.of_request(f"r{i}", list(range(i, i + 50)), "p:")
+    assert len(memo._requests) == 3 and memo._request_tokens == 150
+    memo.of_request("big", list(range(500)), "p:")  # over the budget alone: kept alone
+    assert list(k[0] for k in memo._requests) == ["big"] and memo._request_tokens == 500
+    assert memo.of_request("big", [], "p:").keys == []  # no tokens: nothing kept for it
+    assert memo._request_tokens == 500
 
 
 def test_release_upto_drops_exactly_what_the_prefix_lookup_leased():

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from _digests import count_digests  # noqa: E402
+from _digests import count_digests, count_prompt_digests  # noqa: E402
 from _missing import missing  # noqa: E402
 
 INSTALL = "bash requirements/setup-vllm.sh .venv-vllm .venv  (vllm==0.33.0 with --no-deps, see requirements/vllm.txt)"
@@ -411,7 +411,7 @@ def test_one_request_hashes_its_prompt_once_and_saves_without_staging(model_conf
         wa, wb = eng.worker(a_layers), eng.worker(b_layers)
         engine = _impl(wa).engine
         assert _impl(wb).engine is engine  # one engine per process and config
-        calls = count_digests(engine)
+        calls, whole = count_digests(engine), count_prompt_digests(engine)
         prompt = list(range(1, 4 * CHUNK + 9))  # 5 chunks, the last one partial
         eng.submit("a", prompt)
         out, _ = eng.step(wa, a_layers, layout, gen)
@@ -428,6 +428,9 @@ def test_one_request_hashes_its_prompt_once_and_saves_without_staging(model_conf
         # the lookup's, of the one chunk past a's 4 full ones (b's prompt extends a's, whose
         # keys the process has); the load, its release and the save found them
         assert calls[0] == 1
+        # the lookup, loads, saves and their releases name the request: its prompt is found
+        # by that name, never by a digest of the whole prompt (issue 46)
+        assert whole[0] == 0
         assert same(a_layers, layout, slots_of(src, 4 * CHUNK), b_layers, layout, slots_of(got.block_ids[0], 4 * CHUNK))
         staging = {**_impl(wa).connector_worker._staging, **_impl(wb).connector_worker._staging}
         assert not {"gather", "save", "load"} & set(staging)
@@ -457,7 +460,7 @@ def test_a_chunked_prefill_hashes_each_chunk_once(model_config):
         layers = alloc(layout)
         w = eng.worker(layers)
         engine = _impl(w).engine
-        calls = count_digests(engine)
+        calls, whole = count_digests(engine), count_prompt_digests(engine)
         prompt = list(range(7, 7 + 10 * CHUNK - 20))  # 620 tokens: 9 full chunks and a partial one
         eng.submit("c", prompt)
         ends = []
@@ -467,6 +470,7 @@ def test_a_chunked_prefill_hashes_each_chunk_once(model_config):
         assert len(ends) >= 5 and ends[-1] == len(prompt), ends
         partial = sum(1 for e in ends if e % CHUNK)  # each step's own partial last chunk
         assert calls[0] == len(prompt) // CHUNK + partial, (calls[0], ends)
+        assert whole[0] == 0  # every call names the request: no digest of the whole prompt
         res = engine.retrieve(list(prompt))
         assert res.num_tokens == len(prompt)
         for i, slot in enumerate(slots_of(eng.blocks["c"], len(prompt))):

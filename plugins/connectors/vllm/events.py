@@ -130,12 +130,13 @@ class EventBridge:
         self.engine.hierarchy.remove_listener(self._on_tier_event)
 
     # ------------------------------------------------------------ what the chunks hold
-    def note(self, token_ids: Sequence[int], extra: KeyExtra | None, info: BlockInfo | None) -> None:
+    def note(self, token_ids: Sequence[int], extra: KeyExtra | None, info: BlockInfo | None,
+             request: str | None = None) -> None:
         """Learn the vLLM blocks of the chunks of ``token_ids`` (about to be stored, or
         loaded); chunks some tier holds already are announced on their media now."""
         if info is None or not token_ids:
             return
-        prompt = self.engine.prompt(token_ids, extra)  # the keys the save or load uses, hashed once
+        prompt = self.engine.prompt(token_ids, extra, request=request)  # the keys the save or load uses, hashed once
         chunks, keys = prompt.chunks, prompt.keys
         bs, hashes = info.block_size, info.hashes
         found = []

@@ -65,7 +65,7 @@ class LoadSpec:
     def keyed(self, engine: Any) -> Any:
         """:attr:`exact_ids` with their chunk keys in ``engine`` (:attr:`prompt`, built once)."""
         if self.prompt is None:
-            self.prompt = engine.prompt(self.exact_ids, self.extra)
+            self.prompt = engine.prompt(self.exact_ids, self.extra, request=self.req_id)
         return self.prompt
 
 
@@ -86,7 +86,7 @@ class SaveSpec:
     def keyed(self, engine: Any) -> Any:
         """``token_ids`` with their chunk keys in ``engine`` (:attr:`prompt`, built once)."""
         if self.prompt is None:
-            self.prompt = engine.prompt(self.token_ids, self.extra)
+            self.prompt = engine.prompt(self.token_ids, self.extra, request=self.req_id)
         return self.prompt
 
 
@@ -143,6 +143,8 @@ class LookupAsk:
     token_ids: list[int]
     shifted: bool = False
     extra: KeyExtra | None = None
+    #: the request asked about (the worker's engine keeps its prompt by this name)
+    request: str | None = None
 
 
 @dataclass
@@ -199,6 +201,8 @@ class _Lookup:
     tokens: list[int]
     started: float
     extra: KeyExtra | None = None
+    #: the request looked up (in process and in-band, the workers keep its prompt by it)
+    request: str | None = None
     seq: int | None = None
     replies: list[LookupReply] | None = None
     pinned: bool = True

@@ -289,7 +289,7 @@ class PDWorker:
             keys: list[str] = []
             if self.svc is not None:
                 try:
-                    keys = self.engine.chunk_keys(s.token_ids, s.extra)[1]
+                    keys = self.engine.prompt(s.token_ids, s.extra, request=s.req_id).keys
                 except Exception:
                     log.exception("lmcache: PD: cannot key %s", s.req_id)
             if s.offer is not None and self.svc is not None and keys:
@@ -388,7 +388,7 @@ class PDWorker:
             self.stats["pull_failed"] += 1
             log.warning("lmcache: PD: pulling %s failed after %.2f s (%s); vLLM computes what did not arrive",
                         spec.req_id, time.perf_counter() - t0, exc)
-        self.engine.lookup(spec.token_ids, pin=True, extra=spec.extra)
+        self.engine.lookup(spec.keyed(self.engine), pin=True, extra=spec.extra)
 
     def close(self) -> None:
         if self._pool is not None:

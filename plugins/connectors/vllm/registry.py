@@ -23,7 +23,9 @@ class LocalWorker(Protocol):
     _closed: bool
 
     def serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
-                     extra: Any = None) -> tuple[int, list[int]]: ...
+                     extra: Any = None, request: str | None = None) -> tuple[int, list[int]]: ...
+
+    def release_lookup(self, tokens: list[int], extra: Any = None, request: str | None = None) -> None: ...
 
 __all__ = ["LocalWorker", "acquire_engine", "add_worker", "local_workers", "release_engine", "remove_worker"]
 

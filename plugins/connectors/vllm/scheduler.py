@@ -97,22 +97,22 @@ class ConnectorScheduler(Side):
             self._client = LookupClient([socket_path(self.instance, self.dp_rank, r) for r in range(self.tp_size)])
         return self._client
 
-    def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None) -> _Lookup:
+    def _start_lookup(self, tokens: list[int], extra: KeyExtra | None = None, request: str | None = None) -> _Lookup:
         skip = self.config.vllm.skip_last_n_tokens  # a PD decoder's prompt ends with the prefiller's first token
         if skip:
             tokens = tokens[: max(0, len(tokens) - skip)]
         self.stats["lookups"] += 1
-        lk = _Lookup(tokens, time.monotonic(), extra)
+        lk = _Lookup(tokens, time.monotonic(), extra, request)
         local = None if self.lookup_mode == "inband" else self._local_workers()
         if self.lookup_mode == "inband":
             self._seq += 1
             lk.seq, lk.inband = self._seq, True
-            self._asks.append((LookupAsk(lk.seq, tokens, self.shifted, extra), lk))
+            self._asks.append((LookupAsk(lk.seq, tokens, self.shifted, extra, request), lk))
         elif local is not None:
             lk.replies = []
             for w in local:
                 try:
-                    n, tiers = w.serve_lookup(tokens, True, self.shifted, extra)
+                    n, tiers = w.serve_lookup(tokens, True, self.shifted, extra, request)
                 except Exception:
                     log.exception("lmcache: lookup failed; treating it as a miss")
                     n, tiers = 0, []
@@ -174,7 +174,7 @@ class ConnectorScheduler(Side):
             if local is not None:
                 for w, toks in zip(local, per_rank):
                     if toks:
-                        w.engine.release(toks, extra=lk.extra)
+                        w.release_lookup(toks, lk.extra, lk.request)
             elif self._client is not None:
                 self._client.release_each(per_rank, lk.extra)
         except Exception:
@@ -221,7 +221,7 @@ class ConnectorScheduler(Side):
             self._release_lookup(lk)  # answered long ago: its pins may have expired
             lk = None
         if lk is None:
-            lk = self._lookups[req_id] = self._start_lookup(list(request.prompt_token_ids or []), extra)
+            lk = self._lookups[req_id] = self._start_lookup(list(request.prompt_token_ids or []), extra, req_id)
             wait = self.lookup_wait
         else:
             wait = 0.0

@@ -85,7 +85,7 @@ class ConnectorWorker(Side):
         self._pd = PDWorker(self.engine, cfg, self.tp_rank, self.instance, self.dp_rank) if cfg.pd.role != "off" else None
         self._lookup = self.engine.services.get("lookup") or LookupChannel(EngineView(self.engine))
         #: in-band lookups answered with pins: seq -> (when, tokens, exact, extra)
-        self._asked: dict[int, tuple[float, list[int], int, KeyExtra | None]] = {}
+        self._asked: dict[int, tuple[float, list[int], int, KeyExtra | None, str | None]] = {}
         self._shifted_from: dict[str, int] = {}  # request -> first position not loaded exactly
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -104,9 +104,23 @@ class ConnectorWorker(Side):
 
     # ================================================================ lookup channel
     def serve_lookup(self, tokens: list[int], pin: bool, shifted: bool = False,
-                      extra: KeyExtra | None = None) -> tuple[int, list[int]]:
+                      extra: KeyExtra | None = None, request: str | None = None) -> tuple[int, list[int]]:
+        """The scheduler's lookup of ``tokens`` (request ``request``'s: the engine keeps the
+        request's prompt by that name, so its loads and saves find its keys)."""
         assert self.engine is not None
-        return self._lookup.lookup(tokens, pin, shifted, extra)
+        return self._lookup.lookup(self._keyed(tokens, extra, request, shifted), pin, shifted, extra)
+
+    def release_lookup(self, tokens: list[int], extra: KeyExtra | None = None, request: str | None = None) -> None:
+        """Drop the leases a pinned :meth:`serve_lookup` of ``tokens`` took."""
+        assert self.engine is not None
+        self._lookup.release(self._keyed(tokens, extra, request), extra)
+
+    def _keyed(self, tokens: list[int], extra: KeyExtra | None, request: str | None, shifted: bool = False) -> Any:
+        """``tokens`` as request ``request``'s prompt where the engine can key them (shifted
+        reuse's cover reads the token list itself)."""
+        if request is None or shifted or self.engine is None or self.engine.kv_spec is None:
+            return tokens
+        return self.engine.prompt(tokens, extra, request=request)
 
     def answer_lookups(self, meta: LMCacheConnectorMetadata | None) -> LMCacheWorkerMetadata | None:
         """In-band lookups (``vllm.lookup: inband``): drop the pins of the lookups the
@@ -123,20 +137,20 @@ class ConnectorWorker(Side):
             rec = self._asked.pop(seq, None)
             if rec is not None and rec[2]:
                 try:
-                    self._lookup.release(rec[1][: rec[2]], rec[3])
+                    self.release_lookup(rec[1][: rec[2]], rec[3], rec[4])
                 except Exception:
                     log.exception("lmcache: releasing lookup %d failed (its pins expire on their own)", seq)
         answers: dict[int, list[LookupReply]] = {}
         for ask in meta.asks:
             try:
-                n, tiers = self.serve_lookup(ask.token_ids, True, ask.shifted, ask.extra)
+                n, tiers = self.serve_lookup(ask.token_ids, True, ask.shifted, ask.extra, ask.request)
             except Exception:
                 log.exception("lmcache: in-band lookup failed; a miss")
                 n, tiers = 0, []
             reply = LookupReply(n, bytes(tiers))
             answers[ask.seq] = [reply]
             if reply.exact(self.chunk_size):
-                self._asked[ask.seq] = (now, ask.token_ids, reply.exact(self.chunk_size), ask.extra)
+                self._asked[ask.seq] = (now, ask.token_ids, reply.exact(self.chunk_size), ask.extra, ask.request)
         return LMCacheWorkerMetadata(answers) if answers else None
 
     def get_kv_connector_kv_cache_events(self) -> LMCacheTierEvents | None:
@@ -317,9 +331,9 @@ class ConnectorWorker(Side):
         self._layer_loads = []
         if self._bridge is not None and meta is not None:  # before the stores and loads: their tier events
             for spec in meta.loads:
-                self._bridge.note(spec.exact_ids, spec.extra, spec.blocks)
+                self._bridge.note(spec.exact_ids, spec.extra, spec.blocks, spec.req_id)
             for spec in meta.saves:
-                self._bridge.note(spec.token_ids, spec.extra, spec.blocks)
+                self._bridge.note(spec.token_ids, spec.extra, spec.blocks, spec.req_id)
         if meta is None or not meta.loads:
             return
         for spec in meta.loads:  # an in-band lookup's pins: the load drops them
@@ -433,6 +447,9 @@ class ConnectorWorker(Side):
             done, self._async_done = self._async_done, set()
             for req_id in finished_req_ids:
                 self._shifted_from.pop(req_id, None)
+        if self.engine is not None:
+            for req_id in finished_req_ids:
+                self.engine.forget(req_id)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
