@@ -136,6 +136,11 @@ class Prompt:
         return [Chunk(s, min(s + cs, self.stop), k[skip:]) for s, k in zip(range(0, self.stop, cs), keys)]
 
 
+def _probes(m: int) -> set[int]:
+    """The positions of ``m`` shared tokens :meth:`PromptMemo.of_request` compares."""
+    return {0, m - 1, *(m * k // 8 for k in range(1, 8))}
+
+
 class PromptMemo:
     """The prompts an engine saw last, by exact content: at most :data:`MEMO_PROMPTS`
     prompts holding at most :data:`MEMO_TOKENS` tokens together, least recently used
@@ -194,8 +199,9 @@ class PromptMemo:
         as a prefix or an extension of the longest tokens an earlier call of the request
         gave, and no digest of the whole prompt is needed to find it: a prefix shares that
         prompt's keys and converts nothing; an extension converts only the tokens past it
-        and hashes on from its last full chunk. The first and the last shared token are
-        checked (a request id reused for other tokens starts over, as a new request). The engine's callers that know the request (the
+        and hashes on from its last full chunk. Nine shared tokens are checked (the first,
+        the last, seven between; a request id reused for other tokens starts over, as a
+        new request). The engine's callers that know the request (the
         vLLM connector's lookup, loads, saves, KV events and PD sends) use this; the
         request is forgotten by :meth:`forget` or, as the memo's prompts are, least
         recently used first."""
@@ -210,7 +216,7 @@ class PromptMemo:
                 self._requests.move_to_end(key)
         arr, known = None, None
         m = min(n, len(p.tokens)) if p is not None else 0
-        if p is not None and m and int(tokens[0]) == int(p.tokens[0]) and int(tokens[m - 1]) == int(p.tokens[m - 1]):
+        if p is not None and m and all(int(tokens[i]) == int(p.tokens[i]) for i in _probes(m)):
             if n <= len(p.tokens):
                 self.found += 1
                 return p.prefix_of(n)

@@ -102,6 +102,9 @@ def test_a_request_named_prompt_is_found_by_its_name_with_no_whole_prompt_digest
         assert e.prompt(toks[:100], request="r1").keys == hit.keys[:6] + [e.prompt(toks[:100]).keys[6]]
         other = [t + 1 for t in toks]  # r1's name reused for other tokens: a new prompt, right keys
         assert e.prompt(other, request="r1").keys == TokenProcessor(16).chunk_keys(other, e._key_prefix())[1]
+        middle = list(other)
+        middle[len(middle) // 2] = 0  # another prompt that shares all but a middle token
+        assert e.prompt(middle, request="r1").keys == TokenProcessor(16).chunk_keys(middle, e._key_prefix())[1]
         assert whole[0] == 1  # the plain call above (no request) took the only whole-prompt digest
         e.forget("r1")
         e.forget("r2")
