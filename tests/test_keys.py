@@ -98,3 +98,29 @@ def test_key_string_roundtrip():
 def test_key_parse_rejects(bad):
     with pytest.raises(ValueError):
         CacheKey.parse(bad)
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 8192, 8193, 20000])
+def test_token_lists_of_every_length_become_the_same_int64_array(n):
+    """Lists and tuples of ints are packed in batches of PACK_BATCH (struct) from 256 tokens
+    up, by array('q') below: every length gives the values np.array gives, little-endian,
+    writable, and the same keys as the array itself."""
+    from lmcache.keys import as_token_array
+
+    toks = [(i * 7919) % 50_000 - (i % 3 == 0) * 2**40 for i in range(n)]
+    want = np.array(toks, dtype="<i8")
+    for form in (toks, tuple(toks), [np.int64(t) for t in toks]):
+        got = as_token_array(form)
+        assert got.dtype == np.dtype("<i8") and got.flags.writeable and np.array_equal(got, want)
+    tp = TokenProcessor(chunk_size=256)
+    assert tp.hashes(toks) == tp.hashes(want)
+
+
+@pytest.mark.parametrize("n", [10, 5000])
+def test_a_token_list_that_is_not_int64_is_refused_naming_why(n):
+    from lmcache.keys import as_token_array
+
+    with pytest.raises(ValueError, match="tokens must be integers"):
+        as_token_array([1] * (n - 1) + [2.5])
+    with pytest.raises((ValueError, OverflowError)):
+        as_token_array([1] * (n - 1) + [2**70])
