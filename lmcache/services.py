@@ -82,6 +82,11 @@ class EngineView:
     def chunk_keys(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
         return self._engine.chunk_keys(tokens, extra)
 
+    def prompt(self, tokens: Any, extra: KeyExtra | None = None, request: str | None = None) -> Any:
+        """:meth:`lmcache.CacheEngine.prompt`: the tokens with their chunk keys (found by
+        ``request`` where given)."""
+        return self._engine.prompt(tokens, extra, request)
+
     def locate(self, tokens: Any, *, pin: bool = False, extra: KeyExtra | None = None) -> tuple[int, list[str]]:
         """:meth:`lmcache.CacheEngine.locate`: the cached prefix and each chunk's tier."""
         return self._engine.locate(tokens, pin=pin, extra=extra)

@@ -40,6 +40,10 @@ length (``<I``, at most :data:`~lmcache.keys.MAX_EXTRA_BYTES`) and its wire form
 worker of an older version refuses such a frame (a miss), never answers it with the keys
 of the tokens alone; a lookup with an extra is never extended by shifted reuse (its
 content index knows only chunks stored with no extra).
+A version-3 frame also names the request: after the extra (its length 0 where there is
+none), the id's length (``<H``, 1 to :data:`MAX_REQUEST_ID`) and its UTF-8 bytes; the
+worker's engine keeps the request's prompt by it (:meth:`lmcache.CacheEngine.prompt`), so
+the request's load and save find its keys without a digest of the whole prompt.
 
 Bounds (a peer is not trusted to behave): a peer of another uid (``SO_PEERCRED``) is
 refused unread; a frame over ``lookup_max_tokens`` (vLLM: ``max_model_len``) is refused from
@@ -75,9 +79,15 @@ MAGIC = b"LMKL"
 VERSION = 1
 #: the version of a request frame that carries a key extra after its tokens
 VERSION_EXTRA = 2
+#: the version that carries, after the extra (maybe of length 0), the request's id: the
+#: worker's engine keeps the request's prompt by it (no digest of the tokens to find it)
+VERSION_REQUEST = 3
 HEADER = struct.Struct("<4sBBHIQ")
 HIT = struct.Struct("<Q")
 EXTRA_LEN = struct.Struct("<I")
+REQUEST_LEN = struct.Struct("<H")
+#: the longest request id a frame carries (UTF-8 bytes); a client sends a longer one's frame without it
+MAX_REQUEST_ID = 256
 OP_LOOKUP, OP_RELEASE, OP_HELLO = 1, 2, 3
 FLAG_PIN, FLAG_SHIFTED = 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
@@ -163,9 +173,10 @@ class _Conn:
 class LookupServer:
     """Answers lookups for one worker's cache engine on a Unix socket, on daemon threads.
 
-    ``lookup(tokens, pin, shifted, extra) -> (hit_tokens, tier_indexes)`` and
-    ``release(tokens, extra)`` are the engine calls (``tokens``: a ``uint32`` numpy array,
-    ``extra``: a :class:`~lmcache.keys.KeyExtra` or ``None``), ``info()`` the HELLO reply;
+    ``lookup(tokens, pin, shifted, extra, request) -> (hit_tokens, tier_indexes)`` and
+    ``release(tokens, extra, request)`` are the engine calls (``tokens``: a ``uint32`` numpy
+    array, ``extra``: a :class:`~lmcache.keys.KeyExtra` or ``None``, ``request``: the
+    request's id or ``None``), ``info()`` the HELLO reply;
     ``max_tokens`` and the class attributes are the bounds of the module docstring."""
 
     max_connections = 16
@@ -173,8 +184,9 @@ class LookupServer:
     idle_timeout = IDLE_TIMEOUT
     frame_timeout = 5.0
 
-    def __init__(self, path: str, lookup: Callable[[Any, bool, bool, KeyExtra | None], tuple[int, Sequence[int]]],
-                 release: Callable[[Any, KeyExtra | None], None], info: Callable[[], dict[str, Any]], *,
+    def __init__(self, path: str,
+                 lookup: Callable[[Any, bool, bool, KeyExtra | None, str | None], tuple[int, Sequence[int]]],
+                 release: Callable[[Any, KeyExtra | None, str | None], None], info: Callable[[], dict[str, Any]], *,
                  max_tokens: int = 1 << 20):
         self.path = path
         self.max_tokens = max_tokens
@@ -280,17 +292,17 @@ class LookupServer:
                 body = self._body(conn, head, deadline)
                 if body is None:
                     return
-                tokens, extra = body
+                tokens, extra, request = body
                 magic, version, op, flags, count, seq = HEADER.unpack(head)
                 conn.settimeout(self.frame_timeout)  # a reply the peer does not take is dropped
                 if op == OP_RELEASE:
                     self.stats["releases"] += 1
-                    self._safe(lambda: self._release(tokens, extra))
+                    self._safe(lambda: self._release(tokens, extra, request))
                 elif op == OP_HELLO:
                     body = json.dumps(self._info()).encode()
                     conn.sendall(HEADER.pack(MAGIC, VERSION, op, STATUS_OK, 0, seq) + HIT.pack(len(body)) + body)
                 else:
-                    hit, tiers, status = self._answer(tokens, flags, extra)
+                    hit, tiers, status = self._answer(tokens, flags, extra, request)
                     conn.sendall(HEADER.pack(MAGIC, VERSION, op, status, len(tiers), seq) + HIT.pack(hit) + bytes(tiers))
                 if not self._busy(c, False):
                     return
@@ -304,14 +316,16 @@ class LookupServer:
                 self._conns.discard(c)
             conn.close()
 
-    def _body(self, conn: socket.socket, head: bytearray, deadline: float) -> tuple[np.ndarray, KeyExtra | None] | None:
-        """The token ids and key extra of the frame whose header is ``head``, each received
-        into one buffer (``None``, with one log line, for a bad header, one over
-        ``max_tokens`` or an extra over ``MAX_EXTRA_BYTES``, refused before their bytes are
-        read, or an extra that does not parse)."""
+    def _body(self, conn: socket.socket, head: bytearray,
+              deadline: float) -> tuple[np.ndarray, KeyExtra | None, str | None] | None:
+        """The token ids, key extra and request id of the frame whose header is ``head``,
+        each received into one buffer (``None``, with one log line, for a bad header, one
+        over ``max_tokens``, an extra over ``MAX_EXTRA_BYTES`` or a request id over
+        ``MAX_REQUEST_ID``, refused before their bytes are read, or an extra or an id that
+        does not parse)."""
         magic, version, op, _flags, count, _seq = HEADER.unpack(head)
         if magic != MAGIC or op not in (OP_LOOKUP, OP_RELEASE, OP_HELLO) or not (
-                version == VERSION or (version == VERSION_EXTRA and op != OP_HELLO)):
+                version == VERSION or (version in (VERSION_EXTRA, VERSION_REQUEST) and op != OP_HELLO)):
             log.warning("lmcache: bad lookup frame (magic %r, version %d, op %d); closing", magic, version, op)
             return None
         if count > self.max_tokens:
@@ -320,8 +334,8 @@ class LookupServer:
         body = bytearray(4 * count)
         if count:
             _recv_into(conn, memoryview(body), deadline)
-        extra = None
-        if version == VERSION_EXTRA:
+        extra = request = None
+        if version in (VERSION_EXTRA, VERSION_REQUEST):
             size = bytearray(EXTRA_LEN.size)
             _recv_into(conn, memoryview(size), deadline)
             (n,) = EXTRA_LEN.unpack(size)
@@ -331,16 +345,31 @@ class LookupServer:
             raw = bytearray(n)
             _recv_into(conn, memoryview(raw), deadline)
             try:
-                extra = KeyExtra.from_bytes(bytes(raw))
+                extra = KeyExtra.from_bytes(bytes(raw)) if n or version == VERSION_EXTRA else None
             except ValueError as exc:
                 log.warning("lmcache: bad lookup frame: %s; closing", exc)
                 return None
-        return np.frombuffer(body, dtype="<u4"), extra
+        if version == VERSION_REQUEST:
+            size = bytearray(REQUEST_LEN.size)
+            _recv_into(conn, memoryview(size), deadline)
+            (n,) = REQUEST_LEN.unpack(size)
+            if not 0 < n <= MAX_REQUEST_ID:
+                log.warning("lmcache: lookup request id of %d bytes refused (1 to %d); closing", n, MAX_REQUEST_ID)
+                return None
+            raw = bytearray(n)
+            _recv_into(conn, memoryview(raw), deadline)
+            try:
+                request = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                log.warning("lmcache: bad lookup frame: a request id that is not UTF-8; closing")
+                return None
+        return np.frombuffer(body, dtype="<u4"), extra, request
 
-    def _answer(self, tokens: np.ndarray, flags: int, extra: KeyExtra | None) -> tuple[int, Sequence[int], int]:
+    def _answer(self, tokens: np.ndarray, flags: int, extra: KeyExtra | None,
+                request: str | None = None) -> tuple[int, Sequence[int], int]:
         self.stats["lookups"] += 1
         try:
-            hit, tiers = self._lookup(tokens, bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED), extra)
+            hit, tiers = self._lookup(tokens, bool(flags & FLAG_PIN), bool(flags & FLAG_SHIFTED), extra, request)
             status = STATUS_OK
         except Exception:
             log.exception("lmcache: lookup for the vLLM scheduler failed; answering a miss")
@@ -407,13 +436,15 @@ class LookupChannel:
     def enabled(config: Any) -> bool:
         return bool(config.lookup_socket)
 
-    def lookup(self, tokens: Any, pin: bool, shifted: bool = False, extra: KeyExtra | None = None) -> tuple[int, list[int]]:
+    def lookup(self, tokens: Any, pin: bool, shifted: bool = False, extra: KeyExtra | None = None,
+               request: str | None = None) -> tuple[int, list[int]]:
         """The cached prefix of ``tokens`` (a list or a 1-D integer array) keyed with
         ``extra`` and, per hit chunk, the index of its tier.
         ``shifted``: past the exact prefix, also the tokens that shifted reuse covers
         without a gap (where this engine has ``approximate_reuse``; never the last token,
-        never with an extra)."""
-        n, tiers = self._view.locate(tokens, pin=pin, extra=extra)
+        never with an extra). ``request``: the request's id (the engine keeps its prompt by
+        it: the worker's load and save of the request find its keys by the id)."""
+        n, tiers = self._view.locate(self._keyed(tokens, extra, request, shifted), pin=pin, extra=extra)
         out = [self._tier_index.get(t, 0) for t in tiers]
         svc = self._view.service("approximate_reuse") if shifted and not extra else None
         if svc is not None and n < len(tokens) - 1:
@@ -422,9 +453,16 @@ class LookupChannel:
                 n = run[-1].start + run[-1].length
         return n, out
 
-    def release(self, tokens: Any, extra: KeyExtra | None = None) -> None:
+    def release(self, tokens: Any, extra: KeyExtra | None = None, request: str | None = None) -> None:
         """Drop the leases of a pinned :meth:`lookup` of ``tokens`` with ``extra``."""
-        self._view.release(tokens, extra=extra)
+        self._view.release(self._keyed(tokens, extra, request), extra=extra)
+
+    def _keyed(self, tokens: Any, extra: KeyExtra | None, request: str | None, shifted: bool = False) -> Any:
+        """``tokens`` as request ``request``'s prompt where the engine can key them (shifted
+        reuse's cover reads the tokens themselves)."""
+        if request is None or shifted or self._view.kv_spec is None:
+            return tokens
+        return self._view.prompt(tokens, extra, request)
 
     def hello(self) -> dict[str, Any]:
         spec = self._view.kv_spec

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 from lmcache.keys import KeyExtra
 
 from .lookup import (
-    EXTRA_LEN, FLAG_PIN, FLAG_SHIFTED, HEADER, HIT, IDLE_TIMEOUT, MAGIC, MAX_TOKENS, OP_HELLO, OP_LOOKUP, OP_RELEASE,
-    STATUS_OK, VERSION, VERSION_EXTRA, LookupReply, _Closed, _recv_exact, _shut,
+    EXTRA_LEN, FLAG_PIN, FLAG_SHIFTED, HEADER, HIT, IDLE_TIMEOUT, MAGIC, MAX_REQUEST_ID, MAX_TOKENS, OP_HELLO,
+    OP_LOOKUP, OP_RELEASE, REQUEST_LEN, STATUS_OK, VERSION, VERSION_EXTRA, VERSION_REQUEST, LookupReply, _Closed,
+    _recv_exact, _shut,
 )
 
 log = logging.getLogger("lmcache.plugins.services.lookup")  # the channel's log, both sides'
@@ -137,22 +138,30 @@ class LookupClient:
         self._pending: dict[int, dict[int, Any]] = {}  # seq -> {rank index: reply}
         self._lock = threading.Lock()  # one sender at a time
 
-    def _frame(self, op: int, flags: int, tokens: Sequence[int], seq: int, extra: KeyExtra | None = None) -> bytes:
+    def _frame(self, op: int, flags: int, tokens: Sequence[int], seq: int, extra: KeyExtra | None = None,
+               request: str | None = None) -> bytes:
         body = array("I", tokens).tobytes() if tokens else b""
-        if not extra:
+        rid = request.encode() if request else b""
+        if len(rid) > MAX_REQUEST_ID:  # the worker then finds the prompt by its tokens
+            rid = b""
+        if not extra and not rid:
             return HEADER.pack(MAGIC, VERSION, op, flags, len(tokens), seq) + body
-        raw = extra.to_bytes()  # a KeyExtra is bounded: never over MAX_EXTRA_BYTES
-        return HEADER.pack(MAGIC, VERSION_EXTRA, op, flags, len(tokens), seq) + body + EXTRA_LEN.pack(len(raw)) + raw
+        raw = extra.to_bytes() if extra else b""  # a KeyExtra is bounded: never over MAX_EXTRA_BYTES
+        frame = HEADER.pack(MAGIC, VERSION_REQUEST if rid else VERSION_EXTRA, op, flags, len(tokens), seq) + body
+        frame += EXTRA_LEN.pack(len(raw)) + raw
+        return frame + REQUEST_LEN.pack(len(rid)) + rid if rid else frame
 
     def submit(self, tokens: Sequence[int], *, pin: bool = True, op: int = OP_LOOKUP, shifted: bool = False,
-               extra: KeyExtra | None = None) -> int:
-        """Send a lookup of ``tokens`` (keyed with ``extra``) to every rank; its sequence number."""
+               extra: KeyExtra | None = None, request: str | None = None) -> int:
+        """Send a lookup of ``tokens`` (keyed with ``extra``; of request ``request``, whose
+        prompt the workers' engines then keep by that id) to every rank; its sequence number."""
         if len(tokens) > MAX_TOKENS:
             raise ValueError(f"a lookup of {len(tokens)} tokens exceeds {MAX_TOKENS}")
         with self._lock:
             self._seq += 1
             seq = self._seq
-            frame = self._frame(op, (FLAG_PIN if pin else 0) | (FLAG_SHIFTED if shifted else 0), tokens, seq, extra)
+            frame = self._frame(op, (FLAG_PIN if pin else 0) | (FLAG_SHIFTED if shifted else 0), tokens, seq, extra,
+                                request)
             with self._cond:
                 self._pending[seq] = {}
             for i, r in enumerate(self.ranks):
@@ -160,22 +169,23 @@ class LookupClient:
                     self._deliver(r, seq, LookupReply(0, b"") if op == OP_LOOKUP else None)
         return seq
 
-    def release(self, tokens: Sequence[int], extra: KeyExtra | None = None) -> None:
+    def release(self, tokens: Sequence[int], extra: KeyExtra | None = None, request: str | None = None) -> None:
         """Drop the pins of an earlier pinned lookup of ``tokens`` (with ``extra``) on every rank (no reply)."""
         if not tokens:
             return
         with self._lock:
-            frame = self._frame(OP_RELEASE, 0, tokens, 0, extra)
+            frame = self._frame(OP_RELEASE, 0, tokens, 0, extra, request)
             for r in self.ranks:
                 if r.sock is not None:
                     r.send(frame)
 
-    def release_each(self, per_rank: Sequence[Sequence[int]], extra: KeyExtra | None = None) -> None:
+    def release_each(self, per_rank: Sequence[Sequence[int]], extra: KeyExtra | None = None,
+                     request: str | None = None) -> None:
         """Release on each rank the tokens it pinned (``per_rank[i]`` for rank ``i``)."""
         with self._lock:
             for r, tokens in zip(self.ranks, per_rank):
                 if tokens and r.sock is not None:
-                    r.send(self._frame(OP_RELEASE, 0, tokens, 0, extra))
+                    r.send(self._frame(OP_RELEASE, 0, tokens, 0, extra, request))
 
     def _deliver(self, rank: _Rank, seq: int, reply: Any) -> None:
         with self._cond:

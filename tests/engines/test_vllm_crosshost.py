@@ -30,6 +30,7 @@ from test_vllm import (  # noqa: E402
 )
 
 import test_vllm  # noqa: E402
+from _digests import count_prompt_digests  # noqa: E402
 
 model_config = test_vllm.model_config  # the fixture
 LAYOUT = "blocks_first"
@@ -104,6 +105,7 @@ def test_inband_hit_is_read_one_step_later_and_loaded_exactly(model_config):
     try:
         gen, a_layers, b_layers, wa, wb, prompt, a_blocks = _stored(eng, 11)
         assert "lookup" not in wa.engine.services and wa.connector_worker._lookup.server is None  # no socket
+        whole = count_prompt_digests(wb.engine)
         eng.submit("b", prompt + list(range(500, 520)))
         out, _ = eng.step(wb, b_layers, LAYOUT, gen)  # the question goes out; "b" waits one step
         assert out.scheduled_new_reqs == [] and len(out.kv_connector_metadata.asks) == 1
@@ -114,6 +116,8 @@ def test_inband_hit_is_read_one_step_later_and_loaded_exactly(model_config):
         assert same(a_layers, LAYOUT, slots_of(a_blocks, 192), b_layers, LAYOUT, slots_of(b.block_ids[0], 192))
         assert eng.sched.connector.connector_scheduler.stats["hit_tokens"] == 192
         assert wb.connector_worker._asked == {}  # the load consumed the lookup's pins
+        # the question names the request: its load and save find the prompt by the id (issue 46)
+        assert whole[0] == 0
     finally:
         eng.close()
 

@@ -118,7 +118,7 @@ class ConnectorScheduler(Side):
                     n, tiers = 0, []
                 lk.replies.append(LookupReply(n, bytes(tiers)))
         else:
-            lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted, extra=extra)
+            lk.seq = self._channel().submit(tokens, pin=True, shifted=self.shifted, extra=extra, request=request)
         return lk
 
     def _inband_result(self, lk: _Lookup) -> list[LookupReply] | None:
@@ -176,7 +176,7 @@ class ConnectorScheduler(Side):
                     if toks:
                         w.release_lookup(toks, lk.extra, lk.request)
             elif self._client is not None:
-                self._client.release_each(per_rank, lk.extra)
+                self._client.release_each(per_rank, lk.extra, lk.request)
         except Exception:
             log.exception("lmcache: releasing a lookup's pins failed (they expire on their own)")
 

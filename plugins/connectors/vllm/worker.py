@@ -108,19 +108,12 @@ class ConnectorWorker(Side):
         """The scheduler's lookup of ``tokens`` (request ``request``'s: the engine keeps the
         request's prompt by that name, so its loads and saves find its keys)."""
         assert self.engine is not None
-        return self._lookup.lookup(self._keyed(tokens, extra, request, shifted), pin, shifted, extra)
+        return self._lookup.lookup(tokens, pin, shifted, extra, request)
 
     def release_lookup(self, tokens: list[int], extra: KeyExtra | None = None, request: str | None = None) -> None:
         """Drop the leases a pinned :meth:`serve_lookup` of ``tokens`` took."""
         assert self.engine is not None
-        self._lookup.release(self._keyed(tokens, extra, request), extra)
-
-    def _keyed(self, tokens: list[int], extra: KeyExtra | None, request: str | None, shifted: bool = False) -> Any:
-        """``tokens`` as request ``request``'s prompt where the engine can key them (shifted
-        reuse's cover reads the token list itself)."""
-        if request is None or shifted or self.engine is None or self.engine.kv_spec is None:
-            return tokens
-        return self.engine.prompt(tokens, extra, request=request)
+        self._lookup.release(tokens, extra, request)
 
     def answer_lookups(self, meta: LMCacheConnectorMetadata | None) -> LMCacheWorkerMetadata | None:
         """In-band lookups (``vllm.lookup: inband``): drop the pins of the lookups the
