@@ -170,6 +170,21 @@ class _Conn:
     evicted: bool = False
 
 
+def _field(conn: socket.socket, size: struct.Struct, lo: int, hi: int, what: str, deadline: float) -> bytearray | None:
+    """A length-prefixed field of a frame: its length (``size``), refused unread (``None``,
+    one log line) outside ``lo..hi`` bytes, then its bytes."""
+    head = bytearray(size.size)
+    _recv_into(conn, memoryview(head), deadline)
+    (n,) = size.unpack(head)
+    if not lo <= n <= hi:
+        log.warning("lmcache: lookup %s of %d bytes refused (%d to %d); closing", what, n, lo, hi)
+        return None
+    raw = bytearray(n)
+    if n:
+        _recv_into(conn, memoryview(raw), deadline)
+    return raw
+
+
 class LookupServer:
     """Answers lookups for one worker's cache engine on a Unix socket, on daemon threads.
 
@@ -336,28 +351,18 @@ class LookupServer:
             _recv_into(conn, memoryview(body), deadline)
         extra = request = None
         if version in (VERSION_EXTRA, VERSION_REQUEST):
-            size = bytearray(EXTRA_LEN.size)
-            _recv_into(conn, memoryview(size), deadline)
-            (n,) = EXTRA_LEN.unpack(size)
-            if n > MAX_EXTRA_BYTES:
-                log.warning("lmcache: lookup key extra of %d bytes refused (at most %d); closing", n, MAX_EXTRA_BYTES)
+            raw = _field(conn, EXTRA_LEN, 0, MAX_EXTRA_BYTES, "key extra", deadline)
+            if raw is None:
                 return None
-            raw = bytearray(n)
-            _recv_into(conn, memoryview(raw), deadline)
             try:
-                extra = KeyExtra.from_bytes(bytes(raw)) if n or version == VERSION_EXTRA else None
+                extra = KeyExtra.from_bytes(bytes(raw)) if raw or version == VERSION_EXTRA else None
             except ValueError as exc:
                 log.warning("lmcache: bad lookup frame: %s; closing", exc)
                 return None
         if version == VERSION_REQUEST:
-            size = bytearray(REQUEST_LEN.size)
-            _recv_into(conn, memoryview(size), deadline)
-            (n,) = REQUEST_LEN.unpack(size)
-            if not 0 < n <= MAX_REQUEST_ID:
-                log.warning("lmcache: lookup request id of %d bytes refused (1 to %d); closing", n, MAX_REQUEST_ID)
+            raw = _field(conn, REQUEST_LEN, 1, MAX_REQUEST_ID, "request id", deadline)
+            if raw is None:
                 return None
-            raw = bytearray(n)
-            _recv_into(conn, memoryview(raw), deadline)
             try:
                 request = raw.decode("utf-8")
             except UnicodeDecodeError:

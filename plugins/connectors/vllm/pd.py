@@ -46,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .common import usable_tokens
 from .metadata import LoadSpec, PDPlan, PDSend, PushTarget
 
 if TYPE_CHECKING:
@@ -198,8 +199,6 @@ class PDScheduler:
         (:func:`.common.usable_tokens`)."""
         p = self.plans[request.request_id]
         assert p.pull is not None
-        from .common import usable_tokens
-
         offered = min(p.pull["tokens"], len(request.prompt_token_ids or []))
         return max(0, usable_tokens(offered, request.num_tokens, block_size) - num_computed)
 
