@@ -53,8 +53,10 @@ from the decoder's ``/metrics`` (deltas over the workload) the prompt tokens by 
   decoder's cpu tier. Its decoder TTFT (the same histogram), median over ``cpu_hit_passes``
   passes; the ratio decoder TTFT / CPU-hit TTFT;
 - transfer per request: lmcache modes from the prefiller's instance API (``api`` section in its
-  config; ``GET /v1/stats``: ``transfer.pushed_requests``, ``pushed_bytes``, ``push_seconds``:
-  alloc + write + commit), ``vllm-nixl`` from the decoder's ``vllm:nixl_xfer_time_seconds`` and
+  config; ``GET /v1/stats``: ``transfer.pushed_requests``, ``pushed_bytes``; the time from the
+  push's start until the decoder had committed the chunks, ``push_ready_seconds``, where both
+  servers share one monotonic clock (one host: the same boot id), else ``push_seconds``, the
+  push's round trip with the answer's trip back, reported beside it either way), ``vllm-nixl`` from the decoder's ``vllm:nixl_xfer_time_seconds`` and
   ``vllm:nixl_bytes_transferred`` histograms; against a memcpy of the same bytes in this process
   (torch ``copy_`` between two preallocated uint8 tensors, one thread, timed before the mode's
   servers start and after they stop, median).
@@ -339,7 +341,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 #: the transfer endpoint's counters (``/v1/stats`` -> ``transfer``) kept as deltas
 _TRANSFER_KEYS = ("pushed_requests", "pushed_by_read", "pushed_chunks", "pushed_bytes", "push_seconds", "push_alloc_seconds",
-                  "push_write_seconds", "push_commit_seconds", "push_refused", "push_failed",
+                  "push_write_seconds", "push_commit_seconds", "push_refused", "push_failed", "push_ready_count",
+                  "push_ready_seconds",
                   "pulled_requests", "pulled_chunks", "pulled_bytes", "pull_failed")
 
 
@@ -354,6 +357,9 @@ def transfer_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | 
     n, recent = int(out.get("pushed_requests") or 0), a.get("push_recent")
     if n and isinstance(recent, list) and n <= len(recent):  # this workload's pushes, each
         out["push_each_s"] = recent[-n:]
+    r, ready = int(out.get("push_ready_count") or 0), a.get("push_ready_recent")
+    if r and isinstance(ready, list) and r <= len(ready):
+        out["push_ready_each_s"] = ready[-r:]
     return out
 
 
@@ -1264,6 +1270,13 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
     # transfer per request: our prefiller's pushes, or vLLM's NIXL reads at the decoder
     if push:
         secs, nbytes = per_request(push.get("push_seconds"), push.get("pushed_bytes"), push.get("pushed_requests"))
+        row["push_round_trip_s_per_request"] = secs
+        each = push.get("push_each_s")
+        row["push_round_trip_s_median"] = statistics.median(each) if each else None
+        if push.get("pushed_requests") and push.get("push_ready_count") == push.get("pushed_requests"):
+            # every push to a decoder on this host: until the decoder was ready, as vLLM's
+            # own figure is the decoder's read (the answer's trip back is the prefiller's business)
+            secs = push["push_ready_seconds"] / push["push_ready_count"]
     elif mode == "vllm-nixl" and row.get("decoder"):
         d = row["decoder"]
         secs, nbytes = per_request(d.get("vllm:nixl_xfer_time_seconds_sum"), d.get("vllm:nixl_bytes_transferred_sum"),
@@ -1271,7 +1284,9 @@ def run_mode(mode: str, model: Path, vllm: Path, prompts: Sequence[str], referen
     else:
         secs, nbytes = None, None
     row["transfer_s_per_request"], row["transfer_bytes_per_request"] = secs, nbytes
-    each = (push or {}).get("push_each_s")
+    each = (push or {}).get("push_ready_each_s") or (push or {}).get("push_each_s")
+    row["transfer_measured_to"] = ("decoder ready" if (push or {}).get("push_ready_each_s") else
+                                   "prefiller's answer" if push else "decoder's NIXL read" if secs else None)
     row["transfer_s_median"] = statistics.median(each) if each else None
     if push and push.get("pushed_requests"):  # where a push's time went, per request
         row["transfer_phases_s_per_request"] = {

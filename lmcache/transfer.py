@@ -71,7 +71,8 @@ from .transfer_serve import Serving
 from .transfer_channel import Channel  # noqa: F401 (re-exported: the plugin contract)
 from .transfer_wire import (  # noqa: F401 (re-exported)
     CHANNELS, DEFAULT_PORT, KIND_AUTH, KIND_MSG, MAGIC, MAX_CHUNKS, MAX_KEY, MAX_MSG, VERSION, ChannelUnavailable,
-    Connection, ControlServer, TransferError, TransferRefused, _ServerConn, raise_priority, raised_priority, split_url)
+    Connection, ControlServer, TransferError, TransferRefused, _ServerConn, boot_id, raise_priority, raised_priority,
+    same_clock, split_url)
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +209,15 @@ class ChannelEndpoint(Serving):
                     return c
                 c.close()
         c = Connection(url, self.token, self.timeout, identity)
-        r = c.call({"op": "hello", "identity": self.identity, "channel": self.name, **self.channel.hello()})
+        r = c.call({"op": "hello", "identity": self.identity, "channel": self.name, "boot": boot_id(),
+                    **self.channel.hello()})
         if r.get("channel") != self.name:
             c.close()
             raise TransferError(f"transfer endpoint {url} runs channel {str(r.get('channel'))[:20]!r}, "
                                 f"this side {self.name!r}")
         self.channel.on_hello(c, r)
         c.state["fetch"] = r.get("fetch") is True
+        c.state["same_clock"] = same_clock(r.get("boot"))
         return c
 
     def _done(self, c: Connection) -> None:
@@ -247,7 +250,7 @@ class ChannelEndpoint(Serving):
         if not items:
             return {"chunks": 0, "bytes": 0, "seconds": 0.0, "waited": 0.0, "committed": 0, "rejected": [],
                     "by": self.push_by}
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         wait = self.alloc_wait if alloc_wait is None else alloc_wait
         c = self._connect(url)
         by = "read" if self.push_by == "read" and self._reads and c.state.get("fetch") else "write"
@@ -284,9 +287,28 @@ class ChannelEndpoint(Serving):
         self.stats.push_alloc_seconds += waited
         self.stats.push_write_seconds += write_seconds
         self.stats.push_commit_seconds += commit_seconds
-        return {"chunks": len(items), "bytes": nbytes, "seconds": seconds, "waited": waited,
+        ready = self._ready_after(c, r, m0, seconds)
+        return {"ready_seconds": ready, "chunks": len(items), "bytes": nbytes, "seconds": seconds, "waited": waited,
                 "write_seconds": write_seconds, "commit_seconds": commit_seconds, "by": by,
                 "committed": int(r.get("committed", 0)), "rejected": list(r.get("rejected", []))}
+
+    def _ready_after(self, c: Connection, r: dict[str, Any], m0: float, seconds: float) -> float | None:
+        """Seconds from the push's start until the receiver had committed it (its
+        ``ready_at``, a monotonic stamp taken after the commit), where both sides share the
+        clock (:func:`same_clock`); counted in ``push_ready_*``. ``None`` elsewhere, or for
+        a stamp outside the push's own span (never trusted past it)."""
+        at = r.get("ready_at")
+        if not c.state.get("same_clock") or isinstance(at, bool) or not isinstance(at, (int, float)):
+            return None
+        ready = float(at) - m0
+        if not 0.0 <= ready <= seconds:
+            return None
+        self.stats.push_ready_count += 1
+        self.stats.push_ready_seconds += ready
+        recent = self.stats.push_ready_recent
+        recent.append(round(ready, 6))
+        del recent[:-RECENT]
+        return ready
 
     def _granted(self, c: Connection, msg: Callable[[], dict[str, Any]], url: str, request: str, wait: float,
                  timeout: Callable[[], float | None] = lambda: None) -> dict[str, Any]:

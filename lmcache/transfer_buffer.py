@@ -246,6 +246,11 @@ class EndpointStats:
     push_commit_seconds: float = 0.0  # of push_seconds: the commit's round trip (checks and sink there)
     #: the last RECENT pushes' seconds each, oldest first (a median per request for benches)
     push_recent: list[float] = field(default_factory=list)
+    #: of the pushes to a receiver on this host (same boot, one monotonic clock): seconds from
+    #: the push's start until the receiver had committed it (its answer's trip back excluded)
+    push_ready_count: int = 0
+    push_ready_seconds: float = 0.0
+    push_ready_recent: list[float] = field(default_factory=list)
     pushed_by_read: int = 0  # of pushed_requests: the receiver read them (push_by: read)
     push_refused: int = 0  # gave up: the receiver stayed full for alloc_wait, or refused
     push_failed: int = 0

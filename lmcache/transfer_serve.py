@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .memory import MemoryObj
 from .transfer_buffer import Allocation, ChunkMeta, Offer, checksum
-from .transfer_wire import MAX_CHUNKS, MAX_KEY, TransferError, _ServerConn
+from .transfer_wire import MAX_CHUNKS, MAX_KEY, TransferError, _ServerConn, boot_id, same_clock
 
 log = logging.getLogger("lmcache.transfer")
 
@@ -36,10 +36,11 @@ class Serving:
     def _handle(self, conn: _ServerConn, msg: dict[str, Any]) -> dict[str, Any] | None:
         op = msg.get("op")
         if op == "hello":
+            conn.state["same_clock"] = same_clock(msg.get("boot"))
             return {"ok": True, "identity": self.identity, "channel": self.name, "fetch": self._reads,
-                    **self.channel.on_hello(conn, msg)}
+                    "boot": boot_id(), **self.channel.on_hello(conn, msg)}
         if op == "fetch":
-            return self._serve_fetch(conn, msg)
+            return self._stamped(conn, self._serve_fetch(conn, msg))
         if op == "alloc":
             return self._serve_alloc(msg)
         if op == "write":
@@ -47,7 +48,7 @@ class Serving:
             self.channel.serve_write(conn, msg, a)  # type: ignore[attr-defined]
             return None
         if op == "commit":
-            return self._serve_commit(msg)
+            return self._stamped(conn, self._serve_commit(msg))
         if op == "abort":
             return {"ok": True, "aborted": self.buffer.abort(str(msg.get("alloc")))}
         if op == "read":
@@ -72,6 +73,14 @@ class Serving:
         if op == "stats":
             return {"ok": True, **self.info()}
         raise ValueError(f"unknown op {str(op)[:40]!r}")
+
+    @staticmethod
+    def _stamped(conn: _ServerConn, answer: dict[str, Any]) -> dict[str, Any]:
+        """A commit's answer with ``ready_at`` (this side's monotonic clock once the chunks
+        are in the sink) for a peer on the same clock: its push's time until this side was ready."""
+        if answer.get("ok") and conn.state.get("same_clock"):
+            answer["ready_at"] = time.monotonic()
+        return answer
 
     def _alloc_of(self, msg: dict[str, Any]) -> Allocation:
         a = self.buffer.get(str(msg.get("alloc")))

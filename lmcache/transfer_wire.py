@@ -236,6 +236,29 @@ class Connection:
             pass
 
 
+_BOOT: list[str | None] = []
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id (``/proc/sys/kernel/random/boot_id``), ``None`` where it cannot
+    be read. Two endpoints that announce the same one share ``time.monotonic()``'s clock
+    (CLOCK_MONOTONIC is one clock per boot), so a receiver's monotonic stamp can be set
+    against the sender's: a push's time until the receiver is ready, measured on one host."""
+    if not _BOOT:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                _BOOT.append(f.read(64).strip() or None)
+        except OSError:
+            _BOOT.append(None)
+    return _BOOT[0]
+
+
+def same_clock(peer_boot: Any) -> bool:
+    """Whether a peer announcing ``peer_boot`` in its hello shares this side's monotonic clock."""
+    mine = boot_id()
+    return mine is not None and isinstance(peer_boot, str) and peer_boot == mine
+
+
 def split_url(url: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port``; an optional ``lmct://``) -> (host, port)."""
     u = url.split("://", 1)[1] if "://" in url else url

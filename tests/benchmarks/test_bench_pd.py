@@ -211,6 +211,13 @@ def test_transfer_figures():
     d2 = pd.transfer_delta(before, {"transfer": {**after["transfer"], "push_recent": recent}})
     assert d2["push_each_s"] == recent[1:]
     assert "push_each_s" not in pd.transfer_delta(before, {"transfer": {**after["transfer"], "push_recent": recent[:3]}})
+    # pushes to a decoder on this host: the time until it was ready, each, beside the round trips
+    ready = {**after["transfer"], "push_recent": recent, "push_ready_count": 8, "push_ready_seconds": 0.3,
+             "push_ready_recent": [0.004 * i for i in range(1, 9)]}
+    d3 = pd.transfer_delta({"transfer": {**before["transfer"], "push_ready_count": 0, "push_ready_seconds": 0.0}},
+                           {"transfer": ready})
+    assert d3["push_ready_count"] == 8 and d3["push_ready_seconds"] == pytest.approx(0.3)
+    assert d3["push_ready_each_s"] == ready["push_ready_recent"] and d3["push_each_s"] == recent[1:]
     secs, nbytes = pd.per_request(d["push_seconds"], d["pushed_bytes"], d["pushed_requests"])
     assert secs == pytest.approx(0.05) and nbytes == 1e6
     assert pd.per_request(0.4, 100, 0) == (None, None) and pd.per_request(None, 100, 2) == (None, None)

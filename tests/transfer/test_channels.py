@@ -94,6 +94,10 @@ def test_push_and_pull_are_bit_exact(peers, channel, by):
     assert r["by"] == ("read" if (channel, by) == ("nixl", "read") else "write"), r
     fetched = rx(op="stats")
     assert fetched["fetched_requests"] == (1 if r["by"] == "read" else 0), fetched
+    # both processes on this host share the monotonic clock: the push knows when the receiver was ready
+    assert r["ready_seconds"] is not None and 0 < r["ready_seconds"] <= r["seconds"], r
+    pushed = tx(op="stats")
+    assert pushed["push_ready_count"] == 1 and pushed["push_ready_recent"] == [round(r["ready_seconds"], 6)], pushed
     assert rx(op="digests")["digests"] == want
     # pull (vLLM's direction): the other side reads what this one offers
     want2 = tx(op="fill", n=16, nbytes=MiB, seed=2)["digests"]
