@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, EntryInfo, StorageBackend, Usage
@@ -25,10 +25,7 @@ class CPUBackend(StorageBackend):
         self._lock = threading.Lock()
         self._used = 0
 
-    def contains_one(self, key: str) -> bool:
-        return key in self._objs
-
-    def contains(self, keys):
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         objs = self._objs
         return [k in objs for k in keys]
 
@@ -48,7 +45,7 @@ class CPUBackend(StorageBackend):
             old.unref()
         return obj.nbytes
 
-    def remove_one(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         with self._lock:
             obj = self._objs.pop(key, None)
             self._stored_at.pop(key, None)

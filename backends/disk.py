@@ -20,6 +20,14 @@ an eviction that finds the directory's lock busy leaves the file's removal to th
 process's next holder of the lock, and a store waits for it a bounded time, then is
 skipped (counted, no backoff).
 
+Two levels: :class:`DiskBackend` is the byte store (each key's value is its file's bytes;
+``put`` writes a file atomically), and :class:`DiskObjects`, the object view a tier opens
+it through (:func:`lmcache.storage.open_objects`), moves memory objects between pool
+memory and the files without an intermediate copy: a ``raw`` payload is read straight
+into pool memory and checked there, written from pool memory and hashed as it goes, and
+with ``o_direct`` its header is padded to a block so that the body moves as it is; batches
+run on the store's I/O threads.
+
 Options: ``path`` (required), ``o_direct`` (bypass the page cache), ``fsync`` (make each
 write durable before it is visible; off by default: a cache may lose entries on power
 loss, but never hands out a torn one).
@@ -42,6 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import xxhash
 
 from lmcache import payload
+from lmcache.encoded import Encoded
 from lmcache.errors import ConfigError, CorruptPayloadError, EntryPathError, TierUnusableError
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
@@ -49,17 +58,14 @@ from lmcache.storage import BackendContext, BytesBackend, EntryInfo, Usage
 from . import disk_dir
 from .file_io import (
     BLOCK,
-    PIECE,
+    IOPool,
     ThreadedIO,
-    _direct_views,
     _NotAFile,
     _open_entry,
-    _pread_all,
-    _read_all,
-    _write_all,
-    load_direct,
-    read_payload,
-    read_raw_into,
+    load_file,
+    read_file_into,
+    read_payload,  # noqa: F401 - re-exported: older imports and docs/reliability.md name it here
+    write_buffers,
     write_raw_payload,
 )
 
@@ -81,10 +87,18 @@ def _unlink_file(path: Path) -> None:
         log.warning("cannot remove %s: %s", path, exc)
 
 
-class DiskBackend(ThreadedIO, BytesBackend):
+class DiskBackend(IOPool, BytesBackend):
+    """The byte store: one file per key (see the module docstring); its object view is
+    :class:`DiskObjects`."""
+
     OPTIONS = {"path": None, "o_direct": False, "fsync": False}
     #: the backend named in the directory's marker (the layout is the disk layout's)
     CLAIM_BACKEND = "disk"
+    #: ``put_one`` may run on several threads at once for distinct keys (each file is
+    #: written under a name of its own and renamed into place)
+    parallel_puts = True
+    #: entries :meth:`DiskObjects.read_into` read straight into the caller's memory so far
+    direct_reads = 0
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
@@ -276,28 +290,33 @@ class DiskBackend(ThreadedIO, BytesBackend):
             self._meta[key] = (codec, mtime)
             self._used += size
 
-    # ------------------------------------------------------------- BytesBackend
-    def exists(self, key: str) -> bool:
-        return key in self._index
-
-    def contains(self, keys):
+    # ------------------------------------------------ the five verbs, over bytes
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         idx = self._index
         return [k in idx for k in keys]
 
-    def list(self) -> Iterator[tuple[str, int]]:
-        with self._lock:
-            return iter(list(self._index.items()))
+    def get_one(self, key: str) -> bytes | None:
+        """The bytes of ``key``'s file, as they are (the object view checks them);
+        ``None`` if absent, or gone or not a regular file (then forgotten)."""
+        if key not in self._index:
+            return None
+        try:
+            with open(_open_entry(self._path(key)), "rb", buffering=0) as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, _NotAFile):
+            self._forget(key)
+            return None
 
-    def usage(self) -> Usage:
-        return Usage(self._used, self.context.capacity, len(self._index))
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
+        """Store the concatenation of ``buffers`` as ``key``'s file, atomically (a new file
+        renamed into place); return its size."""
+        try:  # the payload's own codec, for listings: a re-encoded entry (lmcache compress) has another
+            codec = payload.parse_header(buffers[0]).codec
+        except (CorruptPayloadError, IndexError):
+            codec = self.context.codec.name
+        return self._write(key, buffers, codec)
 
-    def entries(self) -> Iterator[EntryInfo]:
-        """From the index: codec from each file's header, time from its mtime."""
-        with self._lock:
-            items = [(k, size, self._meta.get(k)) for k, size in self._index.items()]
-        return iter(EntryInfo(k, size, *(m or (None, None))) for k, size, m in items)
-
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         with self._lock:
             size = self._index.pop(key, None)
             self._meta.pop(key, None)
@@ -313,6 +332,19 @@ class DiskBackend(ThreadedIO, BytesBackend):
             log.warning("disk tier %s: cannot remove %s: %s", self.context.tier, self._path(key), exc)
             return size is not None
         return True
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        with self._lock:
+            return iter(list(self._index.items()))
+
+    def usage(self) -> Usage:
+        return Usage(self._used, self.context.capacity, len(self._index))
+
+    def entries(self) -> Iterator[EntryInfo]:
+        """From the index: codec from each file's header, time from its mtime."""
+        with self._lock:
+            items = [(k, size, self._meta.get(k)) for k, size in self._index.items()]
+        return iter(EntryInfo(k, size, *(m or (None, None))) for k, size, m in items)
 
     def _unlink_entry(self, path: Path) -> None:
         """Remove an entry's file; the shared ledger loses its bytes (only the process
@@ -331,13 +363,11 @@ class DiskBackend(ThreadedIO, BytesBackend):
             if size is not None:
                 self._used -= size
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        total = sum(len(b) for b in buffers)
-        try:  # the payload's own codec: a re-encoded entry (lmcache compress) has another
-            codec = payload.parse_header(buffers[0]).codec
-        except CorruptPayloadError:
-            codec = self.context.codec.name
+    def _write(self, key: str, buffers: Sequence[bytes | memoryview], codec: str) -> int:
+        """Store ``buffers`` (a payload of ``codec``) as ``key``'s file; return its size."""
+        total = sum(memoryview(b).nbytes for b in buffers)
         self._commit(key, total, codec, lambda tmp: self._write_file(tmp, buffers, total))
+        return total
 
     def _commit(self, key: str, total: int, codec: str, fill: Callable[[Path], None]) -> None:
         """Store the ``total``-byte entry of ``key`` that ``fill(tmp)`` writes into the
@@ -416,19 +446,7 @@ class DiskBackend(ThreadedIO, BytesBackend):
             size += others
         return size
 
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        if not self.o_direct and self._streams_raw():
-            size = payload.raw_header_len(key, obj) + obj.nbytes
-            self._commit(key, size, "raw", lambda tmp: self._write_raw(tmp, key, obj))
-            return size
-        if not self.o_direct:
-            return super().put_one(key, obj)
-        # O_DIRECT: the header padded to a block, so that the body (pool memory, page
-        # aligned for large objects) is written from where it is
-        bufs = payload.encode(key, obj, self.context.codec, header_align=BLOCK)
-        self.write(key, bufs)
-        return sum(len(b) for b in bufs)
-
+    # ------------------------------ what the object view (DiskObjects) moves objects with
     def _streams_raw(self) -> bool:
         """Whether a ``raw`` entry is written by :func:`write_raw_payload` (hashed as it
         is written): with the ``raw`` codec, unless :meth:`_write_file` was replaced (a
@@ -450,129 +468,32 @@ class DiskBackend(ThreadedIO, BytesBackend):
 
         The one step that moves bytes to the file, so that a subclass can move them
         another way (the gds backend through kvikio) and keep the temporary-name,
-        rename and index logic of :meth:`write`."""
+        rename and index logic of :meth:`put_one`."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.o_direct:
             flags |= os.O_DIRECT
         fd = os.open(tmp, flags, 0o644)
         try:
-            direct = self.o_direct and _direct_views(buffers)
-            if direct:
-                _write_all(fd, direct)
-            elif self.o_direct:
-                padded = (total + BLOCK - 1) // BLOCK * BLOCK
-                buf = mmap.mmap(-1, max(padded, BLOCK))
-                pos = 0
-                for b in buffers:
-                    buf[pos : pos + len(b)] = b
-                    pos += len(b)
-                _write_all(fd, [memoryview(buf)[:padded]])
-                os.ftruncate(fd, total)
-            else:
-                _write_all(fd, [memoryview(b).cast("B") for b in buffers])
+            write_buffers(fd, buffers, total, self.o_direct)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def read(self, key: str) -> bytes | None:
-        if key not in self._index:
-            return None
-        try:
-            with open(_open_entry(self._path(key)), "rb", buffering=0) as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, _NotAFile):
-            self._forget(key)
-            return None
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        """Read straight into pool memory: one copy from the kernel for ``raw`` payloads."""
-        if key not in self._index:
-            return None
-        try:
-            return self._load(self._path(key), key)
-        except (FileNotFoundError, NotADirectoryError):
-            self._forget(key)
-            return None
-        except _NotAFile as exc:  # a directory or FIFO in its place: a miss, never a hang
-            self.note_corrupt(key, CorruptPayloadError(str(exc)))
-            self._forget(key)
-            return None
-        except CorruptPayloadError as exc:
-            self.note_corrupt(key, exc)
-            with contextlib.suppress(OSError):  # a read-only device: forgotten, the file stays
-                self.delete(key)
-            return None
-
-    #: :meth:`read_into` reads a ``raw`` entry straight into the caller's memory (one copy)
-    reads_into = True
-    #: entries read that way so far
-    direct_reads = 0
-
-    def read_into(self, items: Sequence[tuple[str, Sequence[int], str, Sequence[memoryview]]]) -> list[bool | None]:
-        """For each ``(key, shape, dtype, segments)``: its entry read straight into
-        ``segments`` and checked (True); a miss (None: absent, or corrupt, then removed
-        as :meth:`get_one` removes it); or False, nothing written, when it cannot be read
-        that way (not ``raw``, another shape, or this backend reads files otherwise: the
-        caller uses :meth:`get`). On the I/O threads when there are several."""
-        if self.o_direct or type(self)._load is not DiskBackend._load:
-            return [False] * len(items)
-
-        def one(item: tuple[str, Sequence[int], str, Sequence[memoryview]]) -> bool | None:
-            key, shape, dtype, segments = item
-            if key not in self._index:
-                return None
-            try:
-                fd = _open_entry(self._path(key))
-                try:
-                    return read_raw_into(lambda dst, off: _pread_all(fd, dst, off), os.fstat(fd).st_size, key,
-                                         shape, dtype, segments, lambda views, off: os.preadv(fd, views, off))
-                finally:
-                    os.close(fd)
-            except (FileNotFoundError, NotADirectoryError):
-                self._forget(key)
-            except _NotAFile as exc:
-                self.note_corrupt(key, CorruptPayloadError(str(exc)))
-                self._forget(key)
-            except CorruptPayloadError as exc:
-                self.note_corrupt(key, exc)
-                with contextlib.suppress(OSError):
-                    self.delete(key)
-            return None
-
-        got = [one(i) for i in items] if len(items) < 2 else list(self._io_pool().map(one, items))
-        self.direct_reads += sum(1 for g in got if g is True)
-        return got
-
     def _load(self, path: Path, key: str) -> MemoryObj:
-        """The checked entry in the file at ``path``; ``FileNotFoundError`` if it is gone,
+        """The checked entry in the file at ``path`` (:func:`load_file`: a ``raw`` body
+        straight into pool memory); ``FileNotFoundError`` if it is gone,
         :class:`CorruptPayloadError` if it fails its checks. The file is closed on return.
-
-        With ``o_direct`` the whole file is read into one aligned buffer (O_DIRECT wants
-        block-aligned addresses, offsets and lengths); otherwise through
-        :func:`read_payload`, the path that reads ``raw`` bodies straight into pool
-        memory. A subclass that reads files another way overrides this."""
+        The object view's read (:meth:`DiskObjects.get_one`); a subclass that reads files
+        another way overrides this."""
         fd = _open_entry(path, os.O_DIRECT if self.o_direct else 0)
         try:
-            size = os.fstat(fd).st_size
-            if self.o_direct:
-                obj = load_direct(fd, size, key, self.context.allocate)
-                if obj is not None:
-                    return obj
-                buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
-                n = _read_all(fd, memoryview(buf))
-                data = memoryview(buf)[:n]
-                return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-            ctx = self.context
-            return read_payload(lambda dst, off: _pread_all(fd, dst, off), size, key, ctx.codec_lookup, ctx.allocate,
-                                piece=PIECE)
+            return load_file(fd, key, self.context.codec_lookup, self.context.allocate, self.o_direct)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        pool = self.__dict__.pop("_pool_exec", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._stop_io()
         self._close_dir()
 
     def _close_dir(self) -> None:
@@ -581,3 +502,97 @@ class DiskBackend(ThreadedIO, BytesBackend):
         state, self._dir = self._dir, None
         if state is not None:
             state.close()
+
+
+class DiskObjects(ThreadedIO, Encoded):
+    """Memory objects over a :class:`DiskBackend` (``raw``), as a tier opens it: the
+    store's files read straight into pool memory and checked there (one copy from the
+    kernel for ``raw`` payloads; with ``o_direct``, a body of whole blocks into
+    page-aligned pool memory), ``raw`` payloads written from pool memory and hashed as they
+    go, and batches on the store's I/O threads, each hit handed to ``on_ready`` on the
+    thread that read it. A payload that fails its checks is counted and deleted, a miss;
+    a directory or FIFO where a file should be is counted and forgotten, never a hang."""
+
+    #: :meth:`get` calls ``on_ready`` on the I/O thread that read each hit
+    streams_gets = True
+    #: ``put_one`` runs on several threads at once for distinct keys
+    parallel_puts = True
+    #: :meth:`read_into` reads a ``raw`` entry straight into the caller's memory (one copy)
+    reads_into = True
+    raw: DiskBackend
+
+    def __init__(self, store: DiskBackend):
+        super().__init__(store)
+        if self.store is not store:  # its reads and writes go to the files as they are
+            raise TypeError(f"{type(store).__qualname__} declares size limits: its objects_view cannot be "
+                            f"{type(self).__qualname__} (set objects_view = None)")
+
+    def _io_pool(self):
+        return self.raw._io_pool()  # the store's threads: one pool however many views
+
+    @property
+    def direct_reads(self) -> int:
+        """Entries :meth:`read_into` read straight into the caller's memory so far."""
+        return self.raw.direct_reads
+
+    # ------------------------------------------------------------ reads (get: ThreadedIO's)
+    def get_native(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        return ThreadedIO.get(self, keys)
+
+    def get_one(self, key: str) -> MemoryObj | None:
+        """Read straight into pool memory: one copy from the kernel for ``raw`` payloads."""
+        raw = self.raw
+        return self._checked(key, lambda path: raw._load(path, key))
+
+    def _checked(self, key: str, read: Callable[[Path], Any]) -> Any:
+        """``read(path)`` of ``key``'s file, or ``None``: absent; gone (forgotten); not a
+        regular file (counted as corrupt and forgotten; the thing is left there); or
+        failing its checks (counted and deleted)."""
+        raw = self.raw
+        if key not in raw._index:
+            return None
+        try:
+            return read(raw._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raw._forget(key)
+        except _NotAFile as exc:  # a directory or FIFO in its place: a miss, never a hang
+            self.note_corrupt(key, CorruptPayloadError(str(exc)))
+            raw._forget(key)
+        except CorruptPayloadError as exc:
+            self.note_corrupt(key, exc)
+            self.drop_corrupt([key])
+        return None
+
+    def read_into(self, items: Sequence[tuple[str, Sequence[int], str, Sequence[memoryview]]]) -> list[bool | None]:
+        """For each ``(key, shape, dtype, segments)``: its entry read straight into
+        ``segments`` and checked (True); a miss (None: absent, or corrupt, then removed
+        as :meth:`get_one` removes it); or False, nothing written, when it cannot be read
+        that way (not ``raw``, another shape, or the store reads files otherwise: the
+        caller uses :meth:`get`). On the I/O threads when there are several."""
+        raw = self.raw
+        if raw.o_direct or type(raw)._load is not DiskBackend._load:
+            return [False] * len(items)
+
+        def one(item: tuple[str, Sequence[int], str, Sequence[memoryview]]) -> bool | None:
+            key = item[0]
+            return self._checked(key, lambda path: read_file_into(path, *item))
+
+        got = [one(i) for i in items] if len(items) < 2 else list(self._io_pool().map(one, items))
+        raw.direct_reads += sum(1 for g in got if g is True)
+        return got
+
+    # ------------------------------------------------------------ writes (put: ThreadedIO's)
+    def put_one(self, key: str, obj: MemoryObj) -> int:
+        raw = self.raw
+        if not raw.o_direct and raw._streams_raw():  # from pool memory, hashed as it is written
+            size = payload.raw_header_len(key, obj) + obj.nbytes
+            raw._commit(key, size, "raw", lambda tmp: raw._write_raw(tmp, key, obj))
+            return size
+        # with O_DIRECT, the header padded to a block, so that the body (pool memory, page
+        # aligned for large objects) is written from where it is
+        codec = self.context.codec
+        return raw._write(key, payload.encode(key, obj, codec, header_align=BLOCK if raw.o_direct else None),
+                          codec.name)
+
+
+DiskBackend.objects_view = DiskObjects

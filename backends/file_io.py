@@ -3,7 +3,9 @@ gds, fs): opening an entry's file without following links or blocking on a FIFO,
 payload read header first with a ``raw`` body straight into the memory it is served from
 (:func:`read_payload`), a ``raw`` payload written body first and hashed as it goes
 (:func:`write_raw_payload`), vectored writes and positioned reads that loop until done,
-and the buffers an O_DIRECT write can take as they are."""
+and the buffers an O_DIRECT write can take as they are; a store's I/O threads
+(:class:`IOPool`) and the batch reads and writes of its object view on them
+(:class:`ThreadedIO`)."""
 
 from __future__ import annotations
 
@@ -294,10 +296,59 @@ def load_direct(fd: int, size: int, key: str, allocate: Callable[..., MemoryObj]
     return obj
 
 
-class ThreadedIO:
-    """Batch ``get``/``put`` of a file backend on a few I/O threads (the reads and writes
-    release the GIL, so one chunk's file I/O overlaps another's checksum and bookkeeping).
-    The backend provides ``get_one``, ``put_one``, ``context`` and ``_lock``."""
+def write_buffers(fd: int, buffers: Sequence[bytes | memoryview], total: int, o_direct: bool) -> None:
+    """Write the ``total`` bytes of ``buffers`` into the empty file ``fd``. With
+    ``o_direct`` (``fd`` opened so) buffers laid out for it go as they are
+    (:func:`_direct_views`); others through one aligned bounce buffer, the file then cut
+    to ``total``."""
+    direct = o_direct and _direct_views(buffers)
+    if direct:
+        _write_all(fd, direct)
+    elif o_direct:
+        padded = (total + BLOCK - 1) // BLOCK * BLOCK
+        buf = mmap.mmap(-1, max(padded, BLOCK))
+        pos = 0
+        for b in buffers:
+            mv = memoryview(b).cast("B")
+            buf[pos : pos + len(mv)] = mv
+            pos += len(mv)
+        _write_all(fd, [memoryview(buf)[:padded]])
+        os.ftruncate(fd, total)
+    else:
+        _write_all(fd, [memoryview(b).cast("B") for b in buffers])
+
+
+def load_file(fd: int, key: str, codec_lookup: Callable[[str], Codec], allocate: Callable[..., MemoryObj],
+              o_direct: bool) -> MemoryObj:
+    """The checked payload of ``key`` in the file ``fd``; :class:`CorruptPayloadError` if
+    it fails its checks. With ``o_direct`` (``fd`` opened so) through :func:`load_direct`,
+    else the whole file read into one aligned buffer (O_DIRECT wants block-aligned
+    addresses, offsets and lengths); otherwise through :func:`read_payload`, the path
+    that reads ``raw`` bodies straight into pool memory."""
+    size = os.fstat(fd).st_size
+    if o_direct:
+        obj = load_direct(fd, size, key, allocate)
+        if obj is not None:
+            return obj
+        buf = mmap.mmap(-1, max((size + BLOCK - 1) // BLOCK * BLOCK, BLOCK))
+        n = _read_all(fd, memoryview(buf))
+        return payload.decode(memoryview(buf)[:n], key, codec_lookup, allocate)
+    return read_payload(lambda dst, off: _pread_all(fd, dst, off), size, key, codec_lookup, allocate, piece=PIECE)
+
+
+def read_file_into(path: Path, key: str, shape: Sequence[int], dtype: str, segments: Sequence[memoryview]) -> bool:
+    """:func:`read_raw_into` from the entry file at ``path`` (see :func:`_open_entry`)."""
+    fd = _open_entry(path)
+    try:
+        return read_raw_into(lambda dst, off: _pread_all(fd, dst, off), os.fstat(fd).st_size, key, shape, dtype,
+                             segments, lambda views, off: os.preadv(fd, views, off))
+    finally:
+        os.close(fd)
+
+
+class IOPool:
+    """A file store's few I/O threads, made on first use (or at once by :meth:`_start_io`)
+    and shut by :meth:`_stop_io`. The class provides ``context`` and ``_lock``."""
 
     #: files read or written at once by one batch call: the reads and writes release the
     #: GIL, so one chunk's file I/O overlaps another's checksum and bookkeeping
@@ -323,6 +374,19 @@ class ThreadedIO:
         arrived = threading.Barrier(n)  # each task waits for the others: n threads, not one reused
         for f in [pool.submit(arrived.wait, 5.0) for _ in range(n)]:
             f.exception()
+
+    def _stop_io(self) -> None:
+        """Shut the I/O threads down (after the work handed to them)."""
+        pool = self.__dict__.pop("_pool_exec", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class ThreadedIO:
+    """Batch ``get``/``put`` of memory objects over a file store, on the store's I/O
+    threads (:class:`IOPool`: the reads and writes release the GIL, so one chunk's file
+    I/O overlaps another's checksum and bookkeeping). The class provides ``get_one``,
+    ``put_one``, ``context`` and ``_io_pool()``."""
 
     #: :meth:`get` takes ``on_ready`` (see :meth:`lmcache.tier.Tier.get`)
     streams_gets = True

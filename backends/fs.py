@@ -31,10 +31,12 @@ stuck thread itself cannot be cancelled: it stays blocked until the filesystem a
 and is replaced so that the pool keeps its size. Workers are daemon threads, so a stuck
 one does not block the process from exiting either.
 
-A corrupt or truncated file is a miss and is removed (the payload header and checksums
-of :mod:`lmcache.payload`); reads are checked and decoded on the workers, through the
-same path as the disk backend's (:func:`lmcache.backends.disk.read_payload`: a ``raw``
-body goes straight into the memory it is served from).
+It is a store of payload bytes (:class:`~lmcache.storage.BytesBackend`: ``get`` returns
+each file's bytes, ``put`` writes the concatenation of buffers). A tier opens it through
+:class:`FSObjects`, which reads, checks and decodes on the workers, through the same path
+as the disk backend's (:func:`lmcache.backends.file_io.read_payload`: a ``raw`` body goes
+straight into the memory it is served from); a corrupt or truncated file is a miss and
+is removed (the payload header and checksums of :mod:`lmcache.payload`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from urllib.parse import quote, unquote, urlsplit
 import xxhash
 
 from lmcache import payload
+from lmcache.encoded import Encoded
 from lmcache.errors import ConfigError, CorruptPayloadError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
@@ -60,7 +63,7 @@ from lmcache.redact import redact_text
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo
 
 from . import disk_dir
-from .disk import read_payload
+from .file_io import read_payload
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +191,60 @@ def _filesystem_class(url: str) -> type:
         raise ConfigError("url", f"the {protocol}:// filesystem needs a package that is not installed: {exc}") from None
 
 
+_CORRUPT = object()  # a step's answer for a payload that failed its checks
+
+
+class FSObjects(Encoded):
+    """The fs store as a tier opens it (:attr:`FSBackend.objects_view`).
+
+    Reads are checked and decoded on the workers, through the disk backend's path
+    (:func:`~lmcache.backends.file_io.read_payload`): a ``raw`` body goes straight from
+    the file into the memory it is served from, with no intermediate bytes. Writes are
+    encoded on the workers, each holding its own reference to its object, so a write
+    given up on past the timeout never reads memory that was reused meanwhile."""
+
+    raw: FSBackend
+
+    def get_native(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        got = self.raw._batch(self._get_step, [(k,) for k in keys], "get")
+        corrupt = [k for k, g in zip(keys, got) if g is _CORRUPT]
+        if corrupt:
+            self.drop_corrupt(corrupt)
+        return [None if g is _CORRUPT else g for g in got]
+
+    def _get_step(self, key: str) -> Any:
+        """On a worker: one entry read, checked and decoded; ``_CORRUPT`` (counted) if it
+        fails its checks."""
+        ctx, fs = self.context, self.raw
+        try:
+            with fs._fs().open(fs._path(key), "rb") as f:
+                size = f.seek(0, 2)
+                return read_payload(partial(_read_at, f), size, key, ctx.codec_lookup, ctx.allocate)
+        except FileNotFoundError:
+            return None
+        except CorruptPayloadError as exc:
+            self.note_corrupt(key, exc)
+            return _CORRUPT
+
+    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+        if self.store is not self.raw:  # seen within limits (lmcache.fit): its parts are bytes
+            return super().put(items)
+        return self.raw._batch(self._put_step, [(k, o.ref()) for k, o in items], "put", not_run=_unref_arg)
+
+    def _put_step(self, key: str, obj: MemoryObj) -> int:
+        # holds its own reference: a call given up on must not write memory reused meanwhile
+        try:
+            return self.raw._write(key, payload.encode(key, obj, self.context.codec))
+        finally:
+            obj.unref()
+
+
 class FSBackend(BytesBackend):
     OPTIONS = {
         "url": None, "fs_options": {}, "prefix": "", "concurrency": 16, "timeout": 5.0, "tmp_max_age": 3600.0,
     }
     shared = True
+    objects_view = FSObjects
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
@@ -347,9 +399,13 @@ class FSBackend(BytesBackend):
             return None
         return key
 
-    # --------------------------------------------------------- bytes steps
-    def read(self, key: str) -> bytes | None:
-        return self._call(self._read, key)
+    # --------------------------------------------------------- the five verbs, over bytes
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[bytes | None]:
+        """Each file's bytes (the caller's own), read on the workers."""
+        return self._batch(self._read, [(k,) for k in keys], "get")
+
+    def get_one(self, key: str) -> bytes | None:
+        return self._batch(self._read, [(key,)], "get")[0]
 
     def _read(self, key: str) -> bytes | None:
         try:
@@ -357,10 +413,18 @@ class FSBackend(BytesBackend):
         except FileNotFoundError:
             return None
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        self._call(self._write, key, buffers)
+    def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> list[int]:
+        """Each value written on the workers (temporary file and rename where the
+        filesystem has one). A write given up on past the timeout may still finish later,
+        from the caller's buffers: should they have been reused meanwhile, the payload's
+        checksums make the entry a miss (and it is removed), never wrong KV. The tier's
+        own writes (:class:`FSObjects`) hold their object instead."""
+        return self._batch(self._write, [(k, bufs) for k, bufs in items], "put")
 
-    def _write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
+        return self._batch(self._write, [(key, buffers)], "put")[0]
+
+    def _write(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
         fs = self._fs()
         final = self._path(key)
         parent = final.rsplit("/", 1)[0]
@@ -368,6 +432,7 @@ class FSBackend(BytesBackend):
             fs.makedirs(parent, exist_ok=True)
             self._dirs.add(parent)
         target = f"{parent}/{TMP_PREFIX}{uuid.uuid4().hex}" if self.atomic_rename else final
+        size = 0
         try:
             try:
                 f = fs.open(target, "wb")
@@ -377,6 +442,7 @@ class FSBackend(BytesBackend):
             with f:
                 for b in buffers:
                     f.write(b)
+                    size += memoryview(b).nbytes
             if self.atomic_rename:
                 fs.mv(target, final)
         except BaseException:
@@ -386,9 +452,10 @@ class FSBackend(BytesBackend):
                 except Exception:
                     pass
             raise
+        return size
 
-    def delete(self, key: str) -> bool:
-        return self._call(self._delete, key)
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        return self._batch(self._delete, [(k,) for k in keys], "delete")
 
     def _delete(self, key: str) -> bool:
         try:
@@ -397,13 +464,13 @@ class FSBackend(BytesBackend):
             return False
         return True
 
-    def exists(self, key: str) -> bool:
-        return self._call(self._exists, key)
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._batch(self._exists, [(k,) for k in keys], "exists")
 
     def _exists(self, key: str) -> bool:
         return bool(self._fs().exists(self._path(key)))
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         return iter([(e.key, e.size) for e in self.entries()])
 
     def entries(self) -> Iterator[EntryInfo]:
@@ -449,55 +516,6 @@ class FSBackend(BytesBackend):
                 if not fs.isdir(d):  # removed meanwhile (or the store is still empty)
                     return []
         return []
-
-    # --------------------------------------------------------- object API
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        return self._batch(self._exists, [(k,) for k in keys], "contains")
-
-    def contains_one(self, key: str) -> bool:
-        return self.exists(key)
-
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        return self._batch(self._get_step, [(k,) for k in keys], "get")
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        return self._call(self._get_step, key)
-
-    def _get_step(self, key: str) -> MemoryObj | None:
-        """On a worker: read, check and decode one entry; a corrupt one is deleted and is
-        a miss. A ``raw`` body is read straight into the memory it is served from."""
-        ctx = self.context
-        try:
-            with self._fs().open(self._path(key), "rb") as f:
-                size = f.seek(0, 2)
-                return read_payload(partial(_read_at, f), size, key, ctx.codec_lookup, ctx.allocate)
-        except FileNotFoundError:
-            return None
-        except CorruptPayloadError as exc:
-            self.note_corrupt(key, exc)
-            self._delete(key)
-            return None
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        return self._batch(self._put_step, [(k, o.ref()) for k, o in items], "put", not_run=_unref_arg)
-
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        return self._batch(self._put_step, [(key, obj.ref())], "put", not_run=_unref_arg)[0]
-
-    def _put_step(self, key: str, obj: MemoryObj) -> int:
-        # holds its own reference: a call given up on must not write memory reused meanwhile
-        try:
-            bufs = payload.encode(key, obj, self.context.codec)
-            self._write(key, bufs)
-            return sum(len(b) for b in bufs)
-        finally:
-            obj.unref()
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self._batch(self._delete, [(k,) for k in keys], "remove")
-
-    def remove_one(self, key: str) -> bool:
-        return self.delete(key)
 
     def close(self) -> None:
         self._workers.close()

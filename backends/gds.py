@@ -4,8 +4,9 @@ Why a subclass of the disk backend: the on-disk layout, the atomic publish (temp
 name, then rename), the index rebuilt from headers and the corrupt-entry handling are
 exactly the disk backend's, so a ``gds`` directory and a ``disk`` directory hold the
 same files and either backend can open the other's. What differs is only how bytes move
-between a file and memory, and that is two overridable steps of the disk backend
-(``_write_file`` and ``_load``).
+between a file and memory, and that is two overridable steps of the disk store
+(``_write_file`` and ``_load``, which its object view, :class:`GDSObjects`, reads
+through), and the threads batches run on (``concurrency``).
 
 Two ways to move them, chosen when the backend opens and reported by :attr:`io_path`
 and one log line:
@@ -42,7 +43,8 @@ from lmcache.errors import ConfigError
 from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext
 
-from .disk import TMP_PREFIX, DiskBackend, read_payload
+from .disk import TMP_PREFIX, DiskBackend, DiskObjects
+from .file_io import read_payload
 
 log = logging.getLogger(__name__)
 
@@ -186,14 +188,43 @@ class GDSBackend(DiskBackend):
             )
 
     # ------------------------------------------------------------------ batches
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        return _each(self._pool, self.delete_one, keys)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        super().close()
+
+
+def _each(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], args: Sequence[Any]) -> list[Any]:
+    """``fn`` over ``args`` on ``pool`` (``concurrency`` at a time); the first error is
+    raised after every call finished (objects read by the others are released)."""
+    if len(args) <= 1:
+        return [fn(a) for a in args]
+    futures = [pool.submit(fn, a) for a in args]
+    errors = [f.exception() for f in futures]
+    if any(errors):
+        for f, e in zip(futures, errors):
+            if e is None and isinstance(f.result(), MemoryObj):
+                f.result().unref()
+        raise next(e for e in errors if e is not None)
+    return [f.result() for f in futures]
+
+
+class GDSObjects(DiskObjects):
+    """Memory objects over a :class:`GDSBackend`: the disk view, its files read and
+    written through the store's kvikio (or O_DIRECT) steps, and batches run on the store's
+    ``concurrency`` threads."""
+
     #: reads run on the ``concurrency`` threads; :meth:`get` hands each hit to ``on_ready`` there
     streams_gets = True
+    raw: GDSBackend
 
     def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
-        """Read ``keys`` on the backend's threads; ``on_ready(i, obj)`` is called on the
+        """Read ``keys`` on the store's threads; ``on_ready(i, obj)`` is called on the
         thread that read hit ``i``, once, before this returns (an error in it is logged)."""
         if on_ready is None:
-            return self._each(self.get_one, keys)
+            return _each(self.raw._pool, self.get_one, keys)
 
         def one(item: tuple[int, str]) -> MemoryObj | None:
             i, key = item
@@ -205,28 +236,13 @@ class GDSBackend(DiskBackend):
                     log.exception("tier %s: on_ready for %s failed", self.context.tier, key)
             return obj
 
-        return self._each(one, list(enumerate(keys)))
+        return _each(self.raw._pool, one, list(enumerate(keys)))
+
+    def get_native(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        return self.get(keys)
 
     def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        return self._each(lambda item: self.put_one(*item), items)
+        return _each(self.raw._pool, lambda item: self.put_one(*item), items)
 
-    def remove(self, keys: Sequence[str]) -> None:
-        self._each(self.remove_one, keys)
 
-    def _each(self, fn: Callable[[Any], Any], args: Sequence[Any]) -> list[Any]:
-        """``fn`` over ``args``, ``concurrency`` at a time; the first error is raised
-        after every call finished (objects read by the others are released)."""
-        if len(args) <= 1:
-            return [fn(a) for a in args]
-        futures = [self._pool.submit(fn, a) for a in args]
-        errors = [f.exception() for f in futures]
-        if any(errors):
-            for f, e in zip(futures, errors):
-                if e is None and isinstance(f.result(), MemoryObj):
-                    f.result().unref()
-            raise next(e for e in errors if e is not None)
-        return [f.result() for f in futures]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        super().close()
+GDSBackend.objects_view = GDSObjects

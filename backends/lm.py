@@ -9,9 +9,11 @@ miss and is deleted. Every instance that points at the same server shares its en
 (``shared = True``); the server's own capacity and eviction policy bound the total.
 
 Why batches are pipelined: a chunk is one round trip otherwise. ``get``, ``put``,
-``contains`` and ``remove`` write up to ``batch`` requests on one pooled connection and
+``exists`` and ``delete`` write up to ``batch`` requests on one pooled connection and
 then read the responses, which come back in order. PUT values go out as the payload's
-header and body buffers (a view of the chunk's memory), never joined.
+header and body buffers (a view of the chunk's memory), never joined. A tier opens this
+byte store through :class:`LMObjects`, which decodes each GET answer straight out of the
+connection's reused receive buffer into pool memory, with no copy in between.
 
 Why every call raises instead of waiting: the tier above turns an exception into a miss
 and backs off, so the backend fails within ``timeout`` (connect, and each send or
@@ -45,11 +47,11 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from lmcache import payload
 from lmcache import wire as proto
 from lmcache.errors import BackendError, ConfigError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
+from lmcache.encoded import Encoded, release
 from lmcache.storage import BackendContext, BytesBackend
 from lmcache.wire_client import Connection
 
@@ -85,6 +87,37 @@ class _Stale(Exception):
     """A pooled connection was closed by the server before it answered anything."""
 
 
+class LMObjects(Encoded):
+    """The ``lm`` store as a tier opens it: GET answers are decoded straight out of the
+    connection's scratch buffer (into pool memory), with no copy of the payload bytes."""
+
+    raw: LMBackend
+
+    def get_native(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        store = self.raw
+        out: list[MemoryObj | None] = []
+        try:
+            for part in _chunks(keys, store.batch):
+                corrupt: list[str] = []
+
+                def consume(i: int, f: proto.Frame, data: Any, part: Sequence[str] = part) -> None:
+                    if f.status != proto.OK:
+                        out.append(None)
+                        return
+                    obj = self.decode_checked(part[i], data)  # copies out of the scratch buffer
+                    if obj is None:
+                        corrupt.append(part[i])
+                    out.append(obj)
+
+                store._exchange("GET", [(proto.GET, store._k(k), ()) for k in part], consume)
+                if corrupt:
+                    self.drop_corrupt(corrupt)
+        except BaseException:
+            release(out)
+            raise
+        return out
+
+
 class LMBackend(BytesBackend):
     OPTIONS = {
         "url": None,
@@ -97,6 +130,7 @@ class LMBackend(BytesBackend):
         "max_value_size": proto.DEFAULT_MAX_VALUE,
     }
     shared = True
+    objects_view = LMObjects
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
@@ -211,27 +245,42 @@ class LMBackend(BytesBackend):
             out.extend(f for f, _ in res)
         return out
 
-    # ------------------------------------------------------ BytesBackend
-    def read(self, key: str) -> bytearray | memoryview | None:
-        ((f, val),) = self._exchange("GET", [(proto.GET, self._k(key), ())])
-        return val if f.status == proto.OK else None
+    # ------------------------------------------------------ the byte store
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """The stored payload bytes of each key (``None``: missing), ``batch`` GETs per
+        round trip. Each value is received into a buffer of its own (the caller owns it),
+        not into the connection's scratch buffer, which only :class:`LMObjects` reads."""
+        out: list[Any] = []
+        for part in _chunks(keys, self.batch):
+            res = self._exchange("GET", [(proto.GET, self._k(k), ()) for k in part])
+            out.extend(val if f.status == proto.OK else None for f, val in res)
+        return out
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        ((f, val),) = self._exchange("PUT", [(proto.PUT, self._k(key), list(buffers))])
-        self._check_put(f, val)
+    def put(self, items: Sequence[tuple[str, Sequence[Any]]]) -> list[int]:
+        """``batch`` PUTs per round trip, each value sent as its buffers (never joined);
+        a PUT the server refuses (over its value limit) raises :class:`BackendError`.
+        Returns the bytes of each value."""
+        sizes: list[int] = []
+        for part in _chunks(items, self.batch):
+            res = self._exchange("PUT", [(proto.PUT, self._k(k), list(bufs)) for k, bufs in part])
+            for f, val in res:
+                self._check_put(f, val)
+            sizes.extend(sum(memoryview(b).nbytes for b in bufs) for _, bufs in part)
+        return sizes
 
     def _check_put(self, f: proto.Frame, val: Any) -> None:
         if f.status != proto.OK:
             raise BackendError(f"tier {self.context.tier}: PUT on {self.describe()} refused: "
                                f"{bytes(val).decode(errors='replace')}")
 
-    def delete(self, key: str) -> bool:
-        return self._each(proto.DELETE, [key])[0].status == proto.OK
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [f.status == proto.OK for f in self._each(proto.EXISTS, keys)]
 
-    def exists(self, key: str) -> bool:
-        return self._each(proto.EXISTS, [key])[0].status == proto.OK
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key was there (the server answers OK or NOT_FOUND)."""
+        return [f.status == proto.OK for f in self._each(proto.DELETE, keys)]
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         ((f, page),) = self._exchange("LIST", [(proto.LIST, self.prefix.encode(), ())])
         try:
             entries = proto.decode_list_page(page)
@@ -253,56 +302,8 @@ class LMBackend(BytesBackend):
         ((f, val),) = self._exchange("HEALTH", [(proto.HEALTH, b"", ())])
         return json.loads(bytes(val))
 
-    # ------------------------------------------------------ batch forms
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [f.status == proto.OK for f in self._each(proto.EXISTS, keys)]
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self._each(proto.DELETE, keys)
-
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        try:
-            for part in _chunks(keys, self.batch):
-                corrupt: list[str] = []
-
-                def consume(i: int, f: proto.Frame, data: Any, part: Sequence[str] = part) -> None:
-                    if f.status != proto.OK:
-                        out.append(None)
-                        return
-                    obj = self.decode_checked(part[i], data)  # copies out of the scratch buffer
-                    if obj is None:
-                        corrupt.append(part[i])
-                    out.append(obj)
-
-                self._exchange("GET", [(proto.GET, self._k(k), ()) for k in part], consume)
-                if corrupt:
-                    try:
-                        self.remove(corrupt)
-                    except Exception:  # best effort: the next reader drops it again
-                        log.exception("tier %s: could not delete corrupt entries", self.context.tier)
-        except BaseException:
-            for obj in out:
-                if obj is not None:
-                    obj.unref()
-            raise
-        return out
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        return self.get([key])[0]
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        sizes: list[int] = []
-        codec = self.context.codec
-        for part in _chunks(items, self.batch):
-            encoded = [(k, payload.encode(k, obj, codec)) for k, obj in part]
-            res = self._exchange("PUT", [(proto.PUT, self._k(k), bufs) for k, bufs in encoded])
-            for f, val in res:
-                self._check_put(f, val)
-            sizes.extend(sum(len(b) for b in bufs) for _, bufs in encoded)
-        return sizes
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
         self._drop_idle()
+

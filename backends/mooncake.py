@@ -30,8 +30,15 @@ no-op in Mooncake, and ``remove`` refuses a key that a reader looked at in the l
 Why batches are split: every transfer is staged through the client's *local buffer*
 (``local_buffer_size``); a batch whose values do not fit fails as a whole. Puts are cut
 into groups of at most half the local buffer; gets ask for the whole batch and fetch the
-values that did not fit one at a time. A single payload larger than the local buffer
-cannot be stored or read at all: size it above the largest chunk payload.
+values that did not fit one at a time. A single value larger than the local buffer
+cannot be stored or read at all, so the local buffer is the store's ``max_value_size``: a
+tier stores a larger payload in parts (:mod:`lmcache.fit`); size the buffer above the
+largest chunk payload to keep each chunk one object.
+
+Bytes and objects: the backend is a store of payload bytes
+(:class:`~lmcache.storage.BytesBackend`); its ``get`` copies each value out of the
+client's buffer. A tier opens it through :class:`MooncakeObjects`, which checks and
+decodes each payload straight from the buffer the client lends, with no copy in between.
 
 Listing: the client cannot enumerate keys, so :meth:`keys` asks the master's HTTP admin
 server (``admin_url``: ``/get_all_keys``, then ``/batch_query_keys`` for the sizes); it
@@ -58,7 +65,7 @@ import urllib.request
 import zlib
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from lmcache import payload
+from lmcache.encoded import Encoded, release
 from lmcache.errors import BackendError, ConfigError
 from lmcache.keys import CacheKey
 from lmcache.memory import MemoryObj
@@ -72,6 +79,35 @@ from .mooncake_client import (  # noqa: F401 (re-exported: tests and lmcache ben
 )
 
 log = logging.getLogger(__name__)
+
+
+class MooncakeObjects(Encoded):
+    """The mooncake store as a tier opens it (:attr:`MooncakeBackend.objects_view`): each
+    payload is checked and decoded straight from the client's buffer while the client
+    lends it (:meth:`MooncakeBackend._fetch`), with no intermediate copy; a corrupt or
+    truncated one is a miss and is removed (in one batch)."""
+
+    raw: MooncakeBackend
+
+    def get_native(self, keys: Sequence[str]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if not keys:
+            return out
+        corrupt: list[str] = []
+
+        def use(i: int, data: memoryview) -> None:
+            out[i] = self.decode_checked(keys[i], data)
+            if out[i] is None:
+                corrupt.append(keys[i])
+
+        try:
+            self.raw._fetch([self.raw._name(k) for k in keys], use)
+        except BaseException:
+            release(out)
+            raise
+        if corrupt:  # in one batch; should that fail, every reader still finds them corrupt
+            self.drop_corrupt(corrupt)
+        return out
 
 
 class MooncakeBackend(BytesBackend):
@@ -88,6 +124,7 @@ class MooncakeBackend(BytesBackend):
         "admin_url": None,
     }
     shared = True
+    objects_view = MooncakeObjects
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], capacity: int | None = None) -> dict[str, Any]:
@@ -209,8 +246,8 @@ class MooncakeBackend(BytesBackend):
         store = self._client(deadline)
         return self._calls.run(what, fn, store, timeout=deadline - time.monotonic())
 
-    # ------------------------------------------------------------ batch forms
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    # ------------------------------------------------------------ the five verbs, over bytes
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
         codes = self._call("batch_is_exist", "batch_is_exist", [self._name(k) for k in keys])
@@ -265,41 +302,24 @@ class MooncakeBackend(BytesBackend):
             return "?"
         return str(n) if n >= 0 else "?"
 
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        """Decode each payload through the same checks as ``BytesBackend.get_one``: a
-        corrupt or truncated one is a miss and is removed (in one batch)."""
-        out: list[MemoryObj | None] = [None] * len(keys)
-        if not keys:
-            return out
-        corrupt: list[str] = []
-
-        def use(i: int, data: memoryview) -> None:
-            out[i] = self.decode_checked(keys[i], data)
-            if out[i] is None:
-                corrupt.append(keys[i])
-
-        try:
-            self._fetch([self._name(k) for k in keys], use)
-        except BaseException:
-            for o in out:
-                if o is not None:
-                    o.unref()
-            raise
-        if corrupt:
-            try:
-                self.remove(corrupt)
-            except Exception:  # the entry stays a miss for every reader that checks it
-                log.exception("tier %s: could not delete corrupt entries %s", self.context.tier, corrupt)
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[bytes | None]:
+        """Each value's bytes, copied out of the client's buffer (the caller's own). A
+        tier reads through :class:`MooncakeObjects`, which decodes from the buffer itself."""
+        out: list[bytes | None] = [None] * len(keys)
+        if keys:
+            self._fetch([self._name(k) for k in keys], lambda i, data: out.__setitem__(i, bytes(data)))
         return out
 
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
+    def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> list[int]:
+        """Each value's buffers (a payload's header and body) sent as the parts of one
+        object, upserted, in groups that fit half the local buffer; a value larger than
+        the local buffer raises (a tier never hands one over: ``max_value_size``)."""
         if not items:
             return []
-        codec = self.context.codec
         # header and body go out as parts of one object: joining them into one bytes
         # object first cost more than the transfer itself (docs/benchmarks.md#measurements-behind-the-code)
-        parts = [payload.encode(k, o, codec) for k, o in items]
-        sizes = [sum(len(b) for b in p) for p in parts]
+        parts = [[b for b in bufs if memoryview(b).nbytes] or [b""] for _, bufs in items]
+        sizes = [sum(memoryview(b).nbytes for b in p) for p in parts]
         last = {k: i for i, (k, _) in enumerate(items)}  # a key given twice: the last one wins
         order = [i for i in range(len(items)) if last[items[i][0]] == i]
         for i in order:
@@ -319,13 +339,13 @@ class MooncakeBackend(BytesBackend):
                 raise MooncakeError(f"upsert_parts of {len(idx)} entries", bad[0])
         return sizes
 
-    def _upsert(self, store: Any, name: str, parts: Sequence[Any], method: str = "upsert_parts") -> int:
+    def _upsert(self, store: Any, name: str, parts: Sequence[Any]) -> int:
         """An upsert, one at a time per key in this process, again on OBJECT_NOT_FOUND. Two
         upserts of one key at once race inside the store: the replaced object vanishes
         under the other's update (the retry makes the later write win), and once, under
         load, the loser's bytes landed in another key's object written then (its reader's
         checks made it a miss). Across processes only those checks keep it from an engine."""
-        upsert = getattr(store, method)
+        upsert = store.upsert_parts
         with self._upsert_locks[zlib.crc32(name.encode()) % UPSERT_STRIPES]:
             rc = upsert(name, *parts)
             for _ in range(3):
@@ -334,10 +354,8 @@ class MooncakeBackend(BytesBackend):
                 rc = upsert(name, *parts)
             return rc
 
-    def remove(self, keys: Sequence[str]) -> None:
-        self._remove(keys)
-
-    def _remove(self, keys: Sequence[str]) -> list[bool]:
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Forced removals (a reader's lease does not keep an entry); whether each was there."""
         if not keys:
             return []
         codes = self._call("batch_remove", "batch_remove", [self._name(k) for k in keys], True)
@@ -348,40 +366,7 @@ class MooncakeBackend(BytesBackend):
             out.append(c == 0)
         return out
 
-    # ------------------------------------------------------------ single keys
-    def get_one(self, key: str) -> MemoryObj | None:
-        return self.get([key])[0]
-
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        return self.put([(key, obj)])[0]
-
-    def remove_one(self, key: str) -> bool:
-        return self._remove([key])[0]
-
-    def contains_one(self, key: str) -> bool:
-        return self.contains([key])[0]
-
-    # ------------------------------------------------------------ BytesBackend
-    def read(self, key: str) -> bytes | None:
-        got: list[bytes] = []
-        self._fetch([self._name(key)], lambda i, data: got.append(bytes(data)))
-        return got[0] if got else None
-
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        blob = b"".join(buffers)
-        if len(blob) > self.local_buffer:
-            raise MooncakeError(f"write of {key} ({len(blob)} bytes, more than local_buffer_size)", -600)
-        rc = self._call_with("upsert", lambda store: self._upsert(store, self._name(key), [blob], "upsert"))
-        if rc != 0:
-            raise MooncakeError("upsert", rc)
-
-    def delete(self, key: str) -> bool:
-        return self._remove([key])[0]
-
-    def exists(self, key: str) -> bool:
-        return self.contains([key])[0]
-
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         """From the master's admin server: every key, then the sizes of ours in batches."""
         names = self._http("/get_all_keys").decode("utf-8", "replace").splitlines()
         ours: list[str] = []

@@ -6,17 +6,20 @@ Why one plain string per chunk under its canonical key: any process that compute
 same key (another engine instance, the ``lmcache`` CLI) finds the entry with one GET,
 Redis evicts whole chunks under ``maxmemory`` without us keeping an index, and the value
 is the self-describing payload (magic, version, codec, dtype, shape, checksums), so a
-reader checks what it got: a truncated or foreign value is a miss and is deleted. The
-key is the canonical key string (which already holds the namespace, model and KV
-signature) with the optional ``prefix`` in front; a cluster spreads keys over slots by
+reader checks what it got: the tier opens this byte store through
+:class:`lmcache.encoded.Encoded`, for which a truncated or foreign value is a miss and is
+deleted. The key is the canonical key string (which already holds the namespace, model and
+KV signature) with the optional ``prefix`` in front; a cluster spreads keys over slots by
 their hash, so nothing here pins a tenant to one node.
 
 Why batches are pipelines: a chunk is one round trip otherwise, and the round trip, not
 the bandwidth, bounds a small-chunk workload. ``get`` is MGET on one server and pipelined
 GETs on a cluster (MGET may not cross slots; the cluster pipeline splits by slot and node
-itself); ``put``, ``contains`` and ``remove`` are pipelined SET, TYPE and UNLINK,
+itself); ``put``, ``exists`` and ``delete`` are pipelined SET, TYPE and UNLINK,
 ``batch`` keys per round trip. ``keys()`` is SCAN (on every master of a cluster) plus
-pipelined STRLEN, so listing never loads a value.
+pipelined STRLEN, so listing never loads a value. A key that holds another Redis type
+(a list, a hash) is foreign: ``exists`` counts it as corrupt, deletes it and reports a
+miss.
 
 Why every call raises instead of waiting: the tier above turns an exception into a miss
 and backs off, so the backend's job is to fail within ``timeout`` (socket connect and
@@ -45,7 +48,6 @@ from urllib.parse import unquote, urlsplit
 from lmcache import payload
 from lmcache.errors import BackendError, ConfigError, CorruptPayloadError, MissingDependencyError
 from lmcache.keys import CacheKey
-from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo
 
 log = logging.getLogger(__name__)
@@ -356,21 +358,60 @@ class RedisBackend(BytesBackend):
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    # ------------------------------------------------------ BytesBackend
-    def read(self, key: str) -> bytes | None:
-        return self._call("GET", lambda c: c.get(self._k(key)))
+    # ------------------------------------------------------ the byte store
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[bytes | None]:
+        """The stored payload bytes of each key (``None``: missing): MGET on one server,
+        pipelined GETs on a cluster, ``batch`` keys per round trip. The bytes are the
+        client's own reply objects, handed on as they are."""
+        out: list[bytes | None] = []
+        for part in _chunks(keys, self.batch):
+            if self._is_cluster:  # MGET may not cross slots
+                out.extend(self._each("GET", part))
+            else:
+                out.extend(self._call("MGET", lambda c, part=part: c.mget([self._k(k) for k in part])))
+        return out
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        value = b"".join(buffers)
-        self._call("SET", lambda c: c.set(self._k(key), value, ex=self.ttl))
+    def put(self, items: Sequence[tuple[str, Sequence[Any]]]) -> list[int]:
+        """Pipelined SETs (with ``EX ttl`` if set), ``batch`` per round trip; each value
+        goes out as its buffers, never joined (:meth:`_send_sets`). Returns the bytes of
+        each value."""
+        sizes: list[int] = []
+        send = self._send_cluster_sets if self._is_cluster else self._send_sets
+        for part in _chunks(items, self.batch):
+            values = [(self._k(k), bufs) for k, bufs in part]
+            self._call("SET", lambda c, values=values: send(c, values))
+            sizes.extend(_nbytes(bufs) for _, bufs in part)
+        return sizes
 
-    def delete(self, key: str) -> bool:
-        return bool(self._call("UNLINK", lambda c: c.unlink(self._k(key))))
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        # TYPE, not EXISTS: a list or hash under one of our keys exists but can never be
+        # read (GET/MGET answer nil or WRONGTYPE); promising it would make a lookup promise
+        # more than a retrieve returns, and a store would skip it forever. Such a key is
+        # dropped (counted as corrupt) and is a miss.
+        types = self._each("TYPE", keys)
+        out: list[bool] = []
+        foreign: list[str] = []
+        for k, t in zip(keys, types):
+            t = t.decode() if isinstance(t, bytes) else str(t)
+            if t == "string":
+                out.append(True)
+            else:
+                out.append(False)
+                if t != "none":
+                    self.note_corrupt(k, CorruptPayloadError(f"a Redis {t}, not a string, under the key"))
+                    foreign.append(k)
+        if foreign:
+            try:
+                self.delete(foreign)
+            except Exception:  # best effort: the next reader drops it again
+                log.exception("tier %s: could not delete foreign entries", self.context.tier)
+        return out
 
-    def exists(self, key: str) -> bool:
-        return self.contains([key])[0]
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Pipelined UNLINK: whether each key was there (UNLINK answers 1 or 0)."""
+        return [bool(n) for n in self._each("UNLINK", keys)]
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         for key, (size, _) in self._scan(with_head=False):
             yield key, size
 
@@ -421,7 +462,6 @@ class RedisBackend(BytesBackend):
                 if size:  # 0: removed since the SCAN
                     yield key, (int(size), res[i * step + 1] if with_head else b"")
 
-    # ------------------------------------------------------ batch forms
     def _each(self, cmd: str, keys: Sequence[str]) -> list:
         """The replies of pipelined ``cmd key`` for each key, ``batch`` per round trip."""
         out: list = []
@@ -434,79 +474,6 @@ class RedisBackend(BytesBackend):
 
             out.extend(self._call(cmd, run))
         return out
-
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        # TYPE, not EXISTS: a list or hash under one of our keys exists but can never be
-        # read (GET/MGET answer nil or WRONGTYPE); promising it would make a lookup promise
-        # more than a retrieve returns, and a store would skip it forever. Such a key is
-        # dropped (counted as corrupt) and is a miss.
-        types = self._each("TYPE", keys)
-        out: list[bool] = []
-        foreign: list[str] = []
-        for k, t in zip(keys, types):
-            t = t.decode() if isinstance(t, bytes) else str(t)
-            if t == "string":
-                out.append(True)
-            else:
-                out.append(False)
-                if t != "none":
-                    self.note_corrupt(k, CorruptPayloadError(f"a Redis {t}, not a string, under the key"))
-                    foreign.append(k)
-        if foreign:
-            self._drop_corrupt(foreign)
-        return out
-
-    def remove(self, keys: Sequence[str]) -> None:
-        self._each("UNLINK", keys)
-
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        try:
-            for part in _chunks(keys, self.batch):
-                if self._is_cluster:  # MGET may not cross slots
-                    datas = self._each("GET", part)
-                else:
-                    datas = self._call("MGET", lambda c, part=part: c.mget([self._k(k) for k in part]))
-                corrupt: list[str] = []
-                for k, data in zip(part, datas):
-                    out.append(None if data is None else self._decode(k, data, corrupt))
-                if corrupt:
-                    self._drop_corrupt(corrupt)
-        except BaseException:
-            for obj in out:
-                if obj is not None:
-                    obj.unref()
-            raise
-        return out
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        return self.get([key])[0]
-
-    def _decode(self, key: str, data: bytes, corrupt: list[str]) -> MemoryObj | None:
-        """The same checks as :meth:`BytesBackend.get_one`: a payload that fails them is
-        counted, logged and queued in ``corrupt`` for deletion; it is a miss."""
-        obj = self.decode_checked(key, data)
-        if obj is None:
-            corrupt.append(key)
-        return obj
-
-    def _drop_corrupt(self, keys: Sequence[str]) -> None:
-        try:
-            self.remove(keys)
-        except Exception:  # best effort: the next reader drops it again
-            log.exception("tier %s: could not delete corrupt entries", self.context.tier)
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        sizes: list[int] = []
-        codec = self.context.codec
-        for part in _chunks(items, self.batch):
-            encoded = [(self._k(k), payload.encode(k, obj, codec)) for k, obj in part]
-            if self._is_cluster:
-                self._call("SET", lambda c, encoded=encoded: self._send_cluster_sets(c, encoded))
-            else:
-                self._call("SET", lambda c, encoded=encoded: self._send_sets(c, encoded))
-            sizes.extend(sum(len(b) for b in bufs) for _, bufs in encoded)
-        return sizes
 
     def _send_cluster_sets(self, client: Any, values: Sequence[tuple[str, Sequence[Any]]]) -> None:
         """:meth:`_send_sets` to each master, for the keys whose slots it serves. A
@@ -537,12 +504,12 @@ class RedisBackend(BytesBackend):
             conn = pool.get_connection("SET")
         try:
             out: list[Any] = []
+            ex = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
             for key, bufs in values:
                 k = key.encode()
-                n = sum(len(b) for b in bufs)
-                ex = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if self.ttl is None else 5, len(k), k, n)
-                out.append(head + bytes(bufs[0]))  # the header is small: one send with it
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if self.ttl is None else 5, len(k), k, _nbytes(bufs))
+                # the first buffer (a payload's header: small) goes in one send with the command
+                out.append(head + (bytes(bufs[0]) if bufs else b""))
                 out.extend(bufs[1:])
                 out.append(b"\r\n" + ex)
             conn.send_packed_command(out)
@@ -568,6 +535,11 @@ class RedisBackend(BytesBackend):
                     c.close()
                 except Exception:  # pragma: no cover
                     pass
+
+
+def _nbytes(buffers: Sequence[Any]) -> int:
+    """The bytes of a value given as buffers (a memoryview's length counts items)."""
+    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
 
 
 def _take(it: Iterator[Any], n: int) -> list:

@@ -45,7 +45,13 @@ would only cost CPU, and several S3-compatible servers reject them.
 The bucket is checked once, at first use (not in the constructor: an engine must start
 while its remote tier is down); a missing bucket is created when ``create_bucket`` is
 true, otherwise every call raises an error that says so. Writes are atomic (S3 never
-exposes a partial object), and a payload that fails its checks is a miss and is deleted.
+exposes a partial object).
+
+It is a store of payload bytes (:class:`~lmcache.storage.BytesBackend`): ``get`` returns
+each object's bytes, owned by the caller, and a tier decodes and checks them through
+:class:`lmcache.encoded.Encoded` (a payload that fails its checks is a miss and is
+deleted). S3 deletes a missing object without saying so, so ``delete`` learns whether
+each key was there from HEADs first (concurrent ones for a batch).
 """
 
 from __future__ import annotations
@@ -55,13 +61,12 @@ import logging
 import re
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from lmcache.errors import BackendError, ConfigError
 from lmcache.keys import CacheKey
-from lmcache.memory import MemoryObj
 from lmcache.storage import BackendContext, BytesBackend, EntryInfo
 from lmcache.units import parse_size
 
@@ -397,9 +402,9 @@ class S3Backend(BytesBackend):
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _map(self, fn: Callable[[Any], Any], args: Sequence[Any], release: Callable[[Any], None] | None = None) -> list:
+    def _map(self, fn: Callable[[Any], Any], args: Sequence[Any]) -> list:
         """``[fn(a) for a in args]``, ``concurrency`` at a time; the first error cancels
-        what has not started and is raised (``release`` frees results of the others)."""
+        what has not started and is raised."""
         if len(args) <= 1:
             return [fn(a) for a in args]
         self._ensure_bucket()  # once, not once per thread
@@ -413,12 +418,14 @@ class S3Backend(BytesBackend):
         except BaseException:
             for f in futs:
                 f.cancel()
-                if release is not None:
-                    f.add_done_callback(lambda f: _release(f, release))
             raise
 
-    # ------------------------------------------------------------- BytesBackend
-    def exists(self, key: str) -> bool:
+    # ------------------------------------------------------------- the five verbs
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Concurrent HEADs."""
+        return self._map(self.exists_one, list(keys))
+
+    def exists_one(self, key: str) -> bool:
         try:
             self._call(self.client.head_object, Key=self._name(key))
         except Exception as exc:
@@ -427,7 +434,11 @@ class S3Backend(BytesBackend):
             raise
         return True
 
-    def read(self, key: str) -> bytes | None:
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[bytes | None]:
+        """Concurrent GETs, each the object's bytes (the caller's own) or ``None``."""
+        return self._map(self.get_one, list(keys))
+
+    def get_one(self, key: str) -> bytes | None:
         """The object's bytes, or ``None``. A body cut short while it streams (the object
         was replaced under the read: S3 servers may end the old stream early) is read
         again, twice at most, then a miss: one key being overwritten is not an outage."""
@@ -446,13 +457,19 @@ class S3Backend(BytesBackend):
                 log.debug("s3 tier %s: read of %s cut short (%s), attempt %d", self.context.tier, key, exc, attempt + 1)
         return None
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+    def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> list[int]:
+        """Concurrent PUTs (multipart above ``multipart_threshold``)."""
+        return self._map(lambda kv: self.put_one(kv[0], kv[1]), list(items))
+
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
+        """The concatenation of ``buffers`` as one object, sent without joining them first."""
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(b) for b in bufs)
         if total <= self.threshold:
             self._call(self.client.put_object, Key=self._name(key), Body=_Slice(bufs, 0, total))
         else:
             self._multipart(self._name(key), bufs, total)
+        return total
 
     def _multipart(self, name: str, bufs: Sequence[memoryview], total: int) -> None:
         size = max(self.chunksize, -(-total // MAX_PARTS))
@@ -482,13 +499,39 @@ class S3Backend(BytesBackend):
                 log.debug("s3 tier %s: could not abort upload of %s: %s", self.context.tier, name, exc)
             raise
 
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         """HEAD then DELETE: S3 deletes a missing object without saying so, and the
         caller wants to know whether something was removed."""
-        if not self.exists(key):
+        if not self.exists_one(key):
             return False
         self._call(self.client.delete_object, Key=self._name(key))
         return True
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key was there, from concurrent HEADs (S3 deletes a missing
+        object without saying so); then DeleteObjects of those that were, 1000 keys a
+        call. A key stored between its HEAD and the delete stays, reported absent."""
+        keys = list(keys)
+        if len(keys) <= 1:
+            return [self.delete_one(k) for k in keys]
+        here = self.exists(keys)
+        names = list(dict.fromkeys(self._name(k) for k, h in zip(keys, here) if h))
+        batches = [names[i : i + DELETE_BATCH] for i in range(0, len(names), DELETE_BATCH)]
+
+        def delete(batch: list[str]) -> None:
+            r = self._call(
+                self.client.delete_objects, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
+            )
+            errors = [e for e in r.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
+            if errors:
+                e = errors[0]
+                raise BackendError(
+                    f"s3 tier {self.context.tier}: could not delete {len(errors)} objects, "
+                    f"e.g. {e.get('Key')!r}: {e.get('Code')} {e.get('Message', '')}"
+                )
+
+        self._map(delete, batches)
+        return here
 
     def _listing(self) -> Iterator[dict]:
         self._ensure_bucket()
@@ -506,7 +549,7 @@ class S3Backend(BytesBackend):
                 o["lmcache_key"] = key
                 yield o
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         for o in self._listing():
             yield o["lmcache_key"], int(o["Size"])
 
@@ -517,36 +560,6 @@ class S3Backend(BytesBackend):
             lm = o.get("LastModified")
             yield EntryInfo(o["lmcache_key"], int(o["Size"]), None, lm.timestamp() if lm is not None else None)
 
-    # ------------------------------------------------------------- batch forms
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        return self._map(self.exists, list(keys))
-
-    def get(self, keys: Sequence[str]) -> list[MemoryObj | None]:
-        """Concurrent GETs, each decoded (and dropped if corrupt) as ``get_one`` does."""
-        return self._map(self.get_one, list(keys), release=lambda o: o is not None and o.unref())
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        return self._map(lambda kv: self.put_one(kv[0], kv[1]), list(items))
-
-    def remove(self, keys: Sequence[str]) -> None:
-        """DeleteObjects, 1000 keys a call (deleting a missing key is not an error)."""
-        names = [self._name(k) for k in keys]
-        batches = [names[i : i + DELETE_BATCH] for i in range(0, len(names), DELETE_BATCH)]
-
-        def delete(batch: list[str]) -> None:
-            r = self._call(
-                self.client.delete_objects, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
-            )
-            errors = [e for e in r.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
-            if errors:
-                e = errors[0]
-                raise BackendError(
-                    f"s3 tier {self.context.tier}: could not delete {len(errors)} objects, "
-                    f"e.g. {e.get('Key')!r}: {e.get('Code')} {e.get('Message', '')}"
-                )
-
-        self._map(delete, batches)
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -555,15 +568,6 @@ class S3Backend(BytesBackend):
             if p is not None:
                 p.shutdown(wait=True, cancel_futures=True)
         self.client.close()
-
-
-def _release(f: Future, release: Callable[[Any], None]) -> None:
-    if f.cancelled() or f.exception() is not None:
-        return
-    try:
-        release(f.result())
-    except Exception:  # pragma: no cover - best effort
-        log.exception("s3: could not release a result")
 
 
 def _torn_read_errors() -> tuple[type[BaseException], ...]:

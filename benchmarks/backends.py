@@ -45,6 +45,8 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
+from lmcache.encoded import open_objects
+
 GB = 1e9
 
 
@@ -108,7 +110,7 @@ def _warm_up(be: Any, keys: list[str], objs: list[Any], batch: int) -> None:
         for o in be.get(part):
             if o is not None:
                 o.unref()
-    be.remove(keys)
+    be.delete(keys)
 
 
 def run_backend(
@@ -168,9 +170,9 @@ def run_backend(
         # the backend is open only for its own round: the raw client then has the store to
         # itself (a Mooncake client in the same process would otherwise hold the segment
         # that the raw client's data lands in, and turn its memcpy into a TCP transfer)
-        be = cls(ctx)
+        be = open_objects(cls(ctx))
         try:
-            be.remove(keys)  # leftovers of an interrupted run
+            be.delete(keys)  # leftovers of an interrupted run
             _warm_up(be, keys, objs, batch)
             _settle()
             t0 = time.perf_counter()
@@ -192,7 +194,7 @@ def run_backend(
                 exact = False
         finally:
             with contextlib.suppress(Exception):
-                be.remove(keys)
+                be.delete(keys)
             be.close()
         best["put"] = min(best["put"], t1 - t0)
         best["get"] = min(best["get"], t2 - t1)

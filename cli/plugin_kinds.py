@@ -35,10 +35,17 @@ BACKEND_MODULE = '''\
 
 A tier declares it as ``{backend: $name, path: /var/cache/lmcache/$name, capacity: 20GiB}``.
 
-It derives from :class:`lmcache.storage.BytesBackend`, so it only moves opaque bytes under
-opaque keys: the base class encodes each chunk with the tier's codec into a
-self-describing payload (key, codec, dtype, shape, checksums) and checks it on every read;
-an entry that fails the checks is a miss and is deleted.
+It derives from :class:`lmcache.storage.BytesBackend`: a store whose values are payload
+bytes, answering the verbs of every store over them (``get``, ``put``, ``exists``,
+``delete``, ``keys``). It only moves opaque bytes under opaque keys and never decodes: a
+tier opens it through :class:`lmcache.encoded.Encoded`, which encodes each chunk with the
+tier's codec into a self-describing payload (key, codec, dtype, shape, checksums) and
+checks it on every read; an entry that fails the checks is a miss and is deleted.
+
+A file is read and written one at a time, so this store implements the single-key forms
+(``get_one``, ``put_one``, ``exists_one``, ``delete_one``) and the batch forms loop over
+them; a store that can answer a batch in one request (a database, a server) implements
+the batch forms instead, and the single-key ones are derived from them.
 
 - A file's name is the SHA-256 of its key, so keys of any length (model names make them
   long) fit any file system. The file holds the key (a 4-byte length, then its UTF-8)
@@ -122,23 +129,28 @@ class ${cls}Backend(BytesBackend):
     def _path(self, key: str) -> Path:
         return self.root / file_name(key)
 
-    # ------------------------------------------------------------- BytesBackend
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+    # ------------------------------------------------ the store's verbs, over bytes
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
+        \"\"\"Store the concatenation of ``buffers`` under ``key``; return its length.\"\"\"
         if self.read_only:
             raise BackendError(f"$name tier {self.context.tier}: opened read-only, cannot store {key}")
         final = self._path(key)
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
+        size = 0
         try:
             with open(tmp, "xb") as f:
                 f.write(key_prefix(key))
                 for b in buffers:
                     f.write(b)
+                    size += memoryview(b).nbytes
             os.replace(tmp, final)  # atomic: the old entry or the new one, never part of one
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise  # an OSError keeps its errno: the tier tells a full disk from an outage
+        return size
 
-    def read(self, key: str) -> memoryview | None:
+    def get_one(self, key: str) -> memoryview | None:
+        \"\"\"The bytes stored under ``key``, or ``None``.\"\"\"
         try:
             data = self._path(key).read_bytes()
         except FileNotFoundError:
@@ -148,7 +160,7 @@ class ${cls}Backend(BytesBackend):
             return None  # another key with the same hash (or a damaged file): not this entry
         return memoryview(data)[len(prefix):]
 
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         if self.read_only:
             return False
         try:
@@ -157,10 +169,11 @@ class ${cls}Backend(BytesBackend):
         except FileNotFoundError:
             return False
 
-    def exists(self, key: str) -> bool:
+    def exists_one(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
+        \"\"\"Every ``(key, stored bytes)``, oldest first.\"\"\"
         for e in self._scan(with_codec=False):
             yield e.key, e.size
 

@@ -183,6 +183,7 @@ import pytest
 import torch
 
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, FileBackendTests, make_key, make_obj
 from $module.backend import ${cls}Backend, file_name
 
@@ -195,6 +196,9 @@ def _open(path, read_only=False, codec=None) -> ${cls}Backend:
 
 
 class Test${cls}Backend(FileBackendTests, BytesBackendTests):
+    """The suites take the store itself (``backend``) and read and write chunks through
+    the object view a tier opens it through (``lmcache.encoded.open_objects``)."""
+
     @pytest.fixture
     def backend(self, tmp_path):
         b = _open(tmp_path / "store")
@@ -213,11 +217,22 @@ class Test${cls}Backend(FileBackendTests, BytesBackendTests):
 # ------------------------------------------------------- this backend's own rules
 
 
+def test_the_store_moves_bytes(tmp_path):
+    """The store's own verbs, over bytes: batches answered in the order of the keys."""
+    b = _open(tmp_path / "store")
+    assert b.put([(make_key(1), [b"some ", b"bytes"]), (make_key(2), [b"more"])]) == [10, 4]
+    assert [None if v is None else bytes(v) for v in b.get([make_key(2), make_key(3), make_key(1)])] == [
+        b"more", None, b"some bytes"]
+    assert b.exists([make_key(1), make_key(3)]) == [True, False]
+    assert b.delete([make_key(1), make_key(1)]) == [True, False]
+    assert [k for k, _ in b.keys()] == [make_key(2)]
+
+
 def test_a_long_key_fits_a_file_name(tmp_path):
     key = make_key(1, model="org/" + "a-very-long-model-name-" * 20)
-    b = _open(tmp_path / "store")
-    b.put([(key, make_obj(1))])
-    assert [k for k, _ in b.keys()] == [key]
+    objects = open_objects(_open(tmp_path / "store"))  # chunks, as a tier stores them
+    objects.put([(key, make_obj(1))])
+    assert [k for k, _ in objects.keys()] == [key]
     assert [p.name for p in (tmp_path / "store").iterdir()] == [file_name(key)]
 
 

@@ -37,6 +37,9 @@ _LAZY = {
     "StorageBackend": "lmcache.storage",
     "BytesBackend": "lmcache.storage",
     "BackendContext": "lmcache.storage",
+    "Store": "lmcache.storage",
+    "Encoded": "lmcache.encoded",
+    "open_objects": "lmcache.encoded",
 }
 
 __all__ = [
@@ -79,4 +82,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import CacheEngine, RetrieveResult, StoreResult
     from .keys import CacheKey, TokenProcessor
     from .memory import MemoryObj, MemoryPool
-    from .storage import BackendContext, BytesBackend, StorageBackend
+    from .encoded import Encoded, open_objects
+    from .storage import BackendContext, BytesBackend, StorageBackend, Store

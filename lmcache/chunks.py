@@ -1,10 +1,12 @@
 """One gateway for chunks into and out of an engine's tiers (connectors and services use
-it), so the shape check, the observers and the reference counting live in one place:
-``contains``/``contains_prefix``, :meth:`~ChunkGateway.store` (KV copied into pool memory,
-put into the hierarchy or a named tier), :meth:`~ChunkGateway.put` (a chunk already in
-memory, e.g. a peer's), :meth:`~ChunkGateway.fetch`/:meth:`~ChunkGateway.read` (objects
-back, each checked) and :meth:`~ChunkGateway.allocate` (memory for a chunk about to
-arrive, refused before any byte is allocated if its claimed shape is not one of ours).
+it), so the shape check, the observers and the reference counting live in one place. It
+speaks the stores' verbs (:mod:`lmcache.storage`) with the hierarchy's tier-naming read:
+``exists``/``exists_prefix``, :meth:`~ChunkGateway.put_one` (a chunk already in memory,
+e.g. a peer's), :meth:`~ChunkGateway.find`/:meth:`~ChunkGateway.found` (objects back with
+their tiers, each checked), plus :meth:`~ChunkGateway.store` (the engine's store: KV copied
+into pool memory, put into the hierarchy or a named tier) and
+:meth:`~ChunkGateway.allocate` (memory for a chunk about to arrive, refused before any byte
+is allocated if its claimed shape is not one of ours).
 
 The check is one: a chunk of ``n`` tokens is exactly ``layout.chunk_shape(n)`` of
 ``layout.dtype`` (the engine's :class:`~lmcache.config.KVSpec`, or a connector's
@@ -77,7 +79,7 @@ class _Target:
         self.into, self.taken, self.allocate, self.storing = tier or hierarchy, {}, hierarchy.allocate, hierarchy.storing
         self.tiers = hierarchy.tiers if tier is None else [tier]
 
-    def put_one(self, key: str, obj: MemoryObj) -> bool:
+    def put_one(self, key: str, obj: MemoryObj) -> int:
         self.taken[key] = ok = self.into.put_one(key, obj)
         return ok
 
@@ -125,12 +127,12 @@ class ChunkGateway:
         return True
 
     # ------------------------------------------------------------ presence
-    def contains(self, keys: Sequence[str], tier: str | None = None) -> list[bool]:
+    def exists(self, keys: Sequence[str], tier: str | None = None) -> list[bool]:
         """For each key whether a tier (``tier`` alone when named) holds it."""
-        return self.hierarchy.contains(keys) if tier is None else self.hierarchy.tier(tier).contains(keys)
+        return self.hierarchy.exists(keys) if tier is None else self.hierarchy.tier(tier).exists(keys)
 
-    def contains_prefix(self, keys: Sequence[str]) -> list[str]:
-        return self.hierarchy.contains_prefix(keys)  # the tiers of the longest prefix held
+    def exists_prefix(self, keys: Sequence[str]) -> list[str]:
+        return self.hierarchy.exists_prefix(keys)  # the tiers of the longest prefix held
 
     # ------------------------------------------------------------ writes
     def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
@@ -173,18 +175,19 @@ class ChunkGateway:
         target = _Target(self.hierarchy, None if tier is None else self.hierarchy.tier(tier))
         for observe in self.observers if tokens is not None else ():
             observe(tokens, list(chunks), keys)
-        present = self.contains(keys, tier)
+        present = self.exists(keys, tier)
         self.hierarchy.touch([k for k, here in zip(keys, present) if here])
         if sum(1 for here in present if not here) < 2:  # one chunk to put: nothing to overlap it with
             pool = None
         res = store_chunks(target, src, self.layout(), list(chunks), keys, present, pool, in_flight)
-        held = [here or target.taken.get(k, False) for k, here in zip(keys, present)]
+        held = [bool(here or target.taken.get(k, 0)) for k, here in zip(keys, present)]
         return ChunkStoreResult(res.stored_tokens, res.skipped_tokens, res.dropped_tokens, held, len(target.taken))
 
-    def put(self, key: str, obj: MemoryObj, *, tier: str | None = None, num_tokens: int | None = None) -> bool:
+    def put_one(self, key: str, obj: MemoryObj, *, tier: str | None = None, num_tokens: int | None = None) -> int:
         """Put one chunk already in memory (a peer's) into the hierarchy (or ``tier``),
         taking over the caller's reference (released on every path): what ``put_one``
-        returned, or :class:`KVShapeError` (nothing stored) unless it passes :meth:`check`."""
+        returned (the bytes it takes; 0: not stored), or :class:`KVShapeError` (nothing
+        stored) unless it passes :meth:`check`."""
         try:
             self.check(obj.shape, obj.dtype, num_tokens)
             return (self.hierarchy if tier is None else self.hierarchy.tier(tier)).put_one(key, obj)
@@ -192,7 +195,7 @@ class ChunkGateway:
             obj.unref()
 
     # ------------------------------------------------------------ reads
-    def fetch(self, keys: Sequence[str], *, sizes: Sequence[int] | None = None, prefix: bool = True,
+    def find(self, keys: Sequence[str], *, sizes: Sequence[int] | None = None, prefix: bool = True,
               on_ready: Callable[[int, MemoryObj], None] | None = None, tier: str | None = None,
               raw: bool = False, pin: bool = True, direct: Direct | None = None) -> list[Hit | None]:
         """The objects of ``keys`` (pinned while read) and their tiers, one reference each
@@ -219,14 +222,14 @@ class ChunkGateway:
             elif direct is not None and not raw:
                 results = self._get_direct(keys, on_ready, fits, direct)
             else:
-                results = self.hierarchy.get(keys, on_ready, accept=fits)
+                results = self.hierarchy.find(keys, on_ready, accept=fits)
         out: list[Hit | None] = []
         try:
             for j, r in enumerate(results):
                 if r is not None and not fits(j, r[0]):
                     log.error("tier %s returned %s for %s; dropping it", r[1].name, r[0], keys[j])
                     r[1].stats.corrupt += 1
-                    r[1].remove([keys[j]])
+                    r[1].delete([keys[j]])
                     r = None  # (still in results: released below)
                 elif r is not None:
                     results[j] = None  # owned by out from here
@@ -242,7 +245,7 @@ class ChunkGateway:
 
     def _get_direct(self, keys: list[str], on_ready: Callable[[int, MemoryObj], None] | None,
                     fits: Callable[[int, MemoryObj], bool], direct: Direct) -> list[Hit | None]:
-        """:meth:`StorageHierarchy.get` for the chunks :func:`fetch_direct` did not read."""
+        """:meth:`StorageHierarchy.find` for the chunks :func:`fetch_direct` did not read."""
         results: list[Hit | None] = [None] * len(keys)
         done = fetch_direct(self.hierarchy, keys, direct)
         for j, hit in done.items():
@@ -250,15 +253,15 @@ class ChunkGateway:
         rest = [j for j in range(len(keys)) if j not in done]
         if rest:
             cb = None if on_ready is None else (lambda k, obj: on_ready(rest[k], obj))
-            for j, hit in zip(rest, self.hierarchy.get([keys[j] for j in rest], cb,
+            for j, hit in zip(rest, self.hierarchy.find([keys[j] for j in rest], cb,
                                                        accept=lambda k, obj: fits(rest[k], obj))):
                 results[j] = hit
         return results
 
     @contextlib.contextmanager
-    def read(self, keys: Sequence[str], **kw: Any) -> Iterator[list[Hit | None]]:
-        """:meth:`fetch` whose references are released when the block ends."""
-        got = self.fetch(keys, **kw)
+    def found(self, keys: Sequence[str], **kw: Any) -> Iterator[list[Hit | None]]:
+        """:meth:`find` whose references are released when the block ends."""
+        got = self.find(keys, **kw)
         try:
             yield got
         finally:

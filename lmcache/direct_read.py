@@ -48,7 +48,7 @@ def fetch_direct(hierarchy: StorageHierarchy, keys: Sequence[str], direct: Direc
             break
         if not getattr(tier.backend, "reads_into", False):
             # held here: read as usual (this tier's copy is the one to serve)
-            todo = [j for j, held in zip(todo, tier.contains([keys[j] for j in todo])) if not held]
+            todo = [j for j, held in zip(todo, tier.exists([keys[j] for j in todo])) if not held]
             continue
         for j in todo:  # the caller's segments, made only for chunks a file tier may read
             if j not in made:

@@ -225,12 +225,12 @@ class CacheEngine:
         prompt = self.prompt(tokens, extra)
         if self.miss_fillers:  # a service fetches what the tiers miss (the p2p endpoint)
             chunks, keys = prompt.chunks, prompt.keys
-            tiers = self.chunks.contains_prefix(keys)
+            tiers = self.chunks.exists_prefix(keys)
             for fill in self.miss_fillers:
                 if len(tiers) == len(keys):
                     break
                 if fill(chunks, keys, len(tiers)):
-                    tiers = self.chunks.contains_prefix(keys)
+                    tiers = self.chunks.exists_prefix(keys)
             n = chunks[len(tiers) - 1].end if tiers else 0
         else:
             # hash and look up in growing batches (8, 32, 128, ... chunks): a prefix ends at
@@ -238,7 +238,7 @@ class CacheEngine:
             keys, tiers = [], []
             for batch in prompt.batches():
                 keys += batch
-                got = self.chunks.contains_prefix(batch)
+                got = self.chunks.exists_prefix(batch)
                 tiers += got
                 if len(got) < len(batch):
                     break
@@ -401,7 +401,7 @@ class CacheEngine:
         """Chunk objects of the longest cached prefix (the caller owns one reference each),
         through the chunk gateway: one batch per tier, each checked against the kv spec (a
         wrong one is dropped from its tier, counted corrupt, never promoted)."""
-        hits = self.chunks.fetch(keys, sizes=[c.num_tokens for c in chunks], on_ready=on_ready, pin=pin, direct=direct)
+        hits = self.chunks.find(keys, sizes=[c.num_tokens for c in chunks], on_ready=on_ready, pin=pin, direct=direct)
         return [(c, obj, tier) for c, (obj, tier) in zip(chunks, hits)]  # (a prefix: no None)
 
     def _to_read(self, tokens: Any, extra: KeyExtra | None = None) -> tuple[list[Chunk], list[str]]:
@@ -413,7 +413,7 @@ class CacheEngine:
         for observe in self.store_observers if not prompt.extra else ():
             observe(prompt.tokens, chunks, keys)
         for fill in self.miss_fillers if keys else ():
-            have = len(self.hierarchy.contains_prefix(keys))
+            have = len(self.hierarchy.exists_prefix(keys))
             if have == len(keys):
                 break
             fill(chunks, keys, have)

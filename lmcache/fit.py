@@ -79,10 +79,18 @@ def fit(backend: StorageBackend, *, max_value_size: int | None = None, max_key_l
     for label, v, lo in (("max_value_size", value, MIN_VALUE_SIZE), ("max_key_length", key, MIN_KEY_LENGTH)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
             raise PluginError(f"backend {name}: {label} must be None or an integer of at least {lo}, got {v!r}")
-    if not backend.supports_bytes:
-        raise PluginError(f"backend {name} declares size limits but does not store bytes (supports_bytes is false); "
-                          "only byte backends are split")
+    if backend.values != "bytes":
+        raise PluginError(f"backend {name} declares size limits but does not store bytes (its values are "
+                          f"{backend.values}); only byte stores are split")
     return FittedBackend(backend, value, key)
+
+
+def _codec_of(buffers: Sequence[bytes | memoryview]) -> str | None:
+    """The codec a payload's header names (shown in listings of bounded entries)."""
+    try:
+        return payload.parse_header(buffers[0]).codec  # payload.encode's first buffer is the header
+    except Exception:  # noqa: BLE001 - only shown in listings
+        return None
 
 
 def _tighter(declared: int | None, given: int | None) -> int | None:
@@ -147,8 +155,8 @@ class _Head:
 
 
 class FittedBackend(BytesBackend):
-    """A byte backend seen without its size limits (see the module docstring). It answers
-    the backend contract and nothing else: what is particular to the wrapped backend is
+    """A byte store seen without its size limits (see the module docstring): the five
+    verbs over bytes and nothing else; what is particular to the wrapped store is
     ``inner``'s (no blind delegation of unknown attributes)."""
 
     def __init__(self, inner: BytesBackend, max_value_size: int | None, max_key_length: int | None):
@@ -191,13 +199,13 @@ class FittedBackend(BytesBackend):
         with self._mark_lock:
             if not self._marked and now - self._mark_checked >= MARK_RECHECK:
                 self._mark_checked = now
-                self._marked = bool(self.inner.exists(MARK))
+                self._marked = bool(self.inner.exists_one(MARK))
             return self._marked
 
     def _mark(self) -> None:
         """Say in the store that it holds entries in parts (before the first one)."""
         if not self._marked:
-            self.inner.write(MARK, [HEAD_MAGIC])
+            self.inner.put_one(MARK, [HEAD_MAGIC])
             self._marked = True
 
     def _part_size(self) -> int:
@@ -206,14 +214,14 @@ class FittedBackend(BytesBackend):
     def _head(self, key: str) -> _Head | None:
         """``key``'s head, ``None`` if absent or another key's (a digest collision: a miss,
         left alone); a damaged head is counted, removed with its parts, and ``None``."""
-        data = self.inner.read(head_key(key))
+        data = self.inner.get_one(head_key(key))
         if data is None:
             return None
         try:
             head = _Head(data, self._part_size())
         except CorruptPayloadError as exc:
             self.inner.note_corrupt(key, exc)
-            self.inner.delete(head_key(key))
+            self.inner.delete_one(head_key(key))
             return None
         return head if head.key == key else None
 
@@ -222,8 +230,8 @@ class FittedBackend(BytesBackend):
         head = head or self._head(key)
         if head is None:
             return False
-        self.inner.delete(head_key(key))
-        self.inner.remove([_part_key(key, head.gen, i) for i in range(len(head.parts))])
+        self.inner.delete_one(head_key(key))
+        self.inner.delete([_part_key(key, head.gen, i) for i in range(len(head.parts))])
         return True
 
     def _write_bounded(self, key: str, buffers: Sequence[bytes | memoryview], codec: str | None) -> int:
@@ -236,19 +244,19 @@ class FittedBackend(BytesBackend):
             for i, piece in enumerate(_slices(buffers, self._part_size())):
                 if i >= MAX_PARTS:
                     raise EntryPathError(f"{key}: more than {MAX_PARTS} parts of {self.max_value_size} bytes")
-                self.inner.write(_part_key(key, gen, i), piece)
+                self.inner.put_one(_part_key(key, gen, i), piece)
                 sizes.append(sum(len(p) for p in piece))
             head = _Head.encode(key, gen, sizes, codec)
             if not self._value_fits(len(head)):
                 raise EntryPathError(f"{key}: its head ({len(head)} bytes) is over the backend's max_value_size")
-            self.inner.write(head_key(key), [head])
+            self.inner.put_one(head_key(key), [head])
         except BaseException:
-            self.inner.remove([_part_key(key, gen, i) for i in range(len(sizes))])
+            self.inner.delete([_part_key(key, gen, i) for i in range(len(sizes))])
             raise
         if self._key_fits(key):
-            self.inner.delete(key)  # an older copy stored as it is would shadow this one
+            self.inner.delete_one(key)  # an older copy stored as it is would shadow this one
         if old is not None and old.gen != gen:
-            self.inner.remove([_part_key(key, old.gen, i) for i in range(len(old.parts))])
+            self.inner.delete([_part_key(key, old.gen, i) for i in range(len(old.parts))])
         return len(head) + sum(sizes)
 
     def _read_bounded(self, key: str) -> bytes | None:
@@ -259,7 +267,7 @@ class FittedBackend(BytesBackend):
             return None
         pieces = []
         for i, n in enumerate(head.parts):
-            data = self.inner.read(_part_key(key, head.gen, i))
+            data = self.inner.get_one(_part_key(key, head.gen, i))
             if data is None or len(data) != n:
                 got = "missing" if data is None else f"{len(data)} bytes, not {n}"
                 self.inner.note_corrupt(key, CorruptPayloadError(f"part {i} of {len(head.parts)} is {got}"))
@@ -268,47 +276,76 @@ class FittedBackend(BytesBackend):
             pieces.append(data)
         return b"".join(pieces)
 
-    def _get_bounded(self, key: str) -> MemoryObj | None:
-        data = self._read_bounded(key)
-        if data is None:
-            return None
-        obj = self.inner.decode_checked(key, data)
-        if obj is None:
-            self._drop_bounded(key)
-        return obj
-
     def _store(self, key: str, buffers: Sequence[bytes | memoryview], codec: str | None, *, stale: bool) -> int:
         size = sum(len(memoryview(b).cast("B")) for b in buffers)
         if self._key_fits(key) and self._value_fits(size):
-            self.inner.write(key, buffers)
+            self.inner.put_one(key, buffers)
             if stale and self._may_be_bounded(key):
                 self._drop_bounded(key)
             return size
         return self._write_bounded(key, buffers, codec)
 
-    # ------------------------------------------------------------ bytes
-    def read(self, key: str) -> bytes | bytearray | memoryview | None:
-        data = self.inner.read(key) if self._key_fits(key) else None
-        return data if data is not None or not self._may_be_bounded(key) else self._read_bounded(key)
+    # ------------------------------------------------------------ the five verbs, over bytes
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, object], None] | None = None) -> list[object]:
+        """Keys that fit from the store's own (batched) ``get``; a miss that may be stored
+        bounded is joined from its parts."""
+        out: list[object] = [None] * len(keys)
+        fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
+        for i, data in zip(fitting, self.inner.get([keys[i] for i in fitting]) if fitting else []):
+            out[i] = data
+        rest = [i for i in range(len(keys)) if out[i] is None and self._may_be_bounded(keys[i])]
+        for i, data in zip(rest, self.get_bounded([keys[i] for i in rest]) if rest else []):
+            out[i] = data
+        return out
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        """Store a payload's bytes (an operator's re-encoding), stored as it is if it fits
-        and bounded otherwise; the other form of the key is removed."""
-        codec = None
-        try:
-            codec = payload.parse_header(buffers[0]).codec  # payload.encode's first buffer is the header
-        except Exception:  # noqa: BLE001 - the codec is only shown in listings
-            pass
-        self._store(key, buffers, codec, stale=True)
+    def get_bounded(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The joined payloads of ``keys`` stored bounded (``None`` for the others)."""
+        heads = self.inner.exists([head_key(k) for k in keys]) if keys else []
+        return [self._read_bounded(k) if here else None for k, here in zip(keys, heads)]
 
-    def delete(self, key: str) -> bool:
-        removed = bool(self._key_fits(key) and self.inner.delete(key))
-        return (self._may_be_bounded(key) and self._drop_bounded(key)) or removed
+    def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> list[int]:
+        """Values that fit go to the store's own (batched) ``put``, stored as they are; the
+        others are stored bounded."""
+        sizes = [0] * len(items)
+        total = [sum(memoryview(b).nbytes for b in bufs) for _, bufs in items]
+        native = [i for i, (k, _) in enumerate(items) if self._key_fits(k) and self._value_fits(total[i])]
+        for i, size in zip(native, self.inner.put([items[i] for i in native]) if native else []):
+            sizes[i] = size
+        chosen = set(native)
+        for i, (k, bufs) in enumerate(items):
+            if i not in chosen:
+                sizes[i] = self._store(k, bufs, _codec_of(bufs), stale=False)
+        return sizes
 
-    def exists(self, key: str) -> bool:
-        return self.contains([key])[0]
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
+        """One value stored as it is if it fits, bounded otherwise; the other form of the
+        key is removed (an operator's re-encoding may move an entry between the two)."""
+        return self._store(key, buffers, _codec_of(buffers), stale=True)
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        out = [False] * len(keys)
+        fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
+        for i, here in zip(fitting, self.inner.exists([keys[i] for i in fitting]) if fitting else []):
+            out[i] = here
+        rest = [i for i in range(len(keys)) if not out[i] and self._may_be_bounded(keys[i])]
+        if rest:
+            for i, here in zip(rest, self.inner.exists([head_key(keys[i]) for i in rest])):
+                out[i] = here
+        return out
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Each key in both forms (stored as it is, bounded); True where either was there."""
+        out = [False] * len(keys)
+        fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
+        for i, gone in zip(fitting, self.inner.delete([keys[i] for i in fitting]) if fitting else []):
+            out[i] = bool(gone)
+        rest = [i for i, k in enumerate(keys) if self._may_be_bounded(k)]
+        for i, here in zip(rest, self.inner.exists([head_key(keys[i]) for i in rest]) if rest else []):
+            if here and self._drop_bounded(keys[i]):
+                out[i] = True
+        return out
+
+    def keys(self) -> Iterator[tuple[str, int]]:
         for e in self.entries():
             yield e.key, e.size
 
@@ -326,7 +363,7 @@ class FittedBackend(BytesBackend):
             seen.add(e.key)
             yield e
         for e in bounded:
-            data = self.inner.read(e.key)
+            data = self.inner.get_one(e.key)
             try:
                 head = _Head(data, self._part_size()) if data is not None else None
             except CorruptPayloadError:
@@ -334,69 +371,17 @@ class FittedBackend(BytesBackend):
             if head is not None and head.key not in seen and head_key(head.key) == e.key:
                 yield EntryInfo(head.key, head.size, head.codec, e.stored_at)
 
-    # ------------------------------------------------------------ objects
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        out = [False] * len(keys)
-        fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
-        for i, here in zip(fitting, self.inner.contains([keys[i] for i in fitting]) if fitting else []):
-            out[i] = here
-        rest = [i for i in range(len(keys)) if not out[i] and self._may_be_bounded(keys[i])]
-        if rest:
-            for i, here in zip(rest, self.inner.contains([head_key(keys[i]) for i in rest])):
-                out[i] = here
-        return out
+    def note_corrupt(self, key: str, exc: Exception) -> None:
+        self.inner.note_corrupt(key, exc)
 
-    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = [None] * len(keys)
-        fitting = [i for i, k in enumerate(keys) if self._key_fits(k)]
-        try:
-            for i, obj in zip(fitting, self.inner.get([keys[i] for i in fitting]) if fitting else []):
-                out[i] = obj
-            rest = [i for i in range(len(keys)) if out[i] is None and self._may_be_bounded(keys[i])]
-            heads = self.inner.contains([head_key(keys[i]) for i in rest]) if rest else []
-            for i, here in zip(rest, heads):
-                if here:
-                    out[i] = self._get_bounded(keys[i])
-        except BaseException:
-            for obj in out:
-                if obj is not None:
-                    obj.unref()
-            raise
-        return out
+    def key_fits(self, key: str) -> bool:
+        """Whether ``key`` is short enough for the store to hold under itself."""
+        return self._key_fits(key)
 
-    def get_one(self, key: str) -> MemoryObj | None:
-        return self.get([key])[0]
-
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        """Entries that surely fit go to the backend's own (batched) ``put``; the others are
-        encoded here and stored as they are if they turn out to fit, bounded if not."""
-        sizes = [0] * len(items)
-        native = [i for i, (k, o) in enumerate(items) if self._key_fits(k) and self._value_fits(self.inner.reserve_size(k, o))]
-        for i, size in zip(native, self.inner.put([items[i] for i in native]) if native else []):
-            sizes[i] = size
-        codec = self.context.codec
-        for i, (k, o) in enumerate(items):
-            if i not in native:
-                sizes[i] = self._store(k, payload.encode(k, o, codec), codec.name, stale=False)
-        return sizes
-
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        return self.put([(key, obj)])[0]
-
-    def remove(self, keys: Sequence[str]) -> None:
-        fitting = [k for k in keys if self._key_fits(k)]
-        if fitting:
-            self.inner.remove(fitting)
-        keys = [k for k in keys if self._may_be_bounded(k)]
-        for k, here in zip(keys, self.inner.contains([head_key(k) for k in keys]) if keys else []):
-            if here:
-                self._drop_bounded(k)
-
-    def remove_one(self, key: str) -> bool:
-        return self.delete(key)
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        return self.list()
+    def may_be_bounded(self, key: str) -> bool:
+        """Whether ``key`` may be stored bounded (an object view's fast path reads the
+        others from the store itself)."""
+        return self._may_be_bounded(key)
 
     def reserve_size(self, key: str, obj: MemoryObj) -> int:
         size = self.inner.reserve_size(key, obj)

@@ -32,6 +32,7 @@ from .errors import CorruptPayloadError, TierUnusableError
 from .ledger import Listener
 from .memory import MemoryObj, MemoryPool
 from .plugin_manager import Registries, get_registries
+from .storage import Store
 from .tier import Tier
 from .tier_setup import TierParts, build_tier, check_tier, codec_cache
 from .write_behind import WRITE_BATCH, WRITER_YIELD_MAX, WriteBehind, _Write  # noqa: F401 (re-exported)
@@ -58,7 +59,7 @@ class HierarchyStats:
     repairs: int = 0  # write-through: evicted chunks written down because no lower tier had them
 
 
-class StorageHierarchy(WriteBehind):
+class StorageHierarchy(WriteBehind, Store):
     def __init__(
         self,
         config: Config,
@@ -152,12 +153,12 @@ class StorageHierarchy(WriteBehind):
         return obj if obj is not None else MemoryPool.allocate_unpooled(shape, dtype)
 
     # ------------------------------------------------------------ data path
-    def contains_prefix(self, keys: Sequence[str]) -> list[str]:
+    def exists_prefix(self, keys: Sequence[str]) -> list[str]:
         """Tier names of the longest prefix of ``keys`` that some tier holds."""
         found = self._where(keys)
         return found[: found.index(None)] if None in found else found  # type: ignore[return-value]
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         """For each key: whether some tier holds it (or a queued write carries it)."""
         return [name is not None for name in self._where(keys)]
 
@@ -171,7 +172,7 @@ class StorageHierarchy(WriteBehind):
         for tier in self.tiers:
             if not remaining:
                 break
-            res = tier.contains(keys if len(remaining) == n else [keys[i] for i in remaining])
+            res = tier.exists(keys if len(remaining) == n else [keys[i] for i in remaining])
             if len(remaining) == n and all(res):  # the usual hit: all in the first tier asked
                 return [tier.name] * n
             for i in compress(remaining, res):
@@ -183,16 +184,22 @@ class StorageHierarchy(WriteBehind):
                 found[i] = self.tiers[entry[1]].name
         return found
 
-    def get_one(self, key: str) -> tuple[MemoryObj, Tier] | None:
-        return self.get([key])[0]
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
+        """For each key its object (the caller owns one reference) or ``None``, as every
+        store answers; :meth:`find` also names the tier of each hit."""
+        return [hit[0] if hit is not None else None for hit in self.find(keys, on_ready)]
 
-    def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
-            accept: Callable[[int, MemoryObj], bool] | None = None) -> list[tuple[MemoryObj, Tier] | None]:
-        """For each key: its object (the caller owns one reference) and the tier it came
-        from, or ``None``; one batch call per tier: each tier is asked for the keys the
-        tiers above it did not have. ``on_ready(j, obj)``: see :meth:`Tier.get` (``j``
-        indexes ``keys``). ``accept(j, obj)``: the caller's check of a hit (its shape and
-        dtype); a hit it refuses is returned but never promoted into the tiers above."""
+    def find_one(self, key: str) -> tuple[MemoryObj, Tier] | None:
+        return self.find([key])[0]
+
+    def find(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None,
+             accept: Callable[[int, MemoryObj], bool] | None = None) -> list[tuple[MemoryObj, Tier] | None]:
+        """:meth:`get` with the tier each hit came from: for each key its object (the
+        caller owns one reference) and tier, or ``None``; one batch call per tier: each
+        tier is asked for the keys the tiers above it did not have. ``on_ready(j, obj)``:
+        see :meth:`Tier.get` (``j`` indexes ``keys``). ``accept(j, obj)``: the caller's
+        check of a hit (its shape and dtype); a hit it refuses is returned but never
+        promoted into the tiers above."""
         found: list[tuple[MemoryObj, Tier] | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         # queued writes are taken before the tiers are asked: a write that lands (and
@@ -253,17 +260,35 @@ class StorageHierarchy(WriteBehind):
                 self._enqueue(_Write(j, key, obj.ref()), block=False)
         return obj
 
-    def put_one(self, key: str, obj: MemoryObj) -> bool:
+    def put_one(self, key: str, obj: MemoryObj) -> int:
         """Store into the top tier now and into lower tiers per the write policy.
-        The caller keeps its reference."""
+        The caller keeps its reference. The bytes the entry takes in the top tier; 0 if it
+        was not stored there (it is then queued for the tier below)."""
         top = self.tiers[0]
-        ok = (obj.pooled or not top.backend.holds_memory_objects) and top.put_one(key, obj)
+        ok = top.put_one(key, obj) if obj.pooled or not top.backend.holds_memory_objects else 0
         if not self.write_back or not ok:
             for j in range(1, len(self.tiers)):
                 self._enqueue(_Write(j, key, obj.ref()), block=False)
                 if self.write_back:
                     break  # not stored on top: goes one level down instead
         return ok
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove ``keys`` from every tier: for each, whether some tier held it. A write
+        still queued for a key lands after this (``lmcache evict`` goes tier by tier)."""
+        out = [False] * len(keys)
+        for tier in self.tiers:
+            out = [a or b for a, b in zip(out, tier.delete(keys))]
+        return out
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        """Every key some tier holds, once, with its bytes in the highest tier holding it."""
+        seen: set[str] = set()
+        for tier in self.tiers:
+            for key, size in tier.keys():
+                if key not in seen:
+                    seen.add(key)
+                    yield key, size
 
     def _demoter(self, target: int) -> Callable[[str, MemoryObj], None]:
         def demote(key: str, obj: MemoryObj) -> None:

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from . import auth
 from .server_slots import Slot, Slots, shut as _shut
-from .server_store import ENTRY_OVERHEAD, ByteStore, Store, load_policy  # noqa: F401 (re-exported)
+from .server_store import ENTRY_OVERHEAD, ByteStore, ServedStore, load_policy  # noqa: F401 (re-exported)
 from .wire import (
     AUTH, DEFAULT_MAX_VALUE, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
     LAZY_ALLOC, LIST, LIST_PAGE, MAGIC, MORE, NOT_FOUND, OK, PUT, ProtocolError, VERSION, alloc,
@@ -185,14 +185,14 @@ class CacheServer:
         token: str | None = None,
         max_value_size: int = DEFAULT_MAX_VALUE,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        store: Store | None = None,
+        store: ServedStore | None = None,
         name: str = "lmcache server",
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
         identity: str = "",
         legacy_auth: bool = True,
     ):
-        """``store``: serve this :class:`Store` instead of a new :class:`ByteStore` of
+        """``store``: serve this :class:`ServedStore` instead of a new :class:`ByteStore` of
         ``capacity`` bytes evicting with ``policy`` (a peer endpoint serves its engine's
         tiers); ``name`` is how logs call this server. ``identity`` is the name the
         handshake announces and both proofs cover (a peer endpoint's instance id);
@@ -207,7 +207,7 @@ class CacheServer:
         if not auth_timeout > 0 or max_unauthenticated < 1:
             raise ValueError("auth timeout and max unauthenticated connections must be positive")
         self.host, self.port = host, port
-        self.store: Store = store if store is not None else ByteStore(capacity, load_policy(policy))
+        self.store: ServedStore = store if store is not None else ByteStore(capacity, load_policy(policy))
         self.policy_name = policy if store is None else None
         self.name = name
         self.token = token.encode() if token else None
@@ -422,7 +422,7 @@ class CacheServer:
     def _handle(self, io: _ConnIO, f: Frame, key: str, value: bytearray | memoryview) -> None:
         op, seq = f.op, f.seq
         if op == GET:
-            v = self.store.get(key)
+            v = self.store.get_one(key)
             if v is None:
                 io.send(pack_header(GET, seq, status=NOT_FOUND))
             else:
@@ -431,15 +431,15 @@ class CacheServer:
                 bufs = v if isinstance(v, (list, tuple)) else (v,)
                 io.send(pack_header(GET, seq, b"", sum(len(b) for b in bufs)), *bufs, after=after)
         elif op == PUT:
-            if self.store.put(key, value):
+            if self.store.put_one(key, value):
                 io.send(pack_header(PUT, seq))
             else:
                 msg = self.store.refusal(value)[:4096]
                 io.send(encode(PUT, seq, b"", msg.encode(), status=ERROR))
         elif op == EXISTS:
-            io.send(pack_header(EXISTS, seq, status=OK if self.store.exists(key) else NOT_FOUND))
+            io.send(pack_header(EXISTS, seq, status=OK if self.store.exists_one(key) else NOT_FOUND))
         elif op == DELETE:
-            io.send(pack_header(DELETE, seq, status=OK if self.store.delete(key) else NOT_FOUND))
+            io.send(pack_header(DELETE, seq, status=OK if self.store.delete_one(key) else NOT_FOUND))
         elif op == LIST:
             entries = self.store.snapshot(key)
             for i in range(0, max(len(entries), 1), LIST_PAGE):

@@ -1,4 +1,4 @@
-"""What ``lmcache server`` (:class:`lmcache.server.CacheServer`) serves: the :class:`Store`
+"""What ``lmcache server`` (:class:`lmcache.server.CacheServer`) serves: the :class:`ServedStore`
 protocol, and :class:`ByteStore`, opaque values within a byte capacity."""
 
 from __future__ import annotations
@@ -11,23 +11,24 @@ from typing import Any, Protocol
 ENTRY_OVERHEAD = 256
 
 
-class Store(Protocol):
+class ServedStore(Protocol):
     """What a :class:`CacheServer` serves. :class:`ByteStore` keeps opaque bytes; a cache
     engine's peer endpoint (:mod:`lmcache.plugins.services.p2p`) serves its own tiers through the same
     frames. Called from the connection threads, so implementations are thread-safe.
 
-    ``get`` returns one buffer, or a sequence of buffers sent back to back (a payload's
-    header and body, never joined); ``release(value)``, when a store defines it, is
-    called once the buffers ``get`` returned have been sent (or the connection died),
-    so a store may hand out views of memory it must keep alive until then.
-    ``put`` returns True, or False after which ``refusal(value)`` says why (an ERROR
-    response; the connection stays open)."""
+    One key per call (a frame names one), so the verbs are the single-key forms of the
+    stores' vocabulary (:mod:`lmcache.storage`). ``get_one`` returns one buffer, or a
+    sequence of buffers sent back to back (a payload's header and body, never joined);
+    ``release(value)``, when a store defines it, is called once the buffers ``get_one``
+    returned have been sent (or the connection died), so a store may hand out views of
+    memory it must keep alive until then. ``put_one`` returns True, or False after which
+    ``refusal(value)`` says why (an ERROR response; the connection stays open)."""
 
-    def put(self, key: str, value: bytearray | memoryview) -> bool: ...
+    def put_one(self, key: str, value: bytearray | memoryview) -> bool: ...
     def refusal(self, value: bytearray | memoryview) -> str: ...
-    def get(self, key: str) -> Any: ...
-    def exists(self, key: str) -> bool: ...
-    def delete(self, key: str) -> bool: ...
+    def get_one(self, key: str) -> Any: ...
+    def exists_one(self, key: str) -> bool: ...
+    def delete_one(self, key: str) -> bool: ...
     def snapshot(self, prefix: str = "") -> list[tuple[str, int]]: ...
     def stats(self) -> dict[str, Any]: ...
 
@@ -55,7 +56,7 @@ class ByteStore:
         """The bytes an entry counts against the capacity: value, key and overhead."""
         return len(value) + len(key.encode()) + ENTRY_OVERHEAD
 
-    def put(self, key: str, value: bytearray | memoryview) -> bool:
+    def put_one(self, key: str, value: bytearray | memoryview) -> bool:
         """Store ``value``; False when the entry (:meth:`cost`) is larger than the whole capacity."""
         n = self.cost(key, value)
         if n > self.capacity:
@@ -83,18 +84,18 @@ class ByteStore:
         return (f"value of {len(value)} bytes (plus its key and {ENTRY_OVERHEAD} bytes of overhead) "
                 f"is larger than the server's capacity ({self.capacity})")
 
-    def get(self, key: str) -> bytearray | memoryview | None:
+    def get_one(self, key: str) -> bytearray | memoryview | None:
         with self._lock:
             v = self._data.get(key)
             if v is not None:
                 self.policy.on_access(key)
             return v
 
-    def exists(self, key: str) -> bool:
+    def exists_one(self, key: str) -> bool:
         with self._lock:
             return key in self._data
 
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         with self._lock:
             v = self._data.pop(key, None)
             if v is None:
@@ -119,4 +120,4 @@ def load_policy(name: str) -> Any:
     return get_registries().policies.load(name)()
 
 
-__all__ = ["ENTRY_OVERHEAD", "ByteStore", "Store", "load_policy"]
+__all__ = ["ENTRY_OVERHEAD", "ByteStore", "ServedStore", "load_policy"]

@@ -1,16 +1,44 @@
-"""The storage backend contract.
+"""The storage contract: one vocabulary at every level.
 
-A backend is small and batch-first. Subclasses implement the single-key methods
-(``contains_one``, ``get_one``, ``put_one``, ``remove_one``, ``keys``); the batch forms
-(``contains``, ``get``, ``put``, ``remove``) default to loops and may be overridden for
-speed. Keys are canonical key strings (:meth:`lmcache.keys.CacheKey.to_string`). A missing
-key is ``None``, never an exception.
+A store answers five verbs, batch first, over canonical key strings
+(:meth:`lmcache.keys.CacheKey.to_string`):
 
-Backends that store bytes outside the process derive from :class:`BytesBackend`: they
-move opaque payload bytes (``read``/``write``/``delete``/``exists``/``list``), and the
-base class encodes and checks payloads with the tier's codec and the self-describing
-header of :mod:`lmcache.payload`; a payload that fails its checks is removed and reported
-as a miss.
+=====================  ==========================================================
+``exists(keys)``       ``list[bool]``
+``get(keys)``          ``list[value | None]``: a missing key is ``None``, never an
+                       exception
+``put(items)``         ``list[int]``: the bytes each ``(key, value)`` takes (0: not
+                       stored)
+``delete(keys)``       ``list[bool]``: whether each key was there
+``keys()``             every ``(key, stored bytes)``
+=====================  ==========================================================
+
+with single-key forms ``exists_one``, ``get_one``, ``put_one`` and ``delete_one``. A class
+implements one form of each pair, batch or single, and the other is derived from it
+(checked when the class is created: :class:`Store`). The same verbs, with the same
+shapes, are spoken by a backend, a tier (:class:`lmcache.tier.Tier`), the hierarchy and
+the chunk gateway; the domain verbs (lookup, store, retrieve, release) belong to the
+engine alone.
+
+What a store holds is its *value*:
+
+- :class:`StorageBackend`: :class:`~lmcache.memory.MemoryObj` values (the cpu tier keeps
+  references into the memory pool);
+- :class:`BytesBackend`: payload bytes (``get`` returns any bytes-like object, ``put``
+  takes a sequence of buffers stored as their concatenation, atomically). A tier opens
+  such a store through :class:`lmcache.encoded.Encoded`, the wrapper that encodes and
+  checks payloads with the tier's codec and the self-describing header of
+  :mod:`lmcache.payload` (a payload that fails its checks is removed and reported as a
+  miss) and fits them into the store's declared limits (:mod:`lmcache.fit`). A store
+  that can decode in place (disk reads into pool memory) names its own subclass of it
+  in :attr:`BytesBackend.objects_view`.
+
+What a backend can do is declared (``supports_bytes``, ``holds_memory_objects``,
+``shared``, ``streams_gets``, ``parallel_puts``, ``max_value_size``,
+``max_key_length``); code asks these, never ``isinstance``. Backends written against the
+contract before this one (``contains``/``remove`` and, on byte stores,
+``read``/``write``/``delete(key)``/``exists(key)``/``list``) are adapted when their class
+is created, with one :class:`DeprecationWarning` (:mod:`lmcache.storage_legacy`).
 
 A backend is built as ``Backend(context)``; see :class:`BackendContext`.
 """
@@ -26,9 +54,9 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 
-from . import payload
+from . import payload, storage_legacy
 from .codecs import Codec, load_codec
-from .errors import ConfigError, CorruptPayloadError
+from .errors import ConfigError
 from .memory import MemoryObj, MemoryPool
 from .settings import near_miss
 
@@ -161,16 +189,81 @@ class IntegrityStats:
     last_error: str = field(default="")
 
 
-class StorageBackend:
+class Store:
+    """The five verbs (see the module docstring), each batch form derived from its
+    single-key form and back: a subclass overrides one of each pair (``exists`` or
+    ``exists_one``, ``get`` or ``get_one``, ``put`` or ``put_one``, ``delete`` or
+    ``delete_one``) and ``keys``. A class that overrides neither form of a pair is a
+    :class:`TypeError` when it is created; a base that leaves them to its subclasses says
+    so with ``class Base(Store, abstract=True)``."""
+
+    #: the pairs of which a concrete store overrides at least one form
+    PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("exists", "exists_one"), ("get", "get_one"), ("put", "put_one"), ("delete", "delete_one"))
+
+    def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        storage_legacy.adapt(cls)
+        if abstract:  # the contract's own bases: what they define of the pairs is a default
+            for pair in cls.PAIRS:
+                _DEFAULTS.update(cls.__dict__[n] for n in pair if n in cls.__dict__)
+            return
+        missing = [f"{a} or {b}" for a, b in cls.PAIRS
+                   if getattr(cls, a) in _DEFAULTS and getattr(cls, b) in _DEFAULTS]
+        if missing:
+            raise TypeError(f"store {cls.__module__}:{cls.__qualname__} must implement {', '.join(missing)} "
+                            "(see lmcache.storage)")
+
+    # -- batch forms, from the single-key ones
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [self.exists_one(k) for k in keys]
+
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """One value per key or ``None``. On a :class:`StorageBackend` each object is the
+        caller's (one reference); ``on_ready`` is described there."""
+        return [self.get_one(k) for k in keys]
+
+    def put(self, items: Sequence[tuple[str, Any]]) -> list[int]:
+        return [self.put_one(k, v) for k, v in items]
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        return [self.delete_one(k) for k in keys]
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        """Every stored ``(key, stored bytes)``, for the CLI and for rebuilding indexes."""
+        raise NotImplementedError
+
+    # -- single-key forms, from the batch ones
+    def exists_one(self, key: str) -> bool:
+        return self.exists([key])[0]
+
+    def get_one(self, key: str) -> Any:
+        return self.get([key])[0]
+
+    def put_one(self, key: str, value: Any) -> int:
+        return self.put([(key, value)])[0]
+
+    def delete_one(self, key: str) -> bool:
+        return self.delete([key])[0]
+
+
+#: the pairs' forms the contract's bases define (each derived from the other form)
+_DEFAULTS: set[Any] = {f for pair in Store.PAIRS for n in pair for f in (Store.__dict__[n],)}
+
+
+class StorageBackend(Store, abstract=True):
     """Base class of storage backends. See the module docstring for the contract."""
 
     #: backend-specific config keys and their defaults; unknown keys are config errors
     OPTIONS: ClassVar[Mapping[str, Any]] = {}
-    #: True if the backend stores self-describing payload bytes (:class:`BytesBackend`:
-    #: ``read``/``write``/``delete``/``exists``/``list`` under the object methods): a tier
-    #: can then split values over its size limits (:mod:`lmcache.fit`) and ``lmcache
-    #: compress`` can re-encode its entries. Code asks this, never ``isinstance``.
+    #: True if the backend stores self-describing payload bytes: a :class:`BytesBackend`,
+    #: or the :class:`~lmcache.encoded.Encoded` view a tier opens it through (its ``store``:
+    #: the bytes). Values over its size limits are then split (:mod:`lmcache.fit`) and
+    #: ``lmcache compress`` can re-encode its entries. Code asks this, never ``isinstance``.
     supports_bytes: ClassVar[bool] = False
+    #: What the store's values are: ``"objects"`` (:class:`MemoryObj`) or ``"bytes"``
+    #: (payload bytes: a :class:`BytesBackend`, which a tier opens through its object view).
+    values: ClassVar[str] = "objects"
     #: True if the backend keeps :class:`MemoryObj` references (the CPU tier): a hit is a
     #: reference into the memory pool, not a copy.
     holds_memory_objects: ClassVar[bool] = False
@@ -189,10 +282,10 @@ class StorageBackend:
     #: disk backend): the hierarchy's writer then writes queued chunks for this tier
     #: together (``lmcache.hierarchy.WRITE_BATCH``). False: one at a time, in order.
     parallel_puts: ClassVar[bool] = False
-    #: The largest value, in bytes, the backend accepts in one ``write`` (a
-    #: :class:`BytesBackend`'s encoded payload); ``None``: unbounded. A tier splits larger
-    #: payloads into parts of at most this size (:mod:`lmcache.fit`), so ``put_one`` and
-    #: ``write`` are never handed more; the backend must accept any value up to it.
+    #: The largest value, in bytes, a :class:`BytesBackend` accepts in one ``put`` (an
+    #: encoded payload); ``None``: unbounded. Larger payloads are split into parts of at
+    #: most this size (:mod:`lmcache.fit`), so ``put`` is never handed more; the store
+    #: must accept any value up to it.
     max_value_size: ClassVar[int | None] = None
     #: The longest key, in UTF-8 bytes, the backend accepts (after any prefix of its own
     #: is added, so a backend with a configurable prefix sets it per instance); ``None``:
@@ -226,36 +319,6 @@ class StorageBackend:
             raise ConfigError(key, f"unknown key for backend {registered_name(cls)!r}{hint or ';'} its keys: {known}")
         return {**cls.OPTIONS, **options}
 
-    # -- single-key methods: implement these
-    def contains_one(self, key: str) -> bool:
-        raise NotImplementedError
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        """A memory object the caller owns (one reference), or ``None``."""
-        raise NotImplementedError
-
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        """Store ``obj`` (the caller keeps its reference); return the bytes it takes."""
-        raise NotImplementedError
-
-    def remove_one(self, key: str) -> bool:
-        raise NotImplementedError
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        """Every stored ``(key, stored bytes)``, for the CLI and for rebuilding indexes."""
-        raise NotImplementedError
-
-    def entries(self) -> Iterator[EntryInfo]:
-        """Every stored entry with its metadata (codec, time stored) where the backend
-        knows it. Derived from :meth:`keys` by default; backends that keep or can cheaply
-        read per-entry metadata override it."""
-        for key, size in self.keys():
-            yield EntryInfo(key, size)
-
-    # -- batch forms: loops by default
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self.contains_one(k) for k in keys]
-
     def get(self, keys: Sequence[str], on_ready: Callable[[int, MemoryObj], None] | None = None) -> list[MemoryObj | None]:
         """One result per key: an object the caller owns (one reference) or ``None``.
 
@@ -279,12 +342,12 @@ class StorageBackend:
                     log.exception("tier %s: on_ready for %s failed", self.context.tier, k)
         return out
 
-    def put(self, items: Sequence[tuple[str, MemoryObj]]) -> list[int]:
-        return [self.put_one(k, o) for k, o in items]
-
-    def remove(self, keys: Sequence[str]) -> None:
-        for k in keys:
-            self.remove_one(k)
+    def entries(self) -> Iterator[EntryInfo]:
+        """Every stored entry with its metadata (codec, time stored) where the backend
+        knows it. Derived from :meth:`keys` by default; backends that keep or can cheaply
+        read per-entry metadata override it."""
+        for key, size in self.keys():
+            yield EntryInfo(key, size)
 
     # -- the rest
     def reserve_size(self, key: str, obj: MemoryObj) -> int:
@@ -312,76 +375,37 @@ class StorageBackend:
         self.close()
 
 
-class BytesBackend(StorageBackend):
-    """A backend that stores self-describing payload bytes.
+class BytesBackend(StorageBackend, abstract=True):
+    """A store of self-describing payload bytes: the five verbs over bytes.
 
-    Implement ``read``, ``write``, ``delete``, ``exists`` and ``list``; ``read`` may
-    return any bytes-like object.
+    ``get`` returns any bytes-like object per key (``None``: missing); ``put`` takes
+    ``(key, buffers)`` items and stores each concatenation atomically, returning the bytes
+    each takes; ``exists``, ``delete`` and ``keys`` as on every store. A tier opens it
+    through :attr:`objects_view` (:class:`lmcache.encoded.Encoded` unless the class names
+    a subclass), which encodes, checks and fits payloads. A store that finds a value it
+    can never hand back (a foreign type under one of its keys) counts it with
+    :meth:`note_corrupt` and reports a miss.
     """
 
     supports_bytes: ClassVar[bool] = True
+    values: ClassVar[str] = "bytes"
+    #: the object view a tier opens this store through: a subclass of
+    #: :class:`lmcache.encoded.Encoded` (``None``: that class itself)
+    objects_view: ClassVar[type | None] = None
 
     def __init__(self, context: BackendContext):
         super().__init__(context)
         self.integrity = IntegrityStats()
 
-    def read(self, key: str) -> bytes | bytearray | memoryview | None:
-        raise NotImplementedError
-
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        """Store the concatenation of ``buffers`` under ``key``, atomically."""
-        raise NotImplementedError
-
-    def delete(self, key: str) -> bool:
-        raise NotImplementedError
-
-    def exists(self, key: str) -> bool:
-        raise NotImplementedError
-
-    def list(self) -> Iterator[tuple[str, int]]:
-        raise NotImplementedError
-
-    # -- the object contract, in terms of bytes
-    def contains_one(self, key: str) -> bool:
-        return self.exists(key)
-
-    def get_one(self, key: str) -> MemoryObj | None:
-        data = self.read(key)
-        if data is None:
-            return None
-        obj = self.decode_checked(key, data)
-        if obj is None:
-            try:
-                self.delete(key)
-            except Exception:  # pragma: no cover - best effort
-                log.exception("tier %s: could not delete corrupt entry %s", self.context.tier, key)
-        return obj
-
-    def decode_checked(self, key: str, data: bytes | bytearray | memoryview) -> MemoryObj | None:
-        """Decode a payload read from the store, or ``None`` if it fails its checks
-        (counted in ``integrity`` and logged; the caller deletes the entry). Backends that
-        override the batch reads decode through this, so every path drops corrupt data."""
-        try:
-            return payload.decode(data, key, self.context.codec_lookup, self.context.allocate)
-        except CorruptPayloadError as exc:
-            self.note_corrupt(key, exc)
-            return None
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[Any]:
+        return [self.get_one(k) for k in keys]
 
     def note_corrupt(self, key: str, exc: Exception) -> None:
+        """Count and log a payload that failed its checks (the caller deletes it)."""
         self.integrity.corrupt += 1
         self.integrity.last_error = str(exc)
         log.warning("tier %s: dropping corrupt entry %s: %s", self.context.tier, key, exc)
 
-    def put_one(self, key: str, obj: MemoryObj) -> int:
-        bufs = payload.encode(key, obj, self.context.codec)
-        self.write(key, bufs)
-        return sum(len(b) for b in bufs)
-
-    def remove_one(self, key: str) -> bool:
-        return self.delete(key)
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        return self.list()
-
     def reserve_size(self, key: str, obj: MemoryObj) -> int:
+        """An upper bound of the bytes ``obj``'s payload takes under ``key``."""
         return payload.header_overhead(key, len(obj.shape)) + self.context.codec.max_encoded_size(obj.nbytes)

@@ -17,12 +17,12 @@ from typing import Callable, Iterator, Sequence
 
 from .config import TierConfig
 from .errors import EntryPathError, StoreSkipped
-from .fit import fit
 from .redact import redact_text
 from .leases import Leases
 from .ledger import Ledger
 from .memory import MemoryObj
-from .storage import EntryInfo, StorageBackend, Usage
+from .storage import EntryInfo, StorageBackend, Store, Usage
+from .encoded import bytes_store, open_objects
 
 log = logging.getLogger("lmcache.hierarchy")  # the tiers' messages keep the logger operators filter on
 
@@ -72,7 +72,7 @@ def _write_refused(exc: BaseException) -> bool:
     )
 
 
-class Tier:
+class Tier(Store):
     """One backend plus its ledger, eviction, pins and health."""
 
     def __init__(
@@ -89,10 +89,12 @@ class Tier:
         self.cfg = cfg
         self.name = cfg.name
         self.capacity = ledger.capacity
-        #: the backend as the tier uses it: one that declares ``max_value_size`` or
-        #: ``max_key_length`` is seen through :func:`lmcache.fit.fit` (larger values split,
-        #: longer keys hashed), so the tier and its callers never meet those limits
-        self.backend = fit(backend)
+        #: the backend as the tier uses it, a store of memory objects
+        #: (:func:`lmcache.encoded.open_objects`): a byte store is seen through its object
+        #: view, which encodes and checks payloads and fits them into its declared
+        #: ``max_value_size``/``max_key_length`` (larger values split, longer keys hashed),
+        #: so the tier and its callers never meet those limits
+        self.backend = open_objects(backend)
         self.ledger = ledger
         self.clock = clock
         self.stats = TierStats()
@@ -112,9 +114,9 @@ class Tier:
         self.on_evict: Callable[[str, MemoryObj], None] | None = None
         #: with ``on_evict``: which evicted keys to demote (``None``: all of them)
         self.demote_if: Callable[[str], bool] | None = None
-        if not backend.shared:
+        if not self.backend.shared:
             try:
-                for key, size in backend.keys():
+                for key, size in self.backend.keys():
                     ledger.admit(key, size)
             except Exception as exc:  # unreachable at start: serve misses, retry later
                 self._failed("listing entries", exc)
@@ -244,13 +246,13 @@ class Tier:
         return self.is_pinned(key) or self.backend.in_use(key)
 
     # --------------------------------------------------------- data path
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         if not self.available:
             return [False] * len(keys)
         try:
-            out = self.backend.contains(keys)
+            out = self.backend.exists(keys)
         except Exception as exc:
-            self._failed("contains", exc)
+            self._failed("exists", exc)
             return [False] * len(keys)
         self._ok()
         if self.backend.shared:
@@ -324,9 +326,9 @@ class Tier:
             except Exception as exc:  # the entry is lost to the lower tier, not to correctness
                 self._failed("read for demotion", exc)
         try:
-            self.backend.remove_one(key)
+            self.backend.delete_one(key)
         except Exception as exc:
-            self._write_failed("remove", exc)
+            self._write_failed("delete", exc)
         self.ledger.forget(key)
         self.stats.evictions += 1
         if demote is not None:
@@ -344,21 +346,22 @@ class Tier:
             self._evict_until(lambda: before - self.ledger.used >= nbytes)
             return before - self.ledger.used
 
-    def put_one(self, key: str, obj: MemoryObj, *, before_admit: Callable[[], None] | None = None) -> bool:
-        """Store ``obj`` unless present; the caller keeps its reference. True if stored.
+    def put_one(self, key: str, obj: MemoryObj, *, before_admit: Callable[[], None] | None = None) -> int:
+        """Store ``obj`` unless present; the caller keeps its reference. The bytes the
+        entry takes (the stored entry's when it was present), 0 if not stored.
 
         ``before_admit`` is called once the backend stored it, before the key is admitted
         (outside the tier's lock): the hierarchy's batch writer admits in queue order."""
         if not self.available:
             self.stats.skipped_puts += 1
-            return False
+            return 0
         need = self.backend.reserve_size(key, obj)
         with self._lock:
             if key in self.ledger:
-                return True
+                return self.ledger.sizes[key] or 1
             if need > self.capacity or not self._make_room(need):
                 self.stats.skipped_puts += 1
-                return False
+                return 0
             self.ledger.reserved += need
         t0 = time.perf_counter()
         try:
@@ -368,7 +371,7 @@ class Tier:
                 self.ledger.reserved -= need
             self.stats.skipped_puts += _write_refused(exc)  # the device refused this chunk
             self._write_failed("put", exc)
-            return False
+            return 0
         self._ok()
         self._writes_ok()
         dt = time.perf_counter() - t0
@@ -382,20 +385,23 @@ class Tier:
             self.stats.puts += 1
             self.stats.put_bytes += stored
             self.stats.put_seconds += dt
-        return True
+        return stored or 1
 
-    def remove(self, keys: Sequence[str]) -> int:
-        n = 0
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove ``keys``: for each, whether the tier held it (in its books or in the
+        store); one that failed to delete is ``False`` and stays counted."""
+        out: list[bool] = []
         with self._lock:
             for k in keys:
                 try:
-                    removed = self.backend.remove_one(k)
+                    removed = self.backend.delete_one(k)
                 except Exception as exc:
-                    self._write_failed("remove", exc)
+                    self._write_failed("delete", exc)
+                    out.append(False)
                     continue
                 size = self.ledger.forget(k)
-                n += bool(removed or size is not None)
-        return n
+                out.append(bool(removed or size is not None))
+        return out
 
     def _write_failed(self, what: str, exc: BaseException) -> None:
         """A device that refuses writes (full, read-only, or one blocked path) still
@@ -481,7 +487,7 @@ class Tier:
         try:
             for i in range(0, len(keys), batch):
                 part = keys[i : i + batch]
-                gone += [k for k, here in zip(part, self.backend.contains(part)) if not here]
+                gone += [k for k, here in zip(part, self.backend.exists(part)) if not here]
         except Exception as exc:
             self._failed("resync after an outage", exc)
             return 0
@@ -549,10 +555,10 @@ class Tier:
                     skipped.append((key, "in use by a reader"))
                     continue
                 try:
-                    self.backend.remove_one(key)
+                    self.backend.delete_one(key)
                 except Exception as exc:
-                    self._failed("remove", exc)
-                    skipped.append((key, f"remove failed: {exc}"))
+                    self._failed("delete", exc)
+                    skipped.append((key, f"delete failed: {exc}"))
                     continue
                 self.ledger.forget(key)
                 self.stats.evictions += 1
@@ -560,11 +566,14 @@ class Tier:
         return done, skipped
 
     def rewrite(self, key: str, buffers: Sequence[bytes | memoryview]) -> tuple[int, int] | str:
-        """Replace the stored bytes of ``key`` with ``buffers`` in one atomic backend
-        ``write`` (a reader sees the old payload or the new one), settling the books:
+        """Replace the stored bytes of ``key`` with ``buffers`` in one atomic ``put_one``
+        to the tier's byte store (a reader sees the old payload or the new one), settling the books:
         ``(bytes before, bytes after)``, or why not (the key left the tier, or a larger
         payload found no room). The admin layer's re-encoding (``lmcache compress``) uses
         it; the caller pins the key while it prepares ``buffers``."""
+        store = bytes_store(self.backend)
+        if store is None:
+            return "the tier keeps objects, not payload bytes"
         new = sum(len(b) for b in buffers)
         with self._lock:
             old = self.ledger.sizes.get(key)
@@ -572,7 +581,7 @@ class Tier:
                 return "evicted meanwhile"
             if new > old and not self._make_room(new - old):
                 return "no room in the tier for the larger encoding"
-            self.backend.write(key, buffers)  # type: ignore[attr-defined]
+            new = store.put_one(key, buffers)
             self.ledger.admit(key, new)
         return old, new
 

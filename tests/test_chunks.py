@@ -61,10 +61,10 @@ def test_a_store_of_the_wrong_dtype_or_shape_is_refused_whole_from_every_entry(e
             g.store(keys, pages)
         obj = engine.hierarchy.allocate(tuple(bad[:, :, :4].shape), bad.dtype)
         with pytest.raises(KVShapeError, match="is not KV of"):
-            g.put(keys[0], obj)
+            g.put_one(keys[0], obj)
         with pytest.raises(KVShapeError, match="is not KV of"):
             g.allocate(tuple(bad[:, :, :4].shape), bad.dtype)
-    assert engine.hierarchy.contains(keys) == [False, False]
+    assert engine.hierarchy.exists(keys) == [False, False]
     assert engine.pool.live == 0
 
 
@@ -89,15 +89,15 @@ def test_a_corrupt_entry_from_a_tier_is_dropped_counted_and_ends_the_prefix(engi
     g.store(keys, _kv(12), chunks=chunks)
     bad = engine.hierarchy.allocate((2, 2, C, 2, 8), torch.float32)  # the right shape, another dtype
     tier = engine.hierarchy.tiers[0]
-    tier.remove([keys[1]])
+    tier.delete([keys[1]])
     assert tier.put_one(keys[1], bad)
     bad.unref()
-    got = g.fetch(keys, sizes=[c.num_tokens for c in chunks])
+    got = g.find(keys, sizes=[c.num_tokens for c in chunks])
     assert [t.name for _, t in got] == ["cpu"]  # the prefix ends at the dropped entry
     for obj, _ in got:
         obj.unref()
-    assert tier.stats.corrupt == 1 and engine.hierarchy.contains(keys) == [True, False, True]
-    with g.read(keys, prefix=False) as hits:
+    assert tier.stats.corrupt == 1 and engine.hierarchy.exists(keys) == [True, False, True]
+    with g.found(keys, prefix=False) as hits:
         assert [h is not None for h in hits] == [True, False, True]
         assert torch.equal(hits[2][0].tensor, _kv(12)[:, :, 8:12])
     assert _only_entries_live(engine)
@@ -110,7 +110,7 @@ def test_a_fixed_page_layout_refuses_other_token_counts(engine):
     obj = engine.hierarchy.allocate((2, 1, C + 1, 1, 16), torch.float16)
     engine.hierarchy.put_one(keys[1], obj)
     obj.unref()
-    with g.read(keys[:2], prefix=False) as hits:
+    with g.found(keys[:2], prefix=False) as hits:
         assert [h is not None for h in hits] == [True, False]
     assert engine.hierarchy.tiers[0].stats.corrupt == 1 and _only_entries_live(engine)
 
@@ -138,7 +138,7 @@ def test_memory_goes_back_to_the_pool_when_a_put_raises():
             g.store(keys, _kv(8), chunks=chunks)
         assert e.pool.live == 0
         with pytest.raises(RuntimeError, match="reserve_size"):
-            g.put(keys[0], g.allocate((2, 2, C, 2, 8), torch.float16))
+            g.put_one(keys[0], g.allocate((2, 2, C, 2, 8), torch.float16))
         assert e.pool.live == 0
 
 
@@ -168,5 +168,5 @@ def test_shifted_fetch_drops_an_entry_of_another_dtype():
         e.hierarchy.put_one(key, bad)
         bad.unref()
         assert svc.fetch([Match(0, C, key, 0)]) == [None]
-        assert e.hierarchy.tiers[0].stats.corrupt == 1 and e.hierarchy.contains([key]) == [False]
+        assert e.hierarchy.tiers[0].stats.corrupt == 1 and e.hierarchy.exists([key]) == [False]
         assert svc.missing_chunks == 1 and e.pool.live == 0

@@ -78,14 +78,14 @@ def test_a_damaged_file_is_a_miss_from_its_chunk_on_and_removed(tmp_path):
         keys = e.chunk_keys(toks)[1]
         disk = e.hierarchy.tiers[0]
         # damage chunk 3's body (its file named by its key)
-        victim = disk.backend._path(keys[3])
+        victim = disk.backend.raw._path(keys[3])
         data = bytearray(victim.read_bytes())
         data[-100] ^= 0xFF
         victim.write_bytes(bytes(data))
         out = torch.zeros_like(kv)
         r = e.retrieve(toks, out=out)
         assert r.num_tokens == 3 * CS and torch.equal(out[:, :, : 3 * CS], kv[:, :, : 3 * CS])
-        assert not victim.exists() and not disk.contains([keys[3]])[0]
+        assert not victim.exists() and not disk.exists([keys[3]])[0]
         assert disk.backend.direct_reads == K - 1  # every other chunk went straight into out
 
 

@@ -119,7 +119,7 @@ def test_retrieve_into_a_sink_hands_over_each_chunk_once_from_the_pool(tmp_path,
         assert res.num_tokens == 100 and res.kv is None and len(res.tiers) == 7
         assert sorted(seen) == list(range(0, 100, 16))
         assert torch.equal(torch.cat([seen[k] for k in sorted(seen)], dim=2), kv)
-        e.hierarchy.tiers[0].remove([e.chunk_keys(toks)[1][3]])  # chunk 3 lost
+        e.hierarchy.tiers[0].delete([e.chunk_keys(toks)[1][3]])  # chunk 3 lost
         seen.clear()
         assert e.retrieve(toks, into=sink).num_tokens == 48 and {0, 16, 32} <= set(seen)
 
@@ -370,12 +370,12 @@ def test_a_release_never_ends_a_lease_taken_in_another_tier(tmp_path):
         cpu, disk = e.hierarchy.tiers
         e.store(a, kv_for(a))
         e.flush()
-        cpu.remove(e.chunk_keys(a)[1])
+        cpu.delete(e.chunk_keys(a)[1])
         assert e.locate(a, pin=True) == (32, ["disk", "disk"])  # A
         assert e.retrieve(a).tiers == ["disk", "disk"]  # (promoted into cpu)
         assert e.locate(a, pin=True) == (32, ["cpu", "cpu"])  # B
         e.release(a)  # B is done
-        cpu.remove(e.chunk_keys(a)[1])
+        cpu.delete(e.chunk_keys(a)[1])
         b = list(range(500, 532))
         e.store(b, kv_for(b))
         e.flush()  # the disk tier wants room: a is still A's
@@ -549,7 +549,7 @@ def test_disk_top_tier_pipelines_stores_and_retrieves(tmp_path):
         got = e.retrieve(toks, out=out)
         assert got.num_tokens == 512 and got.kv is out and torch.equal(out, kv)
         keys = e.chunk_keys(toks)[1]
-        disk = e.hierarchy.tiers[0].backend
+        disk = e.hierarchy.tiers[0].backend.raw
         disk._path(keys[5]).unlink()  # a file lost under the tier
         out.zero_()
         got = e.retrieve(toks, out=out)

@@ -16,6 +16,7 @@ from lmcache.errors import BackendError, ConfigError, PluginError
 from lmcache.fit import MARK, FittedBackend, fit
 from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
 from lmcache.storage import BackendContext, BytesBackend, StorageBackend, check_backend_options
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests
 from lmcache.testing.objects import LONG_MODEL
 
@@ -37,7 +38,7 @@ class LimitedBackend(BytesBackend):
         self.lock = threading.Lock()
         self.largest_write = 0
 
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
+    def put_one(self, key: str, buffers: Sequence[bytes | memoryview]) -> int:
         value = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
         if len(key.encode()) > KEY_LIMIT:
             raise BackendError(f"CLIENT_ERROR key of {len(key.encode())} bytes")
@@ -46,20 +47,21 @@ class LimitedBackend(BytesBackend):
         with self.lock:
             self.data[key] = value
             self.largest_write = max(self.largest_write, len(value))
+        return len(value)
 
-    def read(self, key: str) -> bytes | None:
+    def get_one(self, key: str) -> bytes | None:
         with self.lock:
             return self.data.get(key)
 
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         with self.lock:
             return self.data.pop(key, None) is not None
 
-    def exists(self, key: str) -> bool:
+    def exists_one(self, key: str) -> bool:
         with self.lock:
             return key in self.data
 
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         with self.lock:
             return iter([(k, len(v)) for k, v in self.data.items()])
 
@@ -104,8 +106,8 @@ def test_an_engine_stores_real_chunks_under_a_long_model_name_in_a_limited_store
         assert eng.store(tokens, kv).stored_tokens == n
         eng.flush()
         tier = eng.hierarchy.tiers[0]
-        assert isinstance(tier.backend, FittedBackend)
-        raw = tier.backend.inner
+        assert isinstance(tier.backend.store, FittedBackend)
+        raw = tier.backend.raw
         assert raw.largest_write <= VALUE_LIMIT and all(len(k.encode()) <= KEY_LIMIT for k in raw.data)
         stats = eng.stats()["tiers"]["memlimited"]
         assert stats["entries"] == 2 and stats["skipped_puts"] == 0 and stats["errors"] == 0
@@ -118,8 +120,9 @@ def test_an_engine_stores_real_chunks_under_a_long_model_name_in_a_limited_store
 
 
 def test_fit_leaves_an_unbounded_backend_as_it_is_and_checks_limits():
-    """No limit declared: the tier uses the backend itself (its layout and speed unchanged).
-    A limit below the minimum, or declared by a backend that stores no bytes, is refused."""
+    """No limit declared: the object view uses the byte store itself (its layout and speed
+    unchanged). A limit below the minimum, or declared by a backend that stores no bytes,
+    is refused."""
     b = get_registries().backends.load("cpu")(BackendContext.standalone())
     assert fit(b) is b
     limited = LimitedBackend(BackendContext.standalone())
@@ -131,6 +134,18 @@ def test_fit_leaves_an_unbounded_backend_as_it_is_and_checks_limits():
 
     class ObjectsWithLimit(StorageBackend):
         max_value_size = 1 << 20
+
+        def exists(self, keys):
+            return [False] * len(keys)
+
+        def get(self, keys, on_ready=None):
+            return [None] * len(keys)
+
+        def put(self, items):
+            return [0] * len(items)
+
+        def delete(self, keys):
+            return [False] * len(keys)
 
     with pytest.raises(PluginError, match="does not store bytes"):
         fit(ObjectsWithLimit(BackendContext.standalone()))
@@ -184,13 +199,13 @@ class _CountingLimitedBackend(LimitedBackend):
         super().__init__(context)
         self.asked: list[str] = []
 
-    def exists(self, key: str) -> bool:
+    def exists_one(self, key: str) -> bool:
         self.asked.append(key)
-        return super().exists(key)
+        return super().exists_one(key)
 
-    def read(self, key: str) -> bytes | None:
+    def get_one(self, key: str) -> bytes | None:
         self.asked.append(key)
-        return super().read(key)
+        return super().get_one(key)
 
 
 class _KeyLimitedBackend(_CountingLimitedBackend):
@@ -204,12 +219,13 @@ def test_a_key_limit_alone_costs_a_fitting_key_no_head_lookup():
     a store that declares only a key limit (S3), where a key that fits is never split."""
     inner = _KeyLimitedBackend(BackendContext.standalone())
     view = fit(inner)
+    objects = open_objects(inner)
     short = "lmc1:test:org%2Fmodel:float16-L2-H2-D8-lt2hd-tp0of1:" + "0" * 32
-    assert view.contains([short]) == [False] and view.get([short]) == [None] and view.read(short) is None
+    assert view.exists([short]) == [False] and objects.get([short]) == [None] and view.get_one(short) is None
     assert set(inner.asked) == {short}, inner.asked
     long_key = short.replace("org%2Fmodel", "x" * 300)  # over the key limit: only its head is asked for
     inner.asked.clear()
-    assert view.contains([long_key]) == [False]
+    assert view.exists([long_key]) == [False]
     assert inner.asked and all(k.startswith("lmc1:lmcache.head:") for k in inner.asked), inner.asked
 
 
@@ -223,14 +239,14 @@ def test_a_value_limit_costs_a_miss_a_head_lookup_only_once_entries_are_split(mo
 
     monkeypatch.setattr(fitmod, "MARK_RECHECK", 0.0)
     inner = _CountingLimitedBackend(BackendContext.standalone())
-    reader, writer = fit(inner), fit(inner)  # two instances over one store
+    reader, writer = open_objects(inner), open_objects(inner)  # two views over one store
     short = make_key(7)
-    assert reader.contains([short]) == [False]
+    assert reader.exists([short]) == [False]
     assert [k for k in inner.asked if k.startswith("lmc1:lmcache.head:")] == [], inner.asked
     big = make_key(8)
     writer.put_one(big, make_chunk(8, (2, 2, 256, 8, 64)))  # 2 MiB: stored in parts, the store marked
     inner.asked.clear()
-    assert reader.contains([short, big]) == [False, True]
+    assert reader.exists([short, big]) == [False, True]
     assert any(k.startswith("lmc1:lmcache.head:") for k in inner.asked)
     (got,) = reader.get([big])
     assert got is not None

@@ -19,7 +19,9 @@ CHUNK_BYTES = 2 * 2 * 16 * 2 * 8 * 2
 
 
 class FlakyDisk(DiskBackend):
-    """A disk backend whose device can be 'unplugged': every call then raises OSError."""
+    """A disk store whose device can be 'unplugged': every read, write and listing then
+    raises OSError (the object view a tier opens reads and writes through ``_load`` and
+    ``_commit``)."""
 
     OPTIONS = {**DiskBackend.OPTIONS}
     unplugged = False
@@ -28,21 +30,21 @@ class FlakyDisk(DiskBackend):
         if FlakyDisk.unplugged:
             raise OSError(5, "Input/output error (device unplugged)")
 
-    def contains(self, keys):
+    def exists(self, keys):
         self._check()
-        return super().contains(keys)
+        return super().exists(keys)
 
-    def get_one(self, key):
+    def _load(self, path, key):
         self._check()
-        return super().get_one(key)
+        return super()._load(path, key)
 
-    def put_one(self, key, obj):
+    def _commit(self, key, total, codec, fill):
         self._check()
-        return super().put_one(key, obj)
+        return super()._commit(key, total, codec, fill)
 
-    def list(self):
+    def keys(self):
         self._check()
-        return super().list()
+        return super().keys()
 
 
 class SharedDisk(DiskBackend):
@@ -124,10 +126,10 @@ def test_write_back_demotes_only_what_the_top_evicts(tmp_path, regs):
     for i in range(3, 5):
         _put(h, pool, i)
     h.flush()
-    assert len(cpu) == 3 and disk.backend.contains([make_key(0), make_key(1)]) == [True, True]
+    assert len(cpu) == 3 and disk.backend.exists([make_key(0), make_key(1)]) == [True, True]
     assert len(disk) == 2 and cpu.stats.evictions == 2
     # the demoted bytes are exact
-    obj, tier = h.get_one(make_key(0))
+    obj, tier = h.find_one(make_key(0))
     assert tier is disk
     assert torch.equal(obj.tensor, torch.randn(CHUNK, generator=torch.Generator().manual_seed(0)).half())
     obj.unref()
@@ -140,12 +142,12 @@ def test_hit_in_lower_tier_is_promoted(tmp_path, regs):
         _put(h, pool, i)
     h.flush()
     cpu, disk = h.tiers
-    assert cpu.backend.contains([make_key(0)]) == [False]
-    obj, tier = h.get_one(make_key(0))
+    assert cpu.backend.exists([make_key(0)]) == [False]
+    obj, tier = h.find_one(make_key(0))
     assert tier is disk and obj.pooled
     obj.unref()
-    assert cpu.backend.contains([make_key(0)]) == [True]
-    obj, tier = h.get_one(make_key(0))
+    assert cpu.backend.exists([make_key(0)]) == [True]
+    obj, tier = h.find_one(make_key(0))
     assert tier is cpu
     obj.unref()
     assert h.stats.promotions == 1
@@ -158,16 +160,16 @@ def test_pinned_and_held_entries_are_never_evicted(tmp_path, regs):
     _put(h, pool, 0)
     _put(h, pool, 1)
     cpu.pin(make_key(0))
-    held, _ = h.get_one(make_key(1))  # a reader holds chunk 1
+    held, _ = h.find_one(make_key(1))  # a reader holds chunk 1
     _put(h, pool, 2)  # no room, nothing evictable: skipped in cpu
-    assert cpu.backend.contains([make_key(0), make_key(1), make_key(2)]) == [True, True, False]
+    assert cpu.backend.exists([make_key(0), make_key(1), make_key(2)]) == [True, True, False]
     assert cpu.stats.skipped_puts == 1
     held.unref()
     _put(h, pool, 3)  # now chunk 1 may go
-    assert cpu.backend.contains([make_key(0), make_key(1), make_key(3)]) == [True, False, True]
+    assert cpu.backend.exists([make_key(0), make_key(1), make_key(3)]) == [True, False, True]
     cpu.unpin(make_key(0))
     _put(h, pool, 4)
-    assert cpu.backend.contains([make_key(0)]) == [False]
+    assert cpu.backend.exists([make_key(0)]) == [False]
     h.close()
 
 
@@ -178,10 +180,10 @@ def test_leases_expire(tmp_path, regs):
     _put(h, pool, 0)
     cpu.lease(make_key(0), 5.0)
     _put(h, pool, 1)
-    assert cpu.backend.contains([make_key(0), make_key(1)]) == [True, False]
+    assert cpu.backend.exists([make_key(0), make_key(1)]) == [True, False]
     clock.t += 6
     _put(h, pool, 2)
-    assert cpu.backend.contains([make_key(0), make_key(2)]) == [False, True]
+    assert cpu.backend.exists([make_key(0), make_key(2)]) == [False, True]
     h.close()
 
 
@@ -194,15 +196,15 @@ def test_failing_tier_degrades_to_misses_and_recovers(tmp_path, regs):
         _put(h, pool, 1)  # evicts 0 from cpu; 0 stays on disk
         h.flush()
         FlakyDisk.unplugged = True
-        assert h.contains_prefix([make_key(1), make_key(0)]) == ["cpu"]  # disk: a miss
-        assert h.get_one(make_key(0)) is None
+        assert h.exists_prefix([make_key(1), make_key(0)]) == ["cpu"]  # disk: a miss
+        assert h.find_one(make_key(0)) is None
         _put(h, pool, 2)  # the disk write fails quietly
         h.flush()
         assert disk.stats.errors >= 1 and not disk.available
         FlakyDisk.unplugged = False
-        assert h.get_one(make_key(0)) is None  # still backing off
+        assert h.find_one(make_key(0)) is None  # still backing off
         clock.t += 60
-        obj, tier = h.get_one(make_key(0))
+        obj, tier = h.find_one(make_key(0))
         assert tier is disk
         obj.unref()
     finally:
@@ -213,10 +215,10 @@ def test_failing_tier_degrades_to_misses_and_recovers(tmp_path, regs):
 def test_object_too_large_for_a_tier_is_skipped(tmp_path, regs):
     h, pool = _h(tmp_path, regs, cpu_chunks=1)
     big = pool.allocate((4, *CHUNK[1:]), torch.float16)  # 2x the cpu tier
-    assert h.put_one(make_key(9), big) is False
+    assert h.put_one(make_key(9), big) == 0
     big.unref()
     h.flush()
-    assert h.tiers[1].backend.contains([make_key(9)]) == [True]
+    assert h.tiers[1].backend.exists([make_key(9)]) == [True]
     h.close()
 
 
@@ -270,12 +272,12 @@ def test_capacity_never_exceeded_and_data_exact(tmp_path_factory, regs, ops, pol
                 if o is None:
                     continue
                 o.tensor.copy_(t)
-                if not any(h.contains([key])):
+                if not any(h.exists([key])):
                     h.put_one(key, o)
                     truth.setdefault(key, t)
                 o.unref()
             elif op == "get":
-                r = h.get_one(key)
+                r = h.find_one(key)
                 if r is not None:
                     obj, _ = r
                     assert torch.equal(obj.tensor, truth[key])
@@ -315,12 +317,12 @@ def test_tier_opens_while_its_store_is_unreachable(tmp_path, regs, caplog):
             assert disk.stats.errors == 1 and "listing entries" in disk.stats.last_error
             for _ in range(20):  # many calls during one outage
                 clock.t += 1
-                assert h.get_one(make_key(0)) is None
+                assert h.find_one(make_key(0)) is None
             failures = [r for r in caplog.records if "serving misses" in r.getMessage()]
             assert len(failures) == 1, [r.getMessage() for r in caplog.records]
             FlakyDisk.unplugged = False
             clock.t += 60
-            obj, tier = h.get_one(make_key(0))
+            obj, tier = h.find_one(make_key(0))
             assert tier is disk
             obj.unref()
             assert len([r for r in caplog.records if "recovered" in r.getMessage()]) == 1
@@ -339,15 +341,15 @@ def test_shared_tier_is_not_listed_at_open_but_serves_peers_entries(tmp_path, re
     try:
         disk = h.tiers[1]
         assert disk.usage().entries == 0  # not enumerated: a peer's entries are not ours to account
-        assert h.contains_prefix([make_key(0), make_key(1)]) == ["shared-disk", "shared-disk"]
-        obj, tier = h.get_one(make_key(2))
+        assert h.exists_prefix([make_key(0), make_key(1)]) == ["shared-disk", "shared-disk"]
+        obj, tier = h.find_one(make_key(2))
         assert tier is disk
         obj.unref()
         # an operator's listing adopts the store's entries, so they can be evicted
         assert sorted(e.key for e, _ in disk.entries()) == sorted(make_key(i) for i in range(3))
         assert disk.usage().entries == 3 and disk.used > 0
         assert disk.evict_keys([make_key(0)])[0][0][0] == make_key(0)
-        disk.backend.remove_one(make_key(1))  # a peer removes one
+        disk.backend.delete_one(make_key(1))  # a peer removes one
         disk.refresh()
         assert disk.usage().entries == 1
     finally:
@@ -365,7 +367,7 @@ def test_get_asks_each_tier_once_for_the_keys_above_missed(tmp_path, regs):
         real_get = disk.backend.get
         disk.backend.get = lambda keys: calls.append(list(keys)) or real_get(keys)
         keys = [make_key(i) for i in range(7)]  # 4 and 5 are in the cpu tier, 6 nowhere
-        got = h.get(keys)
+        got = h.find(keys)
         assert calls == [[make_key(i) for i in (0, 1, 2, 3, 6)]]
         assert [r is not None for r in got] == [True] * 6 + [False]
         for r, i in zip(got[:6], range(6)):
@@ -400,7 +402,7 @@ def test_lower_tier_writes_wait_for_the_store_in_progress(tmp_path, regs, monkey
                 _put(h, pool, i)
             time.sleep(0.2)
             assert len(cpu) == 3 and len(disk) == 0  # queued behind the store's copies
-            assert h.contains_prefix([make_key(i) for i in range(3)]) == [cpu.name] * 3
+            assert h.exists_prefix([make_key(i) for i in range(3)]) == [cpu.name] * 3
         h.flush()
         assert len(disk) == 3
     finally:
@@ -492,17 +494,17 @@ def test_the_ledger_alone_keeps_each_tiers_books(tmp_path, regs):
             _put(h, pool, i)
             check()
         assert cpu.stats.evictions and disk.stats.evictions
-        cpu.remove([make_key(7)])
-        disk.remove([make_key(7), make_key(99)])
+        cpu.delete([make_key(7)])
+        disk.delete([make_key(7), make_key(99)])
         check()
         assert disk.evict_keys([make_key(6)])[0]
         check()
         o = _obj(pool, 20)
         disk.backend.put_one(make_key(20), o)  # a peer writes one and removes two
         o.unref()
-        disk.backend.remove_one(make_key(5))
-        disk.backend.remove_one(make_key(4))
-        assert h.get_one(make_key(4)) is None  # a read finds it gone: forgotten
+        disk.backend.delete_one(make_key(5))
+        disk.backend.delete_one(make_key(4))
+        assert h.find_one(make_key(4)) is None  # a read finds it gone: forgotten
         check()
         disk.refresh()  # adopts the peer's entry, drops the one it removed
         check()

@@ -34,6 +34,7 @@ from lmcache.testing.stores import free_port
 from lmcache.testing.stores.lm import lm_store
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 from _procs import talk
 
@@ -87,7 +88,7 @@ class TestLMConformance(PersistentBackendTests, BytesBackendTests):
     def backend(self, codec, server):
         b = open_backend(server, codec)
         yield b
-        b.remove([k for k, _ in b.keys()])
+        b.delete([k for k, _ in b.keys()])
         assert list(b.keys()) == []
         b.close()
 
@@ -142,12 +143,12 @@ def test_health_reports_usage(server):
         h = b.health()
         assert h["status"] == "ok" and h["protocol"] == proto.VERSION and h["policy"] == "lru"
         before = h["used_bytes"]
-        size = b.put([(make_key(1), make_obj(1))])[0]
+        size = open_objects(b).put([(make_key(1), make_obj(1))])[0]
         # an entry counts its value, its key (with the backend's prefix) and a fixed overhead
         key_bytes = len((b.prefix + make_key(1)).encode())
         assert b.health()["used_bytes"] == before + size + key_bytes + ENTRY_OVERHEAD
     finally:
-        b.remove([make_key(1)])
+        b.delete([make_key(1)])
         b.close()
 
 
@@ -157,43 +158,46 @@ def test_list_streams_many_pages_and_skips_foreign_keys(server):
         n = 2 * proto.LIST_PAGE + 17
         for part in range(0, n, 500):
             b._exchange("PUT", [(proto.PUT, b._k(make_key(i)), [b"v" * (i % 7 + 1)]) for i in range(part, min(n, part + 500))])
-        b.write("not-a-key", [b"x"])
+        assert b.put_one("not-a-key", [b"x"]) == 1
         listed = dict(b.keys())
         assert len(listed) == n and listed[make_key(5)] == 6
         assert b.usage().entries == n
     finally:
-        b.remove([make_key(i) for i in range(2 * proto.LIST_PAGE + 17)] + ["not-a-key"])
+        b.delete([make_key(i) for i in range(2 * proto.LIST_PAGE + 17)] + ["not-a-key"])
         b.close()
 
 
 def test_prefixes_isolate(server):
     a, c = open_backend(server), open_backend(server)
     try:
-        a.put([(make_key(1), make_obj(1))])
-        assert c.contains([make_key(1)]) == [False] and list(c.keys()) == []
-        assert a.contains([make_key(1)]) == [True]
+        open_objects(a).put([(make_key(1), make_obj(1))])
+        assert c.exists([make_key(1)]) == [False] and list(c.keys()) == []
+        assert c.get([make_key(1)]) == [None] and open_objects(c).get([make_key(1)]) == [None]
+        assert a.exists([make_key(1)]) == [True]
     finally:
-        a.remove([make_key(1)])
+        a.delete([make_key(1)])
         a.close()
         c.close()
 
 
 def test_corrupt_values_are_misses_and_deleted(server):
     b = open_backend(server)
+    objs = open_objects(b)  # the store as a tier opens it: payloads decoded and checked
     try:
         keys = [make_key(i) for i in range(4)]
-        b.put([(k, make_obj(i)) for i, k in enumerate(keys)])
-        good = bytes(b.read(keys[0]))
-        b.write(keys[0], [good[:-5]])  # truncated
-        b.write(keys[1], [b"garbage"])
-        b.write(keys[2], [good])  # another key's payload
-        got = b.get(keys)
+        objs.put([(k, make_obj(i)) for i, k in enumerate(keys)])
+        good = bytes(b.get_one(keys[0]))
+        b.put_one(keys[0], [good[:-5]])  # truncated
+        b.put_one(keys[1], [b"garbage"])
+        b.put_one(keys[2], [good])  # another key's payload
+        got = objs.get(keys)
         assert got[:3] == [None] * 3 and got[3] is not None
         got[3].unref()
-        assert b.contains(keys) == [False, False, False, True]
+        assert objs.exists(keys) == [False, False, False, True]
+        assert b.exists(keys) == [False, False, False, True]
         assert b.integrity.corrupt == 3
     finally:
-        b.remove([make_key(i) for i in range(4)])
+        b.delete([make_key(i) for i in range(4)])
         b.close()
 
 
@@ -203,18 +207,18 @@ def test_capacity_and_lru_eviction_at_the_server():
         try:
             val = b"x" * ((20 << 10) - ENTRY_OVERHEAD - len(make_key(0)))
             for i in range(5):  # exactly full: values, keys and each entry's overhead
-                b.write(make_key(i), [val])
+                assert b.put_one(make_key(i), [val]) == len(val)
             assert b.health()["entries"] == 5
-            assert b.read(make_key(0)) is not None  # key 0 is now the most recent
-            b.write(make_key(5), [val])  # evicts the least recently used: key 1
-            assert b.contains([make_key(i) for i in range(6)]) == [True, False, True, True, True, True]
+            assert b.get_one(make_key(0)) is not None  # key 0 is now the most recent
+            b.put_one(make_key(5), [val])  # evicts the least recently used: key 1
+            assert b.exists([make_key(i) for i in range(6)]) == [True, False, True, True, True, True]
             h = b.health()
             assert h["used_bytes"] <= h["capacity_bytes"] == 100 << 10 and h["evictions"] == 1
-            b.write(make_key(0), [b"y" * (60 << 10)])  # overwrite: the old size is released first
-            assert b.health()["used_bytes"] <= 100 << 10 and b.read(make_key(0)) == b"y" * (60 << 10)
+            b.put_one(make_key(0), [b"y" * (60 << 10)])  # overwrite: the old size is released first
+            assert b.health()["used_bytes"] <= 100 << 10 and b.get_one(make_key(0)) == b"y" * (60 << 10)
             with pytest.raises(BackendError, match="larger than the server's capacity"):
-                b.write(make_key(9), [b"z" * (101 << 10)])
-            assert b.read(make_key(0)) is not None  # the connection is still in step
+                b.put_one(make_key(9), [b"z" * (101 << 10)])
+            assert b.get_one(make_key(0)) is not None  # the connection is still in step
         finally:
             b.close()
 
@@ -225,10 +229,10 @@ def test_fifo_policy_ignores_reads():
         val = b"x" * ((20 << 10) - ENTRY_OVERHEAD - len(make_key(0)))  # two entries fill it exactly
         try:
             for i in range(2):
-                b.write(make_key(i), [val])
-            b.read(make_key(0))
-            b.write(make_key(2), [val])
-            assert b.contains([make_key(i) for i in range(3)]) == [False, True, True]
+                b.put_one(make_key(i), [val])
+            b.get_one(make_key(0))
+            b.put_one(make_key(2), [val])
+            assert b.exists([make_key(i) for i in range(3)]) == [False, True, True]
         finally:
             b.close()
 
@@ -239,11 +243,11 @@ def test_token_required_wrong_and_right():
         for token, why in ((None, "authentication required"), ("wrong", "wrong token")):
             b = LMBackend(BackendContext.standalone({"url": url, "token": token}))
             with pytest.raises(BackendError, match=why):
-                b.contains([make_key(1)])
+                b.exists([make_key(1)])
             b.close()
         b = LMBackend(BackendContext.standalone(s.options))
-        b.put([(make_key(1), make_obj(1))])
-        assert b.contains([make_key(1)]) == [True]
+        open_objects(b).put([(make_key(1), make_obj(1))])
+        assert b.exists([make_key(1)]) == [True]
         b.close()
         # a raw client: no AUTH first -> FATAL and closed
         reply, closed = talk(s.servers[0].port, proto.encode(proto.HEALTH, 7))
@@ -335,8 +339,8 @@ def test_unauthenticated_connections_are_bounded_in_time_and_number():
             assert cut or _closed(c, 2.0)
         # the slots are free again: an authenticated client is served
         b = LMBackend(BackendContext.standalone({"url": f"lm://{host}:{port}", "token": "s3cret"}))
-        b.put([(make_key(1), make_obj(1))])
-        assert b.contains([make_key(1)]) == [True]
+        open_objects(b).put([(make_key(1), make_obj(1))])
+        assert b.exists([make_key(1)]) == [True]
         b.close()
     finally:
         srv.close()
@@ -455,8 +459,9 @@ def test_fuzz_leaves_rss_bounded_and_the_server_serving(fuzz_server):
     assert after - before < 64 << 10, (before, after)
     b = LMBackend(BackendContext.standalone(fuzz_server.options))
     try:
-        b.put([(make_key(1), make_obj(1))])
-        (g,) = b.get([make_key(1)])
+        objs = open_objects(b)
+        objs.put([(make_key(1), make_obj(1))])
+        (g,) = objs.get([make_key(1)])
         assert g is not None and torch.equal(g.tensor, make_obj(1).tensor)
         g.unref()
         assert b.health()["protocol_errors"] > 0
@@ -470,7 +475,7 @@ def test_unreachable_server_fails_fast_and_the_engine_serves_misses():
     b = LMBackend(BackendContext.standalone({"url": f"lm://127.0.0.1:{port}", "timeout": 0.5}))
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=str(port)):
-        b.contains([make_key(1)])
+        b.exists([make_key(1)])
     assert time.monotonic() - t0 < 5
     b.close()
     cfg = {"chunk_size": 16, "staging_size": "1MiB",
@@ -483,7 +488,7 @@ def test_unreachable_server_fails_fast_and_the_engine_serves_misses():
 
 def test_a_hung_server_times_out_and_the_client_reconnects():
     with lm_store(timeout=0.3) as s:
-        b = LMBackend(BackendContext.standalone(s.options))
+        b = open_objects(LMBackend(BackendContext.standalone(s.options)))
         b.put([(make_key(1), make_obj(1))])
         assert_hang_times_out(b, s.servers[0], "timed out")
         b.close()

@@ -13,6 +13,7 @@ from lmcache.errors import ConfigError, CorruptPayloadError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import make_key, make_obj
 
 REGS = get_registries()
@@ -82,15 +83,16 @@ def _files(path: Path):
 def test_disk_entries_survive_a_new_process(tmp_path):
     d = _disk(tmp_path)
     objs = {make_key(i): make_obj(i, num_tokens=9) for i in range(5)}
-    d.put(list(objs.items()))
+    open_objects(d).put(list(objs.items()))
     d.close()
     # a second interpreter reopens the directory and reads every entry back
     script = f"""
 import sys, torch
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.plugin_manager import get_registries
 from lmcache.testing import make_key, make_obj
-d = get_registries().backends.load("disk")(BackendContext.standalone({{"path": {str(tmp_path)!r}}}))
+d = open_objects(get_registries().backends.load("disk")(BackendContext.standalone({{"path": {str(tmp_path)!r}}})))
 assert d.usage().entries == 5, d.usage()
 for i in range(5):
     (g,) = d.get([make_key(i)])
@@ -103,21 +105,22 @@ print("ok")
 
 def test_disk_corrupt_file_is_a_miss_and_removed(tmp_path):
     d = _disk(tmp_path)
+    objs = open_objects(d)
     k = make_key(1)
-    d.put([(k, make_obj(1))])
+    objs.put([(k, make_obj(1))])
     (f,) = _files(tmp_path)
     raw = bytearray(f.read_bytes())
     raw[-3] ^= 0xFF
     f.write_bytes(bytes(raw))
-    assert d.get([k]) == [None]
+    assert objs.get([k]) == [None]
     assert not f.exists()
-    assert d.contains([k]) == [False]
+    assert d.exists([k]) == [False] and objs.exists([k]) == [False]
     assert d.integrity.corrupt == 1
 
 
 def test_disk_bad_files_removed_when_reopened(tmp_path):
     d = _disk(tmp_path)
-    d.put([(make_key(i), make_obj(i)) for i in range(3)])
+    open_objects(d).put([(make_key(i), make_obj(i)) for i in range(3)])
     files = _files(tmp_path)
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     files[1].write_bytes(b"garbage" * 50)  # not a payload
@@ -133,30 +136,52 @@ def test_disk_bad_files_removed_when_reopened(tmp_path):
 
 def test_disk_file_deleted_behind_our_back_is_a_miss(tmp_path):
     d = _disk(tmp_path)
-    d.put([(make_key(1), make_obj(1))])
+    open_objects(d).put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
     for f in _files(tmp_path):
         f.unlink()
-    assert d.get([make_key(1)]) == [None]
+    assert open_objects(d).get([make_key(1)]) == [None]
+    assert d.get_one(make_key(2)) is None  # the store's own read: a miss too
     assert d.usage().entries == 0
 
 
 def test_disk_writes_are_atomic_renames(tmp_path):
     d = _disk(tmp_path, fsync=True)
-    d.put([(make_key(1), make_obj(1, num_tokens=200))])
+    open_objects(d).put([(make_key(1), make_obj(1, num_tokens=200))])
     names = [p.name for p in _files(tmp_path)]
     assert len(names) == 1 and names[0].endswith(".lmc")
     assert not any(n.startswith(".tmp-") for n in names)
+
+
+def test_disk_store_speaks_the_byte_verbs(tmp_path):
+    """The disk store's own verbs move a payload's bytes as they are (the view a tier opens
+    encodes and checks them): ``put_one`` writes the buffers' concatenation atomically and
+    returns its size, ``get_one`` returns the file's bytes."""
+    d = _disk(tmp_path)
+    k, other = make_key(1), make_key(2)
+    bufs = payload.encode(k, make_obj(1), _codec("zstd"))
+    data = b"".join(bytes(b) for b in bufs)
+    assert d.put_one(k, bufs) == len(data)
+    assert bytes(d.get_one(k)) == data and d.get([k, other]) == [data, None]
+    assert d.exists([k, other]) == [True, False] and d.exists_one(k)
+    assert dict(d.keys()) == {k: len(data)}
+    (e,) = d.entries()
+    assert (e.key, e.size, e.codec) == (k, len(data), "zstd")  # the payload's own codec, not the tier's
+    (g,) = open_objects(d).get([k])
+    assert g is not None and torch.equal(g.tensor, make_obj(1).tensor)
+    assert not any(p.name.startswith(".tmp-") for p in _files(tmp_path))
+    assert d.delete([k, other]) == [True, False] and d.delete_one(k) is False
+    assert d.get_one(k) is None and d.usage().entries == 0 and _files(tmp_path) == []
 
 
 def test_disk_zstd_and_raw_files_read_each_other(tmp_path):
     d = _disk(tmp_path, codec="zstd")
     zero = MemoryPool.allocate_unpooled((2, 2, 64, 2, 8), torch.float16)
     zero.tensor.zero_()
-    size = d.put([(make_key(1), zero)])[0]
+    size = open_objects(d).put([(make_key(1), zero)])[0]
     assert size < zero.nbytes / 10  # zeros compress
     d.close()
     d2 = _disk(tmp_path, codec="raw")
-    (g,) = d2.get([make_key(1)])
+    (g,) = open_objects(d2).get([make_key(1)])
     assert g is not None and torch.equal(g.tensor, zero.tensor)
 
 
@@ -176,7 +201,7 @@ def test_disk_o_direct(tmp_path):
         with pytest.raises(ConfigError, match="does not support O_DIRECT"):
             _disk(tmp_path, o_direct=True)
         return
-    d = _disk(tmp_path, o_direct=True)
+    d = open_objects(_disk(tmp_path, o_direct=True))
     objs = [(make_key(i), make_obj(i, num_tokens=37 + i)) for i in range(3)]
     d.put(objs)
     for (k, o), g in zip(objs, d.get([k for k, _ in objs])):
@@ -198,32 +223,33 @@ def test_disk_o_direct_moves_bodies_between_pool_memory_and_the_file(tmp_path):
     pool = MemoryPool(16 << 20)
     ctx = BackendContext.standalone({"path": str(tmp_path), "o_direct": True}, codec=_codec("raw"), pool=pool)
     d = REGS.backends.load("disk")(ctx)
+    objs = open_objects(d)
     g = torch.Generator().manual_seed(3)
     small = pool.allocate((2, 2, 8, 2, 8), torch.float16)  # first, so that the next one needs aligning
     obj = pool.allocate((2, 2, 256, 8, 16), torch.float16)  # 256 KiB: whole blocks
     assert small is not None and obj is not None and obj.tensor.data_ptr() % 4096 == 0
     obj.tensor.copy_(torch.randn(obj.shape, generator=g).half())
     key = make_key(7)
-    d.put([(key, obj)])
+    objs.put([(key, obj)])
     path = d._path(key)
     h = payload.parse_header(path.read_bytes()[:4096])
     assert h.header_len == 4096 and path.stat().st_size == 4096 + obj.nbytes
-    (got,) = d.get([key])
+    (got,) = objs.get([key])
     assert got is not None and got.pooled and torch.equal(got.tensor, obj.tensor)
     got.unref()
     # an entry in the buffered layout (header not padded), and an odd-sized one: exact too
-    old = _disk(tmp_path / "old")
+    old = open_objects(_disk(tmp_path / "old"))
     odd = make_obj(8, num_tokens=37)
     old.put([(make_key(8), obj), (make_key(9), odd)])
-    reader = REGS.backends.load("disk")(BackendContext.standalone(
-        {"path": str(tmp_path / "old"), "o_direct": True}, codec=_codec("raw"), pool=pool))
+    reader = open_objects(REGS.backends.load("disk")(BackendContext.standalone(
+        {"path": str(tmp_path / "old"), "o_direct": True}, codec=_codec("raw"), pool=pool)))
     a, b = reader.get([make_key(8), make_key(9)])
     assert torch.equal(a.tensor, obj.tensor) and torch.equal(b.tensor, odd.tensor)
     # a flipped body byte: refused by the checksum, the file removed
     data = bytearray(path.read_bytes())
     data[4096 + 1000] ^= 0x40
     path.write_bytes(bytes(data))
-    assert d.get([key]) == [None] and d.integrity.corrupt == 1 and not path.exists()
+    assert objs.get([key]) == [None] and d.integrity.corrupt == 1 and not path.exists()
     assert pool.live == 4  # small, obj, a, b: nothing leaked by the refused read
     for o in (small, obj, a, b):
         o.unref()

@@ -79,6 +79,7 @@ import torch
 from lmcache.backends.lm import LMBackend
 from lmcache.errors import BackendError, UnknownPluginError
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import assert_hang_times_out, assert_survives_outage, make_key, make_obj
 
 PREFIXES = []
@@ -91,7 +92,7 @@ def kv_for(tokens):
 
 def test_builtin_server_frozen_and_killed_under_a_backend(lmcache_store):
     store = lmcache_store("lm", timeout=0.5)
-    backend = LMBackend(BackendContext.standalone(store.options))
+    backend = open_objects(LMBackend(BackendContext.standalone(store.options)))  # chunks, as a tier sees it
     backend.put([(make_key(1), make_obj(1))])
     assert_hang_times_out(backend, store, "timed out")  # freeze() / thaw() inside
     store.kill()

@@ -32,6 +32,7 @@ from _procs import readline, until
 from lmcache import wire as proto
 from lmcache.errors import BackendError
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import make_key, make_obj
 
 TOKEN = "s3cret-slots"
@@ -127,12 +128,13 @@ class Squatters:
 
 
 def tier(port: int, token: str | None):
+    """The ``lm`` backend as a tier opens it (a store of memory objects)."""
     from backends.lm import LMBackend
 
     opts = {"url": f"lm://127.0.0.1:{port}", "timeout": 5.0}
     if token:
         opts["token"] = token
-    return LMBackend(BackendContext.standalone(opts))
+    return open_objects(LMBackend(BackendContext.standalone(opts)))
 
 
 def store_and_read(port: int, token: str | None, *, spacing: float, pooled=None) -> list[str]:

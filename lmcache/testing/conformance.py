@@ -21,8 +21,9 @@ Plain pytest classes: a plugin's test module subclasses one and provides a fixtu
 
 Backends that store bytes, or keep entries across processes, run more of the contract:
 
-- :class:`BytesBackendTests` (a :class:`~lmcache.storage.BytesBackend`): a damaged or
-  truncated entry is a miss, counted in ``integrity`` and removed;
+- :class:`BytesBackendTests` (a :class:`~lmcache.storage.BytesBackend`, the fixture's
+  ``backend``; the tests read and write through ``objects``, the view a tier opens it
+  through): a damaged or truncated entry is a miss, counted in ``integrity`` and removed;
 - :class:`PersistentBackendTests` (entries outlive the backend object: files, a
   database, a server) also needs ``reopen``, a fixture giving a callable
   ``reopen(read_only=False)`` that opens another backend over the same storage as
@@ -43,6 +44,7 @@ import pytest
 import torch
 
 from .objects import LONG_MODEL, REAL_CHUNK_SHAPE, make_chunk, make_key, make_obj  # noqa: F401 - re-exported
+from ..encoded import open_objects
 from .sizes import RealSizeTests, SplitTests
 
 
@@ -62,104 +64,114 @@ def assert_rejects(backend_cls, options, key: str, *, construct: bool = True) ->
 
 
 class BackendTests(RealSizeTests):
-    """The storage backend contract (see :mod:`lmcache.storage`)."""
+    """The storage backend contract (see :mod:`lmcache.storage`), through the store a
+    tier opens (``objects``: a byte store through its object view)."""
 
-    def test_missing_key_is_none(self, backend):
+    @pytest.fixture
+    def objects(self, backend):
+        """``backend`` as a tier opens it: a :class:`~lmcache.storage.BytesBackend`
+        through its object view, any other backend as it is."""
+        from ..encoded import open_objects
+
+        return open_objects(backend)
+
+    def test_missing_key_is_none(self, objects):
         k = make_key(1)
-        assert backend.get([k]) == [None]
-        assert backend.contains([k]) == [False]
+        assert objects.get([k]) == [None]
+        assert objects.exists([k]) == [False]
 
-    def test_put_get_roundtrip_exact(self, backend):
+    def test_put_get_roundtrip_exact(self, objects):
         items = [(make_key(i), make_obj(i, num_tokens=5 + i)) for i in range(4)]
-        sizes = backend.put(items)
+        sizes = objects.put(items)
         assert len(sizes) == 4 and all(s >= o.nbytes or s > 0 for s, (_, o) in zip(sizes, items))
-        got = backend.get([k for k, _ in items])
+        got = objects.get([k for k, _ in items])
         for (k, o), g in zip(items, got):
             assert g is not None, k
             assert g.shape == o.shape and g.dtype == o.dtype
             assert torch.equal(g.tensor, o.tensor)
             g.unref()
 
-    def test_get_hands_each_hit_to_on_ready_iff_it_streams(self, backend):
+    def test_get_hands_each_hit_to_on_ready_iff_it_streams(self, objects):
         """``on_ready`` reaches only a backend declaring ``streams_gets``; that one calls
         it exactly once per hit, with the object it also returns, never for a miss."""
         o = make_obj(2)
-        backend.put([(make_key(2), o)])
+        objects.put([(make_key(2), o)])
         keys = [make_key(1), make_key(2)]
         seen: list[tuple[int, object]] = []
-        got = backend.get(keys, lambda i, obj: seen.append((i, obj))) if backend.streams_gets else backend.get(keys)
+        got = objects.get(keys, lambda i, obj: seen.append((i, obj))) if objects.streams_gets else objects.get(keys)
         assert got[0] is None and got[1] is not None and torch.equal(got[1].tensor, o.tensor)
-        assert seen == ([(1, got[1])] if backend.streams_gets else [])
+        assert seen == ([(1, got[1])] if objects.streams_gets else [])
         got[1].unref()
 
-    def test_contains_batch(self, backend):
-        backend.put([(make_key(1), make_obj(1)), (make_key(3), make_obj(3))])
-        assert backend.contains([make_key(i) for i in range(5)]) == [False, True, False, True, False]
+    def test_exists_batch(self, objects):
+        assert objects.exists([]) == []
+        objects.put([(make_key(1), make_obj(1)), (make_key(3), make_obj(3))])
+        assert objects.exists([make_key(i) for i in range(5)]) == [False, True, False, True, False]
 
-    def test_dtypes_roundtrip(self, backend):
+    def test_dtypes_roundtrip(self, objects):
         for i, dt in enumerate((torch.float32, torch.bfloat16, torch.float16)):
             o = make_obj(i, dtype=dt)
-            backend.put([(make_key(100 + i), o)])
-            (g,) = backend.get([make_key(100 + i)])
+            objects.put([(make_key(100 + i), o)])
+            (g,) = objects.get([make_key(100 + i)])
             assert g is not None and g.dtype == dt and torch.equal(g.tensor, o.tensor)
             g.unref()
 
-    def test_put_keeps_callers_object_intact(self, backend):
+    def test_put_keeps_callers_object_intact(self, objects):
         o = make_obj(7)
         before = o.tensor.clone()
-        backend.put([(make_key(7), o)])
+        objects.put([(make_key(7), o)])
         assert o.refcount >= 1 and torch.equal(o.tensor, before)
 
-    def test_overwrite_same_key(self, backend):
+    def test_overwrite_same_key(self, objects):
         k = make_key(9)
-        backend.put([(k, make_obj(1))])
+        objects.put([(k, make_obj(1))])
         new = make_obj(2)
-        backend.put([(k, new)])
-        (g,) = backend.get([k])
+        objects.put([(k, new)])
+        (g,) = objects.get([k])
         assert g is not None and torch.equal(g.tensor, new.tensor)
         g.unref()
 
-    def test_remove(self, backend):
-        backend.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
-        backend.remove([make_key(1), make_key(5)])
-        assert backend.contains([make_key(1), make_key(2)]) == [False, True]
-        assert backend.get([make_key(1)]) == [None]
+    def test_delete(self, objects):
+        objects.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
+        assert objects.delete([make_key(1), make_key(5)]) == [True, False]
+        assert objects.exists([make_key(1), make_key(2)]) == [False, True]
+        assert objects.get([make_key(1)]) == [None]
 
-    def test_keys_and_usage(self, backend):
+    def test_keys_and_usage(self, objects):
         items = [(make_key(i), make_obj(i)) for i in range(3)]
-        sizes = backend.put(items)
-        listed = dict(backend.keys())
+        sizes = objects.put(items)
+        listed = dict(objects.keys())
         assert set(listed) == {k for k, _ in items}
         assert all(listed[k] == s for (k, _), s in zip(items, sizes))
-        u = backend.usage()
+        u = objects.usage()
         assert u.entries == 3 and u.used_bytes == sum(sizes)
 
-    def test_reserve_size_is_an_upper_bound(self, backend):
+    def test_reserve_size_is_an_upper_bound(self, objects):
         for i in range(3):
             k, o = make_key(i), make_obj(i, num_tokens=3 + 7 * i)
-            assert backend.put([(k, o)])[0] <= backend.reserve_size(k, o)
+            assert objects.put([(k, o)])[0] <= objects.reserve_size(k, o)
 
-    def test_many_keys_random_order(self, backend):
+    def test_many_keys_random_order(self, objects):
         rng = random.Random(0)
         objs = {make_key(i): make_obj(i, num_tokens=1 + i % 5) for i in range(40)}
         order = list(objs)
         rng.shuffle(order)
-        backend.put([(k, objs[k]) for k in order])
+        objects.put([(k, objs[k]) for k in order])
         rng.shuffle(order)
-        for k, g in zip(order, backend.get(order)):
+        for k, g in zip(order, objects.get(order)):
             assert g is not None and torch.equal(g.tensor, objs[k].tensor)
             g.unref()
 
 
-    def test_entries_list_what_keys_lists(self, backend):
+    def test_entries_list_what_keys_lists(self, objects):
         items = [(make_key(i), make_obj(i, num_tokens=2 + i)) for i in range(3)]
-        backend.put(items)
-        listed = dict(backend.keys())
-        entries = list(backend.entries())
+        objects.put(items)
+        listed = dict(objects.keys())
+        entries = list(objects.entries())
         assert {e.key: e.size for e in entries} == listed
         assert len(entries) == 3
 
-    def test_threads_on_own_and_shared_keys(self, backend):
+    def test_threads_on_own_and_shared_keys(self, objects):
         """4 threads store, read, test and remove their own keys and overwrite one shared
         key: every read of an own key is exact, a read of the shared key is one of the
         objects written to it, never a mix, and nothing raises."""
@@ -171,18 +183,18 @@ class BackendTests(RealSizeTests):
             try:
                 for r in range(6):
                     mine = [(make_key(1000 * t + 10 * r + j), make_obj(1000 * t + 10 * r + j)) for j in range(3)]
-                    backend.put(mine)
-                    backend.put([(shared, shared_objs[t])])
-                    for (k, o), g in zip(mine, backend.get([k for k, _ in mine])):
+                    objects.put(mine)
+                    objects.put([(shared, shared_objs[t])])
+                    for (k, o), g in zip(mine, objects.get([k for k, _ in mine])):
                         assert g is not None and torch.equal(g.tensor, o.tensor), k
                         g.unref()
-                    (g,) = backend.get([shared])
+                    (g,) = objects.get([shared])
                     if g is not None:
                         assert any(torch.equal(g.tensor, o.tensor) for o in shared_objs), "a mixed shared entry"
                         g.unref()
-                    assert backend.contains([k for k, _ in mine]) == [True] * 3
-                    backend.remove([mine[0][0]])
-                    assert backend.contains([mine[0][0]]) == [False]
+                    assert objects.exists([k for k, _ in mine]) == [True] * 3
+                    objects.delete([mine[0][0]])
+                    assert objects.exists([mine[0][0]]) == [False]
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -197,28 +209,43 @@ class BackendTests(RealSizeTests):
 class BytesBackendTests(SplitTests, BackendTests):
     """For :class:`~lmcache.storage.BytesBackend` subclasses: damaged bytes in the store
     are a miss (never an exception, never wrong KV), counted and removed. The damage is
-    written through the backend's own ``write``, as another process would leave it."""
+    written through the byte store's own ``put``, as another process would leave it."""
 
     def _damage(self, backend, key: str, how: str) -> None:
-        data = bytes(backend.read(key))
+        data = bytes(backend.get_one(key))
         if how == "flip":
             bad = bytearray(data)
             bad[len(bad) - 1 - len(bad) // 4] ^= 0x40  # inside the body
             data = bytes(bad)
         else:
             data = data[: len(data) // 2]
-        backend.write(key, [data])
+        backend.put_one(key, [data])
+
+    def test_byte_verbs_store_the_concatenation(self, backend):
+        """The store's own verbs move bytes: ``put`` stores each value's buffers joined and
+        answers their length, ``get`` returns them, ``exists`` and ``keys`` agree, and
+        ``delete`` says whether each key was there."""
+        k1, k2, gone = make_key(1), make_key(2), make_key(3)
+        assert backend.put([(k1, [b"head", memoryview(b"-body")]), (k2, [b"x" * 100])]) == [9, 100]
+        assert bytes(backend.get_one(k1)) == b"head-body"
+        assert [None if v is None else bytes(v) for v in backend.get([k2, gone])] == [b"x" * 100, None]
+        assert backend.exists([k1, k2, gone]) == [True, True, False] and backend.exists_one(gone) is False
+        assert backend.put_one(k1, [b"y" * 10]) == 10 and bytes(backend.get_one(k1)) == b"y" * 10
+        assert dict(backend.keys()) == {k1: 10, k2: 100}
+        assert backend.delete([k1, gone]) == [True, False]
+        assert backend.delete_one(k1) is False and backend.delete_one(k2) is True and list(backend.keys()) == []
 
     @pytest.mark.parametrize("how", ["flip", "truncate"])
-    def test_damaged_entry_is_a_counted_miss_and_removed(self, backend, how):
+    def test_damaged_entry_is_a_counted_miss_and_removed(self, backend, objects, how):
         good = make_obj(2)
-        backend.put([(make_key(1), make_obj(1)), (make_key(2), good)])
+        objects.put([(make_key(1), make_obj(1)), (make_key(2), good)])
         self._damage(backend, make_key(1), how)
         before = backend.integrity.corrupt
-        assert backend.get([make_key(1)]) == [None]
-        assert backend.integrity.corrupt == before + 1
-        assert backend.contains([make_key(1)]) == [False], "a corrupt entry stayed in the store"
-        (g,) = backend.get([make_key(2)])
+        assert objects.get([make_key(1)]) == [None]
+        assert backend.integrity.corrupt == before + 1 == objects.integrity.corrupt
+        assert objects.exists([make_key(1)]) == [False], "a corrupt entry stayed in the store"
+        assert backend.exists([make_key(1)]) == [False]
+        (g,) = objects.get([make_key(2)])
         assert g is not None and torch.equal(g.tensor, good.tensor)
         g.unref()
 
@@ -227,10 +254,10 @@ class PersistentBackendTests(BackendTests):
     """For backends whose entries outlive the backend object; needs a ``reopen`` fixture
     (see the module docstring)."""
 
-    def test_entries_survive_reopening(self, backend, reopen):
+    def test_entries_survive_reopening(self, objects, reopen):
         items = [(make_key(i), make_obj(i, num_tokens=3 + i)) for i in range(3)]
-        sizes = backend.put(items)
-        other = reopen()
+        sizes = objects.put(items)
+        other = open_objects(reopen())
         try:
             assert dict(other.keys()) == {k: s for (k, _), s in zip(items, sizes)}
             for (k, o), g in zip(items, other.get([k for k, _ in items])):
@@ -239,10 +266,10 @@ class PersistentBackendTests(BackendTests):
         finally:
             other.close()
 
-    def test_read_only_open_serves_and_changes_nothing(self, backend, reopen):
+    def test_read_only_open_serves_and_changes_nothing(self, objects, reopen):
         items = [(make_key(i), make_obj(i)) for i in range(3)]
-        backend.put(items)
-        ro = reopen(read_only=True)
+        objects.put(items)
+        ro = open_objects(reopen(read_only=True))
         try:
             assert sorted(k for k, _ in ro.keys()) == sorted(k for k, _ in items)
             assert sorted(e.key for e in ro.entries()) == sorted(k for k, _ in items)
@@ -251,11 +278,11 @@ class PersistentBackendTests(BackendTests):
             g.unref()
         finally:
             ro.close()
-        assert backend.contains([k for k, _ in items]) == [True] * 3
+        assert objects.exists([k for k, _ in items]) == [True] * 3
 
 
     def test_close_twice_is_harmless(self, reopen):
-        other = reopen()
+        other = open_objects(reopen())
         other.put([(make_key(77), make_obj(77))])
         other.close()
         other.close()
@@ -267,10 +294,10 @@ class FileBackendTests(PersistentBackendTests):
 
     def test_read_only_open_of_a_missing_path_creates_nothing(self, open_at, tmp_path):
         where = tmp_path / "not-yet" / "store"
-        b = open_at(where, True)
+        b = open_objects(open_at(where, True))
         try:
             assert list(b.keys()) == [] and list(b.entries()) == []
-            assert b.get([make_key(1)]) == [None] and b.contains([make_key(1)]) == [False]
+            assert b.get([make_key(1)]) == [None] and b.exists([make_key(1)]) == [False]
         finally:
             b.close()
         assert not where.exists() and not where.parent.exists(), "a read-only open created files"

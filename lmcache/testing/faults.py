@@ -18,7 +18,7 @@ def assert_hang_times_out(backend, server, match: str) -> None:
     ``backend`` is an open backend object, ``server`` the :class:`~lmcache.testing.stores.Store`
     (or one :class:`~lmcache.testing.stores.LocalServer` of it) it talks to, and key
     ``make_key(1)`` must be stored in it first. The server is frozen (SIGSTOP); then
-    ``backend.get`` and ``backend.contains`` must each raise ``BackendError`` whose message
+    ``backend.get`` and ``backend.exists`` must each raise ``BackendError`` whose message
     matches the regular expression ``match`` within the backend's timeout (a 5 s hang
     guard); the server is thawed (SIGCONT) and the same backend object must find the key
     again (it reconnects)."""
@@ -28,14 +28,14 @@ def assert_hang_times_out(backend, server, match: str) -> None:
 
     server.freeze()
     try:
-        for call in (lambda: backend.get([make_key(1)]), lambda: backend.contains([make_key(1)])):
+        for call in (lambda: backend.get([make_key(1)]), lambda: backend.exists([make_key(1)])):
             t0 = time.monotonic()
             with pytest.raises(BackendError, match=match):
                 call()
             assert time.monotonic() - t0 < 5  # a hang guard, not a performance bound
     finally:
         server.thaw()
-    assert backend.contains([make_key(1)]) == [True]  # the same backend, reconnected
+    assert backend.exists([make_key(1)]) == [True]  # the same backend, reconnected
 
 
 def assert_survives_outage(e, store, tier: str, toks, kv_for, caplog) -> None:

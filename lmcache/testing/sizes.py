@@ -21,7 +21,7 @@ def _key_of_length(n: int) -> str:
 
 
 class RealSizeTests:
-    """Real-size puts and gets, through the view a tier uses (:func:`lmcache.fit.fit`)."""
+    """Real-size puts and gets, through the store a tier opens (:func:`lmcache.encoded.open_objects`)."""
 
     #: the shape of a real-size chunk (float16); 8 MiB by default
     real_chunk_shape: tuple[int, ...] = REAL_CHUNK_SHAPE
@@ -32,27 +32,27 @@ class RealSizeTests:
 
     def test_real_size_chunk_under_a_long_key(self, backend):
         """A chunk of a real model's size under a key of a few hundred bytes round-trips
-        exactly, as a tier stores it (through :func:`lmcache.fit.fit`, so within the
-        limits the backend declares), and is listed, counted and removed as one entry."""
-        from ..fit import fit
+        exactly, as a tier stores it (through :func:`lmcache.encoded.open_objects`, so
+        within the limits the backend declares), and is listed, counted and removed as one entry."""
+        from ..encoded import open_objects
 
-        b = fit(backend)
+        b = open_objects(backend)
         k, o = make_key(1, model=self.real_model), make_chunk(1, self.real_chunk_shape)
         (size,) = b.put([(k, o)])
-        assert b.contains([k, make_key(2, model=self.real_model)]) == [True, False]
+        assert b.exists([k, make_key(2, model=self.real_model)]) == [True, False]
         (g,) = b.get([k])
         assert g is not None and g.shape == o.shape and torch.equal(g.tensor, o.tensor)
         g.unref()
         assert dict(b.keys()) == {k: size} and b.usage().used_bytes == size
-        b.remove([k])
-        assert b.contains([k]) == [False] and list(b.keys()) == []
+        assert b.delete([k]) == [True]
+        assert b.exists([k]) == [False] and list(b.keys()) == []
 
     def test_real_size_chunks_from_threads(self, backend):
         """``real_threads`` threads each put a real-size chunk under a long key and read it
         back while the others do the same: every read is exact, nothing raises."""
-        from ..fit import fit
+        from ..encoded import open_objects
 
-        b = fit(backend)
+        b = open_objects(backend)
         errors: list[BaseException] = []
 
         def work(t: int) -> None:
@@ -90,11 +90,11 @@ class RealSizeTests:
         real = math.prod(self.real_chunk_shape) * 2
         value = random.Random(0).randbytes(min(backend.max_value_size or real, real))
         key = _key_of_length(min(backend.max_key_length or 4096, 4096))
-        backend.write(key, [value])
+        backend.put_one(key, [value])
         try:
-            assert bytes(backend.read(key)) == value
+            assert bytes(backend.get_one(key)) == value
         finally:
-            backend.delete(key)
+            backend.delete_one(key)
 
 
 class SplitTests:
@@ -139,15 +139,15 @@ class SplitTests:
         for k, o in items:
             assert tier.put_one(k, o), k
         keys = [k for k, _ in items]
-        assert tier.contains(keys) == [True] * 3
+        assert tier.exists(keys) == [True] * 3
         for (k, o), g in zip(items, tier.get(keys)):
             assert g is not None and torch.equal(g.tensor, o.tensor), k
             g.unref()
         stored = self._stored_within_limits(backend)
         listed = dict(tier.backend.keys())
         assert set(listed) == set(keys) and sum(listed.values()) == sum(stored.values()) == tier.usage().used_bytes
-        assert tier.remove(keys) == 3
-        assert tier.contains(keys) == [False] * 3 and self._stored_within_limits(backend) == {}
+        assert tier.delete(keys) == [True] * 3
+        assert tier.exists(keys) == [False] * 3 and self._stored_within_limits(backend) == {}
 
     @pytest.mark.parametrize("how", ["missing", "flip", "truncate"])
     def test_a_missing_or_damaged_part_is_a_counted_miss(self, backend, how):
@@ -162,7 +162,7 @@ class SplitTests:
         assert tier.put_one(k, o) and tier.put_one(*other)
         part = sorted(n for n, _ in backend.keys() if n.startswith(PART) and n != MARK)[-1]
         if how == "missing":
-            backend.delete(part)
+            backend.delete_one(part)
         else:
             self._damage(backend, part, how)
         before = backend.integrity.corrupt
@@ -178,12 +178,13 @@ class SplitTests:
         another key (a digest collision, made here by copying one) is a miss, not that
         key's value, and leaves the other entry intact."""
         from ..fit import fit, head_key
+        from ..encoded import open_objects
 
-        view = fit(backend, max_value_size=self.small_value_size, max_key_length=self.small_key_length)
+        view = open_objects(fit(backend, max_value_size=self.small_value_size, max_key_length=self.small_key_length))
         a, b = make_key(1, model=self.real_model), make_key(2, model=self.real_model)
         o = make_obj(1)
         view.put([(a, o)])
-        backend.write(head_key(b), [bytes(backend.read(head_key(a)))])
+        backend.put_one(head_key(b), [bytes(backend.get_one(head_key(a)))])
         assert view.get([b]) == [None]
         (g,) = view.get([a])
         assert g is not None and torch.equal(g.tensor, o.tensor)

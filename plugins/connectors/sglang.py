@@ -244,7 +244,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         fmt, gateway = self._fmt, self._pages
         assert fmt is not None and gateway is not None
         out = [False] * len(keys)
-        with gateway.read(keys, prefix=False) as got:
+        with gateway.found(keys, prefix=False) as got:
             for i, (key, page, r) in enumerate(zip(keys, pages, got)):
                 if r is None:
                     continue
@@ -390,7 +390,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------------ lookups
     def exists(self, key: str) -> bool:
         try:
-            return self._gateway.contains([self.key_of(key)])[0]
+            return self._gateway.exists([self.key_of(key)])[0]
         except RuntimeError:
             raise
         except Exception:
@@ -402,7 +402,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return len(self._gateway.contains_prefix(self._keys(keys)))
+            return len(self._gateway.exists_prefix(self._keys(keys)))
         except RuntimeError:
             raise
         except Exception:
@@ -419,7 +419,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             self.hierarchy.flush()
             for tier in self.hierarchy.tiers:
                 mine = [e.key for e, _ in tier.entries() if e.key.startswith(prefix)]
-                tier.remove(mine)
+                tier.delete(mine)
             return True
         except Exception:
             log.exception("clearing lmcache HiCache storage")

@@ -88,7 +88,7 @@ class _Held(list):
 
 # ------------------------------------------------------------------ the endpoint's store
 class EngineStore:
-    """:class:`lmcache.server.Store` over a cache engine's hierarchy."""
+    """:class:`lmcache.server.ServedStore` over a cache engine's hierarchy."""
 
     def __init__(self, engine: EngineView):
         self.engine = engine
@@ -110,7 +110,7 @@ class EngineStore:
         return ck.namespace == cfg.namespace and ck.model == cfg.model
 
     # -- reads
-    def get(self, key: str) -> _Held | None:
+    def get_one(self, key: str) -> _Held | None:
         try:
             tier, key = split_tier(key)
         except ValueError:
@@ -118,7 +118,7 @@ class EngineStore:
         if not self._own(key):
             return None
         try:  # passed on as stored: the peer's own gateway checks it
-            r = self.chunks.fetch([key], tier=tier, prefix=False, raw=True)[0]
+            r = self.chunks.find([key], tier=tier, prefix=False, raw=True)[0]
         except KeyError:
             return None
         if r is None:
@@ -136,22 +136,22 @@ class EngineStore:
     def release(self, value: _Held) -> None:
         value.obj.unref()
 
-    def exists(self, key: str) -> bool:
+    def exists_one(self, key: str) -> bool:
         try:
             tier, key = split_tier(key)
             if not self._own(key):
                 return False
-            return self.chunks.contains([key], tier)[0]
+            return self.chunks.exists([key], tier)[0]
         except (ValueError, KeyError):
             return False
 
-    def delete(self, key: str) -> bool:
+    def delete_one(self, key: str) -> bool:
         return False  # a peer never removes another instance's entries
 
     def snapshot(self, prefix: str = "") -> list[tuple[str, int]]:
         seen: dict[str, int] = {}
         for t in self.hierarchy.tiers:
-            for k in t.key_list():
+            for k, _ in t.keys():
                 if k.startswith(prefix) and k not in seen and self._own(k):
                     seen[k] = t.size_of(k) or 0
         return sorted(seen.items())
@@ -160,7 +160,7 @@ class EngineStore:
         tiers = self.hierarchy.tiers
         return {
             "used_bytes": sum(t.used for t in tiers), "capacity_bytes": self.capacity,
-            "entries": len({k for t in tiers for k in t.key_list()}),
+            "entries": len({k for t in tiers for k, _ in t.keys()}),
             "evictions": sum(t.stats.evictions for t in tiers),
             "served_chunks": self.served, "received_chunks": self.received, "refused_puts": self.refused,
         }
@@ -175,7 +175,7 @@ class EngineStore:
         log.info("peer endpoint: refused a PUT: %s", msg)
         return False
 
-    def put(self, key: str, value: bytearray | memoryview) -> bool:
+    def put_one(self, key: str, value: bytearray | memoryview) -> bool:
         e = self.engine
         try:
             tier_name, key = split_tier(key)
@@ -205,7 +205,7 @@ class EngineStore:
             obj = payload.decode(value, key, self.hierarchy.codec, allocate)
         except (CorruptPayloadError, KVShapeError, MemoryError) as exc:
             return self._refuse(str(exc))
-        ok = self.chunks.put(key, obj, tier=tier_name)  # (takes over obj's reference)
+        ok = self.chunks.put_one(key, obj, tier=tier_name)  # (takes over obj's reference)
         if not ok and (tier_name is not None or len(self.hierarchy.tiers) == 1):  # else queued below
             return self._refuse(f"tier {into.name} did not take it (full or down)")
         self.received += 1
@@ -265,6 +265,7 @@ class Peers:
         """The client of the endpoint at ``url``; with ``peer_id``, the endpoint must
         announce that instance id in the handshake (see :mod:`lmcache.auth`)."""
         from lmcache.storage import BackendContext
+        from lmcache.encoded import open_objects
 
         with self._lock:
             c = self._clients.get((url, prefix, peer_id))
@@ -275,7 +276,7 @@ class Peers:
                                                 "peer_id": peer_id, "prefix": prefix, "batch": BATCH})
                 ctx = BackendContext(f"peer {url}", 1 << 62, opts, h.codec("raw"), h.codec, self._allocate,
                                      self.engine.clock)
-                c = self._clients[(url, prefix, peer_id)] = LMBackend(ctx)
+                c = self._clients[(url, prefix, peer_id)] = open_objects(LMBackend(ctx))
             return c
 
     def available(self, url: str) -> bool:
@@ -408,7 +409,7 @@ class P2P:
                     obj.unref()
                     break
                 nbytes += obj.nbytes
-                self.engine.chunks.put(key, obj, num_tokens=chunk.num_tokens)  # (takes over obj's reference)
+                self.engine.chunks.put_one(key, obj, num_tokens=chunk.num_tokens)  # (takes over obj's reference)
                 got += 1
         finally:
             for obj in objs:
@@ -467,7 +468,7 @@ class P2P:
         h = self.engine.hierarchy
         src = h.tier(tier) if tier is not None else None
         # passed on as stored: the target's own gateway checks each chunk
-        objs = [r[0] if r is not None else None for r in self.engine.chunks.fetch(keys, tier=tier, prefix=False, raw=True)]
+        objs = [r[0] if r is not None else None for r in self.engine.chunks.find(keys, tier=tier, prefix=False, raw=True)]
         items: list[tuple[str, MemoryObj]] = []
         missing: list[str] = []
         try:

@@ -235,7 +235,7 @@ class ShiftedReuse:
         if not matches:
             return []
         keys = [m.key for m in matches]
-        with self.engine.chunks.read(keys, sizes=[self.chunk_size] * len(keys), prefix=False) as got:
+        with self.engine.chunks.found(keys, sizes=[self.chunk_size] * len(keys), prefix=False) as got:
             out = [r[0].tensor[:, :, m.offset : m.offset + m.length].clone() if r is not None else None
                    for m, r in zip(matches, got)]
         n = sum(x is not None for x in out)

@@ -85,7 +85,7 @@ class TransferService:
             obj.unref()
             return self._refuse(key, "kv signature differs from this instance's (or it has none yet)")
         try:
-            return self.view.chunks.put(key, obj)  # takes over the reference
+            return self.view.chunks.put_one(key, obj)  # takes over the reference
         except KVShapeError as exc:
             return self._refuse(key, str(exc))
 
@@ -96,7 +96,7 @@ class TransferService:
 
     # ------------------------------------------------------------ sending
     def _objs(self, keys: Sequence[str]) -> tuple[list[tuple[str, MemoryObj]], list[str]]:
-        hits = self.view.chunks.fetch(list(keys), prefix=False, raw=True)
+        hits = self.view.chunks.find(list(keys), prefix=False, raw=True)
         items, missing = [], []
         for k, h in zip(keys, hits):
             if h is None:

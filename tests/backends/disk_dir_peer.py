@@ -3,10 +3,11 @@ as one tensor-parallel rank of a vLLM worker opens it.
 
     python tests/backends/disk_dir_peer.py PATH CAPACITY RANK
 
-Opens the tier (its books, eviction and the disk backend, as an engine does), prints
-``READY``; then for each line on stdin:
+Opens the tier (its books, eviction and the disk backend seen through its object view,
+as an engine does), prints ``READY``; then for each line on stdin:
 
-- ``PUT A B``: stores this rank's chunks ``A`` to ``B - 1``; prints ``OK <stored>``;
+- ``PUT A B``: stores this rank's chunks ``A`` to ``B - 1``; prints ``OK <n>``, the
+  number of them stored;
 - ``PAUSE I``: stores chunk ``I`` but stops after its temporary file is written, prints
   ``TMP <path>``, waits for the line ``GO``, finishes the store and prints ``OK 1`` (or
   ``ERR <why>`` if the store failed);
@@ -36,8 +37,8 @@ def main() -> None:
     path, capacity, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
     cfg = load_config({"tiers": [{"backend": "disk", "path": path, "capacity": capacity}]})
     tier = build_tier(0, cfg.tiers[0])
-    backend = tier.backend
-    write_file = backend._write_file
+    store = tier.backend.raw  # the disk store under the view the tier opened
+    write_file = store._write_file
 
     def paused(tmp, buffers, total):  # the real write, then a stop before the rename
         write_file(tmp, buffers, total)
@@ -51,19 +52,20 @@ def main() -> None:
             cmd, *args = line.split()
             if cmd == "PUT":
                 a, b = int(args[0]), int(args[1])
-                print(f"OK {sum(tier.put_one(key(rank, i), make_obj(i, TOKENS)) for i in range(a, b))}", flush=True)
+                stored = sum(bool(tier.put_one(key(rank, i), make_obj(i, TOKENS))) for i in range(a, b))
+                print(f"OK {stored}", flush=True)
             elif cmd == "PAUSE":
-                backend._write_file = paused
+                store._write_file = paused
                 try:
                     stored = tier.put_one(key(rank, int(args[0])), make_obj(0, TOKENS))
                 finally:
-                    backend._write_file = write_file
-                print(f"OK {int(stored)}" if stored else f"ERR {tier.stats.last_error}", flush=True)
+                    store._write_file = write_file
+                print(f"OK {int(bool(stored))}" if stored else f"ERR {tier.stats.last_error}", flush=True)
             elif cmd == "KEYS":
                 held = sorted(int(k.rsplit(":", 1)[1], 16) for k, _ in tier.keys() if f"tp{rank}of2" in k)
                 print("KEYS " + " ".join(map(str, held)), flush=True)
     finally:
-        backend.close()
+        tier.backend.close()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
@@ -75,7 +76,7 @@ class TestFSConformance(FileBackendTests, BytesBackendTests):
 def test_keys_are_listed_from_names_alone(FSBackend, tmp_path):
     b = open_fs(FSBackend, str(tmp_path))
     items = [(make_key(i), make_obj(i)) for i in range(3)]
-    sizes = b.put(items)
+    sizes = open_objects(b).put(items)
     files = sorted(p for p in tmp_path.rglob("*.lmc"))
     assert len(files) == 3
     # not lmcache entries: skipped, and left alone
@@ -94,9 +95,9 @@ def test_keys_are_listed_from_names_alone(FSBackend, tmp_path):
 def test_prefix_separates_stores_in_one_directory(FSBackend, tmp_path):
     a = open_fs(FSBackend, str(tmp_path), prefix="team-a.")
     b = open_fs(FSBackend, str(tmp_path), prefix="team-b.")
-    a.put([(make_key(1), make_obj(1))])
+    open_objects(a).put([(make_key(1), make_obj(1))])
     assert [k for k, _ in a.keys()] == [make_key(1)]
-    assert list(b.keys()) == [] and b.get([make_key(1)]) == [None]
+    assert list(b.keys()) == [] and open_objects(b).get([make_key(1)]) == [None] and b.get([make_key(1)]) == [None]
     assert any(p.name.startswith("team-a.lmc1") for p in tmp_path.rglob("*.lmc"))
 
 
@@ -104,12 +105,13 @@ def test_long_key_is_split_into_directories(FSBackend, tmp_path):
     b = open_fs(FSBackend, f"file://{tmp_path}")
     key = make_key(5, model="org/" + "m" * 400)
     obj = make_obj(5)
-    b.put([(key, obj)])
+    objects = open_objects(b)
+    objects.put([(key, obj)])
     (f,) = tmp_path.rglob("*.lmc")
     assert all(len(part) <= 255 for part in f.relative_to(tmp_path).parts)
     assert len(f.relative_to(tmp_path).parts) > 2
     assert [k for k, _ in b.keys()] == [key]
-    (g,) = b.get([key])
+    (g,) = objects.get([key])
     assert g is not None and torch.equal(g.tensor, obj.tensor)
     g.unref()
 
@@ -118,7 +120,7 @@ def test_stale_temporaries_are_ignored_and_old_ones_removed(FSBackend, tmp_path)
     from lmcache.backends.fs import TMP_PREFIX
 
     b = open_fs(FSBackend, str(tmp_path), tmp_max_age=60)
-    b.put([(make_key(1), make_obj(1))])
+    open_objects(b).put([(make_key(1), make_obj(1))])
     sub = next(tmp_path.rglob("*.lmc")).parent
     old, fresh = sub / f"{TMP_PREFIX}old", sub / f"{TMP_PREFIX}fresh"
     old.write_bytes(b"half a chunk")
@@ -130,20 +132,21 @@ def test_stale_temporaries_are_ignored_and_old_ones_removed(FSBackend, tmp_path)
 
 def test_corrupt_and_truncated_files_are_misses_and_deleted(FSBackend, tmp_path):
     b = open_fs(FSBackend, str(tmp_path))
+    objects = open_objects(b)
     k1, k2, k3 = make_key(1), make_key(2), make_key(3)
-    b.put([(k1, make_obj(1)), (k2, make_obj(2)), (k3, make_obj(3))])
+    objects.put([(k1, make_obj(1)), (k2, make_obj(2)), (k3, make_obj(3))])
     p1, p2 = Path(b._path(k1)), Path(b._path(k2))
     data = p1.read_bytes()
     p1.write_bytes(data[: len(data) // 2])  # truncated
     flipped = bytearray(p2.read_bytes())
     flipped[-5] ^= 0xFF  # one bit of the body
     p2.write_bytes(bytes(flipped))
-    got = b.get([k1, k2, k3])
+    got = objects.get([k1, k2, k3])
     assert got[0] is None and got[1] is None and got[2] is not None
     got[2].unref()
     assert not p1.exists() and not p2.exists()
     assert b.integrity.corrupt == 2
-    assert b.contains([k1, k2, k3]) == [False, False, True]
+    assert b.exists([k1, k2, k3]) == [False, False, True]
 
 
 def test_raw_transfer_moves_the_bytes_and_cleans_up(FSBackend, tmp_path):
@@ -263,9 +266,10 @@ _WRITER_CHILD = textwrap.dedent(
     import sys
     from lmcache.backends.fs import FSBackend
     from lmcache.storage import BackendContext
+    from lmcache.encoded import open_objects
     from lmcache.testing import make_key, make_obj
 
-    b = FSBackend(BackendContext.standalone({"url": sys.argv[1]}))
+    b = open_objects(FSBackend(BackendContext.standalone({"url": sys.argv[1]})))
     objs = [make_obj(int(s), num_tokens=2048) for s in sys.argv[2].split(",")]
     print('{"ready": true}', flush=True)
     sys.stdin.readline()  # start together
@@ -281,6 +285,7 @@ def test_concurrent_writers_of_one_key_never_expose_a_partial_entry(FSBackend, t
     seeds = {"w1": [11, 12], "w2": [21, 22]}
     expected = [make_obj(s, num_tokens=2048).tensor for ss in seeds.values() for s in ss]
     reader = open_fs(FSBackend, url)
+    reader_objects = open_objects(reader)
     writers = [_Child(_WRITER_CHILD, url, ",".join(map(str, ss)), "150") for ss in seeds.values()]
     try:
         for w in writers:
@@ -290,7 +295,7 @@ def test_concurrent_writers_of_one_key_never_expose_a_partial_entry(FSBackend, t
             w.proc.stdin.flush()
         reads = hits = 0
         while (reads < 20 or any(w.proc.poll() is None for w in writers)) and reads < 5000:
-            (g,) = reader.get([make_key(0)])
+            (g,) = reader_objects.get([make_key(0)])
             reads += 1
             if g is not None:
                 hits += 1
@@ -334,7 +339,7 @@ def test_hung_file_is_a_miss_within_the_timeout_and_hits_resume(FSBackend, tmp_p
         engine.flush()
         assert engine.retrieve(toks).num_tokens == 64
         tier = engine.hierarchy.tier("fs")
-        chunk0 = Path(tier.backend._path(engine.chunk_keys(toks)[1][0]))
+        chunk0 = Path(tier.backend.raw._path(engine.chunk_keys(toks)[1][0]))  # the byte store under the tier's view
         saved = chunk0.read_bytes()
         chunk0.unlink()
         os.mkfifo(chunk0)
@@ -362,11 +367,13 @@ def test_unreachable_filesystem_does_not_stop_the_backend_from_opening(FSBackend
     """An unusable root (a file where the directory should be) is an error on each call,
     not at open: the engine starts, the tier serves misses."""
     (tmp_path / "blocker").write_text("not a directory")
-    b = open_fs(FSBackend, f"file://{tmp_path}/blocker/store", timeout=1)
+    b = open_objects(open_fs(FSBackend, f"file://{tmp_path}/blocker/store", timeout=1))
     with pytest.raises(OSError):
         b.put([(make_key(1), make_obj(1))])
     with pytest.raises(OSError):
         b.get([make_key(1)])
+    with pytest.raises(OSError):
+        b.raw.put_one(make_key(2), [b"bytes"])
     (tmp_path / "blocker").unlink()  # the "server" is back: the next call works
     assert b.put([(make_key(1), make_obj(1))])[0] > 0
     (g,) = b.get([make_key(1)])

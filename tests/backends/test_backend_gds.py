@@ -17,6 +17,7 @@ from lmcache.codecs import load_codec
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BackendTests, BytesBackendTests, FileBackendTests, assert_rejects, make_key, make_obj
 
 REGS = get_registries()
@@ -101,9 +102,10 @@ def test_posix_path_opens_every_file_with_o_direct(tmp_path, monkeypatch):
         return fd
 
     monkeypatch.setattr(os, "open", recording_open)
+    view = open_objects(b)
     objs = {make_key(i): make_obj(i, num_tokens=n) for i, n in enumerate((1, 3, 7, 129, 1000))}
-    sizes = b.put(list(objs.items()))
-    got = b.get(list(objs))
+    sizes = view.put(list(objs.items()))
+    got = view.get(list(objs))
     monkeypatch.undo()
     assert all(s % 4096 for s in sizes)  # none aligned: the padding and the truncate both matter
     for (k, o), g in zip(objs.items(), got):
@@ -118,32 +120,36 @@ def test_posix_path_opens_every_file_with_o_direct(tmp_path, monkeypatch):
 def test_posix_path_without_o_direct_uses_the_page_cache(tmp_path):
     b = open_gds(tmp_path, use_kvikio=False, o_direct=False)
     assert b.io_path == "posix (page cache)"
-    b.put([(make_key(1), make_obj(1))])
-    (g,) = b.get([make_key(1)])
+    view = open_objects(b)
+    view.put([(make_key(1), make_obj(1))])
+    (g,) = view.get([make_key(1)])
     assert g is not None
     g.unref()
 
 
 def test_corrupt_entry_is_a_miss_and_deleted(tmp_path):
     b = open_gds(tmp_path, use_kvikio=False)
-    b.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
+    view = open_objects(b)
+    view.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
     f = b._path(make_key(1))
     data = f.read_bytes()
     f.write_bytes(data[:-10])
-    assert b.get([make_key(1), make_key(2)])[0] is None
+    got = view.get([make_key(1), make_key(2)])
+    assert got[0] is None and got[1] is not None
+    got[1].unref()
     assert not f.exists() and b.integrity.corrupt == 1
-    assert b.contains([make_key(1), make_key(2)]) == [False, True]
+    assert b.exists([make_key(1), make_key(2)]) == [False, True]
 
 
 def test_entries_survive_a_reopen_and_disk_reads_the_same_directory(tmp_path):
     b = open_gds(tmp_path, use_kvikio=False)
     o = make_obj(3, num_tokens=33)
-    b.put([(make_key(3), o)])
+    open_objects(b).put([(make_key(3), o)])
     b.close()
     again = open_gds(tmp_path, use_kvikio=False)
     assert [k for k, _ in again.keys()] == [make_key(3)]
     disk = REGS.backends.load("disk")(BackendContext.standalone({"path": str(tmp_path)}))
-    (g,) = disk.get([make_key(3)])
+    (g,) = open_objects(disk).get([make_key(3)])
     assert g is not None and torch.equal(g.tensor, o.tensor)
     g.unref()
 
@@ -176,16 +182,16 @@ def test_engine_with_a_gds_tier(tmp_path):
 
 # ------------------------------------------------------------------ the kvikio path
 def test_kvikio_and_posix_paths_read_each_others_files(kvikio_usable, tmp_path):
-    k = open_gds(tmp_path / "a", "zstd", use_kvikio=True)
+    k = open_objects(open_gds(tmp_path / "a", "zstd", use_kvikio=True))
     objs = {make_key(i): make_obj(i, num_tokens=n) for i, n in enumerate((1, 17, 300))}
     k.put(list(objs.items()))
     k.close()
-    p = open_gds(tmp_path / "a", use_kvikio=False)
+    p = open_objects(open_gds(tmp_path / "a", use_kvikio=False))
     for (key, o), g in zip(objs.items(), p.get(list(objs))):
         assert g is not None and torch.equal(g.tensor, o.tensor)
         g.unref()
     p.put([(make_key(9), make_obj(9))])
-    k = open_gds(tmp_path / "a", use_kvikio=True)
+    k = open_objects(open_gds(tmp_path / "a", use_kvikio=True))
     (g,) = k.get([make_key(9)])
     assert g is not None and torch.equal(g.tensor, make_obj(9).tensor)
     g.unref()
@@ -193,12 +199,13 @@ def test_kvikio_and_posix_paths_read_each_others_files(kvikio_usable, tmp_path):
 
 def test_kvikio_corrupt_entry_is_a_miss_and_deleted(kvikio_usable, tmp_path):
     b = open_gds(tmp_path, use_kvikio=True)
-    b.put([(make_key(1), make_obj(1, num_tokens=200))])
+    view = open_objects(b)
+    view.put([(make_key(1), make_obj(1, num_tokens=200))])
     f = b._path(make_key(1))
     data = bytearray(f.read_bytes())
     data[-1] ^= 0x01
     f.write_bytes(bytes(data))
-    assert b.get([make_key(1)]) == [None]
+    assert view.get([make_key(1)]) == [None]
     assert not f.exists() and b.integrity.corrupt == 1
 
 

@@ -26,6 +26,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.testing.stores import ServerUnavailable
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_hang_times_out, assert_rejects, assert_survives_outage, make_key, make_obj
 
 REGS = get_registries()
@@ -114,7 +115,7 @@ class TestRedisConformance(PersistentBackendTests, BytesBackendTests):
     def backend(self, kind, codec, stores):
         b = open_backend(kind, stores, codec)
         yield b
-        b.remove([k for k, _ in b.keys()])
+        b.delete([k for k, _ in b.keys()])
         assert list(b.keys()) == []
         b.close()
 
@@ -226,7 +227,7 @@ def test_unreachable_server_does_not_stop_the_backend_or_engine():
         b = _backend_cls("redis")(BackendContext.standalone({"url": url, "timeout": 0.5}))
         t0 = time.monotonic()
         with pytest.raises(BackendError, match=str(port)):
-            b.contains([make_key(1)])
+            b.exists([make_key(1)])
         assert time.monotonic() - t0 < 5
         b.close()
     cfg = {"chunk_size": 16, "staging_size": "1MiB",
@@ -241,26 +242,28 @@ def test_unreachable_server_does_not_stop_the_backend_or_engine():
 @pytest.mark.parametrize("kind", ["redis", "redis-cluster", "valkey"])
 def test_corrupt_or_truncated_values_are_misses_and_deleted(kind, stores):
     b = open_backend(kind, stores)
+    objs = open_objects(b)  # the store as a tier opens it: payloads decoded and checked
     try:
         keys = [make_key(i) for i in range(5)]
-        b.put([(k, make_obj(i)) for i, k in enumerate(keys)])
+        objs.put([(k, make_obj(i)) for i, k in enumerate(keys)])
         raw = b._conn()  # the client library itself
         good = raw.get(b.prefix + keys[0])
         raw.set(b.prefix + keys[0], good[:-7])  # truncated body
         raw.set(b.prefix + keys[1], good[: payload.PREFIX_SIZE + 3])  # truncated header
         raw.set(b.prefix + keys[2], b"not a payload at all")  # garbage
         raw.set(b.prefix + keys[3], good)  # a valid payload of another key
-        got = b.get(keys)
+        got = objs.get(keys)
         assert got[:4] == [None] * 4 and got[4] is not None
         got[4].unref()
         for k in keys[:4]:
             assert raw.exists(b.prefix + k) == 0, k
         assert b.integrity.corrupt == 4
         raw.set(b.prefix + keys[0], good[:-1])
-        assert b.get_one(keys[0]) is None and raw.exists(b.prefix + keys[0]) == 0
-        assert b.contains(keys) == [False] * 4 + [True]
+        assert objs.get_one(keys[0]) is None and raw.exists(b.prefix + keys[0]) == 0
+        assert objs.exists(keys) == [False] * 4 + [True]
+        assert b.exists(keys) == [False] * 4 + [True]
     finally:
-        b.remove([k for k, _ in b.keys()])
+        b.delete([k for k, _ in b.keys()])
         b.close()
 
 
@@ -275,8 +278,8 @@ def test_a_non_string_value_under_a_key_is_a_miss_dropped_and_rewritten(kind, st
     toks = list(range(48))
     with lmcache.CacheEngine.from_config({"chunk_size": 16, "tiers": [tier], "kv_spec": KVSpec(L, H, D, "float32")}) as e:
         e.store(toks, kv_for(toks))
-        backend = e.hierarchy.tiers[0].backend
-        own = getattr(backend, "inner", backend)  # the Redis backend itself under a size-limit view (lmcache.fit)
+        backend = e.hierarchy.tiers[0].backend  # the store of objects the tier opened
+        own = getattr(backend, "raw", backend)  # the Redis byte store itself (lmcache.encoded)
         raw = own._conn()
         second = own.prefix + e.chunk_keys(toks)[1][1]
         raw.delete(second)
@@ -288,7 +291,7 @@ def test_a_non_string_value_under_a_key_is_a_miss_dropped_and_rewritten(kind, st
         assert e.lookup(toks) == 48
         r = e.retrieve(toks)
         assert r.num_tokens == 48 and torch.equal(r.kv, kv_for(toks))
-        backend.remove(e.chunk_keys(toks)[1])
+        backend.delete(e.chunk_keys(toks)[1])
 
 
 def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
@@ -307,7 +310,7 @@ def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
         wrong = MemoryPool.allocate_unpooled((L, 2, 16, H, D * 2), torch.float32)  # another head size
         wrong.tensor.zero_()
         data = b"".join(bytes(b) for b in payload.encode(keys[0], wrong, load_codec(REGS.codecs.load, "raw")))
-        own = getattr(redis_tier.backend, "inner", redis_tier.backend)  # under a size-limit view (lmcache.fit)
+        own = getattr(redis_tier.backend, "raw", redis_tier.backend)  # the Redis byte store (lmcache.encoded)
         raw = own._conn()
         raw.set(own.prefix + keys[0], data)  # valid header and checksums, wrong shape
         assert e.retrieve(toks).num_tokens == 0
@@ -320,7 +323,7 @@ def test_a_wrong_shape_hit_from_a_lower_tier_is_never_promoted(stores):
 def test_keys_lists_only_lmcache_keys_under_the_prefix(kind, stores):
     b = open_backend(kind, stores)
     try:
-        sizes = b.put([(make_key(i), make_obj(i)) for i in range(3)])
+        sizes = open_objects(b).put([(make_key(i), make_obj(i)) for i in range(3)])
         raw = b._conn()
         foreign = [
             b.prefix + "lmc1:not:a:valid:key",
@@ -339,7 +342,7 @@ def test_keys_lists_only_lmcache_keys_under_the_prefix(kind, stores):
         for name in foreign:
             raw.delete(name)
     finally:
-        b.remove([k for k, _ in b.keys()])
+        b.delete([k for k, _ in b.keys()])
         b.close()
 
 
@@ -347,35 +350,37 @@ def test_prefixes_isolate_and_glob_characters_are_literal(stores):
     a = open_backend("redis", stores, prefix="a*[x]?:")
     b = open_backend("redis", stores, prefix="ab[x]y:")
     c = open_backend("redis", stores, prefix="")  # no prefix: the bare canonical key
+    oa, ob, oc = (open_objects(x) for x in (a, b, c))
     try:
         k = make_key(1)
-        a.put([(k, make_obj(1))])
-        assert b.contains([k]) == [False] and b.get([k]) == [None] and list(b.keys()) == []
-        assert c.contains([k]) == [False]
-        b.put([(k, make_obj(2))])
-        c.put([(k, make_obj(3))])
-        ga, gb, gc = a.get([k])[0], b.get([k])[0], c.get([k])[0]
+        oa.put([(k, make_obj(1))])
+        assert b.exists([k]) == [False] and b.get([k]) == [None] and list(b.keys()) == []
+        assert ob.get([k]) == [None]
+        assert c.exists([k]) == [False]
+        ob.put([(k, make_obj(2))])
+        oc.put([(k, make_obj(3))])
+        ga, gb, gc = oa.get([k])[0], ob.get([k])[0], oc.get([k])[0]
         assert torch.equal(ga.tensor, make_obj(1).tensor) and torch.equal(gb.tensor, make_obj(2).tensor)
         assert torch.equal(gc.tensor, make_obj(3).tensor)
         for g in (ga, gb, gc):
             g.unref()
         assert [key for key, _ in a.keys()] == [k] and [key for key, _ in b.keys()] == [k]
         assert c._conn().exists(k) == 1 and k in dict(c.keys())
-        a.remove([k])
-        assert a.contains([k]) == [False] and b.contains([k]) == [True] and c.contains([k]) == [True]
+        assert a.delete([k]) == [True]
+        assert a.exists([k]) == [False] and b.exists([k]) == [True] and c.exists([k]) == [True]
     finally:
         for x in (a, b, c):
-            x.remove([make_key(1)])
+            x.delete([make_key(1)])
             x.close()
 
 
 def test_ttl_expires_entries(stores):
     b = open_backend("redis", stores, ttl=100)
     try:
-        b.put([(make_key(1), make_obj(1))])
+        open_objects(b).put([(make_key(1), make_obj(1))])
         assert 0 < b._conn().ttl(b.prefix + make_key(1)) <= 100
     finally:
-        b.remove([make_key(1)])
+        b.delete([make_key(1)])
         b.close()
 
 
@@ -383,10 +388,10 @@ def test_valkey_backend_uses_the_valkey_client(stores):
     b = open_backend("valkey", stores)
     try:
         assert type(b._conn()).__module__.startswith("valkey.")
-        b.put([(make_key(1), make_obj(1))])
-        assert b.contains([make_key(1)]) == [True]
+        open_objects(b).put([(make_key(1), make_obj(1))])
+        assert b.exists([make_key(1)]) == [True]
     finally:
-        b.remove([make_key(1)])
+        b.delete([make_key(1)])
         b.close()
 
 
@@ -420,15 +425,16 @@ def test_two_engines_share_entries_through_one_store(stores):
         keys = b.chunk_keys(toks)[1]
         listed = dict(b.hierarchy.tiers[0].backend.keys())
         assert set(listed) == set(keys) and all(k.startswith("lmc1:team:") for k in keys)
-        b.hierarchy.tiers[0].backend.remove(keys)
+        b.hierarchy.tiers[0].backend.delete(keys)
 
 
 def test_tls():
     with fresh("redis", tls=True) as st:
         assert st.options["url"].startswith("rediss://")
         b = _backend_cls("redis")(BackendContext.standalone(st.options))
-        b.put([(make_key(1), make_obj(1))])
-        (g,) = b.get([make_key(1)])
+        objs = open_objects(b)
+        objs.put([(make_key(1), make_obj(1))])
+        (g,) = objs.get([make_key(1)])
         assert g is not None and torch.equal(g.tensor, make_obj(1).tensor)
         g.unref()
         assert [k for k, _ in b.keys()] == [make_key(1)]
@@ -437,7 +443,7 @@ def test_tls():
         no_ca = {k: v for k, v in st.options.items() if k != "ssl_ca_certs"}
         b = _backend_cls("redis")(BackendContext.standalone({**no_ca, "timeout": 0.5}))
         with pytest.raises(BackendError):
-            b.contains([make_key(1)])
+            b.exists([make_key(1)])
         b.close()
 
 
@@ -445,18 +451,20 @@ def test_tls():
 def test_a_hung_server_times_out_and_the_client_reconnects():
     with fresh("redis", timeout=0.3) as st:
         b = _backend_cls("redis")(BackendContext.standalone(st.options))
-        b.put([(make_key(1), make_obj(1))])
-        assert_hang_times_out(b, st.servers[0], "Timeout")
+        open_objects(b).put([(make_key(1), make_obj(1))])
+        assert_hang_times_out(open_objects(b), st.servers[0], "Timeout")
         b.close()
 
 
 @pytest.mark.parametrize("kind", ["redis", "redis-cluster", "redis-sentinel"])
 def test_backend_raises_fast_when_killed_and_recovers_after_restart(kind):
     with fresh(kind, timeout=0.5) as st:
-        b = _backend_cls(KINDS[kind][0])(BackendContext.standalone(st.options))
+        raw = _backend_cls(KINDS[kind][0])(BackendContext.standalone(st.options))
+        b = open_objects(raw)
         b.put([(make_key(1), make_obj(1))])
         st.kill()
-        for call in (lambda: b.get([make_key(1)]), lambda: b.put([(make_key(2), make_obj(2))]), lambda: list(b.keys())):
+        for call in (lambda: b.get([make_key(1)]), lambda: b.put([(make_key(2), make_obj(2))]), lambda: list(b.keys()),
+                     lambda: raw.get([make_key(1)]), lambda: raw.put([(make_key(2), [b"x"])])):
             t0 = time.monotonic()
             with pytest.raises(BackendError):
                 call()
@@ -466,7 +474,7 @@ def test_backend_raises_fast_when_killed_and_recovers_after_restart(kind):
         while True:  # a cluster answers CLUSTERDOWN for a moment while its nodes meet again
             try:
                 b.put([(make_key(2), make_obj(2))])
-                present = b.contains([make_key(1), make_key(2)])
+                present = b.exists([make_key(1), make_key(2)])
                 break
             except BackendError:
                 if time.monotonic() > deadline:

@@ -24,6 +24,7 @@ from lmcache.errors import BackendError, ConfigError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, PersistentBackendTests, assert_rejects, make_key, make_obj
 from _missing import loopback_store, missing
 
@@ -102,7 +103,7 @@ def wipe(backend, settle: float = 10.0):
     empty = 0
     while empty < 2 and time.monotonic() < deadline:
         if keys:
-            backend.remove(keys)
+            backend.delete(keys)
             empty = 0
         else:
             empty += 1
@@ -199,7 +200,7 @@ def test_keys_are_canonical_names_under_the_prefix(S3, opts, raw):
     with open_backend(S3, opts) as b:
         k = make_key(1, model="org/model v2")  # ':' and '%' in the key
         assert "%" in k and ":" in k
-        (size,) = b.put([(k, make_obj(1))])
+        (size,) = open_objects(b).put([(k, make_obj(1))])
         head = raw.head_object(Bucket="lmcache", Key=f"{opts['prefix']}/{k}")
         assert head["ContentLength"] == size
         assert list(b.keys()) == [(k, size)]
@@ -212,7 +213,7 @@ def test_keys_ignore_foreign_objects(S3, opts, raw):
     p = opts["prefix"]
     with open_backend(S3, opts) as b:
         k = make_key(2)
-        b.put([(k, make_obj(2))])
+        open_objects(b).put([(k, make_obj(2))])
         for name in (f"{p}/readme.txt", f"{p}/lmc1:not:a:key", f"{p}/sub/{make_key(3)}", make_key(4), f"{p}x/{make_key(5)}"):
             raw.put_object(Bucket="lmcache", Key=name, Body=b"not ours")
         assert [key for key, _ in b.keys()] == [k]
@@ -232,23 +233,23 @@ def test_prefix_isolation_and_sharing(S3, s3_server):
     try:
         obj = make_obj(3)
         k = make_key(3)
-        a.put([(k, obj)])
+        open_objects(a).put([(k, obj)])
         # another instance on the same bucket and prefix shares the entry
-        assert same.contains([k]) == [True]
-        (g,) = same.get([k])
+        assert same.exists([k]) == [True]
+        (g,) = open_objects(same).get([k])
         assert g is not None and torch.equal(g.tensor, obj.tensor)
         g.unref()
         assert [key for key, _ in same.keys()] == [k]
         # other prefixes see nothing, and cannot remove it
         for b in (other, deeper, top):
-            assert b.contains([k]) == [False]
-            assert b.get([k]) == [None]
+            assert b.exists([k]) == [False]
+            assert open_objects(b).get([k]) == [None]
             assert k not in dict(b.keys())
-        other.remove([k])
-        assert top.delete(k) is False
-        assert a.contains([k]) == [True]
-        same.remove([k])
-        assert a.contains([k]) == [False]
+        assert other.delete([k]) == [False]
+        assert top.delete_one(k) is False
+        assert a.exists([k]) == [True]
+        assert same.delete([k]) == [True]
+        assert a.exists([k]) == [False]
     finally:
         for b in (a, same, other, deeper, top):
             b.close()
@@ -257,8 +258,9 @@ def test_prefix_isolation_and_sharing(S3, s3_server):
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "other_key", "flipped"])
 def test_corrupt_payload_is_a_miss_and_is_deleted(S3, opts, raw, damage):
     with open_backend(S3, opts) as b:
+        objects = open_objects(b)
         k, other = make_key(10), make_key(11)
-        b.put([(k, make_obj(10)), (other, make_obj(11))])
+        objects.put([(k, make_obj(10)), (other, make_obj(11))])
         name = f"{opts['prefix']}/{k}"
         good = raw.get_object(Bucket="lmcache", Key=name)["Body"].read()
         bad = {
@@ -269,12 +271,14 @@ def test_corrupt_payload_is_a_miss_and_is_deleted(S3, opts, raw, damage):
             "flipped": good[:-1] + bytes([good[-1] ^ 1]),
         }[damage]
         raw.put_object(Bucket="lmcache", Key=name, Body=bad)
-        assert b.get([k, other])[0] is None
+        got = objects.get([k, other])
+        assert got[0] is None
+        got[1].unref()
         assert b.integrity.corrupt == 1
-        assert b.contains([k, other]) == [False, True]
+        assert b.exists([k, other]) == [False, True]
         # the single-key path does the same
         raw.put_object(Bucket="lmcache", Key=name, Body=bad)
-        assert b.get_one(k) is None and b.contains([k]) == [False]
+        assert objects.get_one(k) is None and b.exists([k]) == [False]
         wipe(b)
 
 
@@ -290,25 +294,26 @@ def test_large_object_goes_through_multipart(S3, opts):
         b.client.meta.events.register("before-call.s3.*", count)
         big = make_obj(20, num_tokens=96 * 1024)  # 12 MiB
         small = make_obj(21)
-        sizes = b.put([(make_key(20), big), (make_key(21), small)])
+        objects = open_objects(b)
+        sizes = objects.put([(make_key(20), big), (make_key(21), small)])
         assert calls.get("UploadPart") == 3 and calls.get("CompleteMultipartUpload") == 1
         assert calls.get("PutObject") == 1
         assert dict(b.keys()) == {make_key(20): sizes[0], make_key(21): sizes[1]}
-        g, s = b.get([make_key(20), make_key(21)])
+        g, s = objects.get([make_key(20), make_key(21)])
         assert torch.equal(g.tensor, big.tensor) and torch.equal(s.tensor, small.tensor)
         g.unref()
         s.unref()
         wipe(b)
 
 
-def test_remove_deletes_in_batches(S3, opts, monkeypatch):
+def test_delete_deletes_in_batches(S3, opts, monkeypatch):
     monkeypatch.setattr(sys.modules[S3.__module__], "DELETE_BATCH", 3)
     with open_backend(S3, opts) as b:
         keys = [make_key(i) for i in range(7)]
-        b.put([(k, make_obj(i, num_tokens=1)) for i, k in enumerate(keys)])
+        open_objects(b).put([(k, make_obj(i, num_tokens=1)) for i, k in enumerate(keys)])
         calls = []
         b.client.meta.events.register("before-call.s3.DeleteObjects", lambda **kw: calls.append(1))
-        b.remove(keys + [make_key(99)])
+        assert b.delete(keys + [make_key(99)]) == [True] * 7 + [False]
         assert len(calls) == 3
         assert list(b.keys()) == []
 
@@ -316,10 +321,11 @@ def test_remove_deletes_in_batches(S3, opts, monkeypatch):
 def test_a_failed_batch_get_raises_and_leaks_no_memory(S3, opts):
     pool = MemoryPool(16 << 20)
     with open_backend(S3, opts, pool=pool) as b:
+        objects = open_objects(b)
         keys = [make_key(i) for i in range(24)]
-        b.put([(k, make_obj(i)) for i, k in enumerate(keys)])
+        objects.put([(k, make_obj(i)) for i, k in enumerate(keys)])
         with pytest.raises(Exception, match="InvalidArgument"):
-            b.get(keys[:12] + [".."] + keys[12:])  # the server refuses this object name
+            objects.get(keys[:12] + [".."] + keys[12:])  # the server refuses this object name
         deadline = time.monotonic() + 5
         while pool.used and time.monotonic() < deadline:  # requests already running finish first
             time.sleep(0.05)
@@ -331,15 +337,15 @@ def test_missing_bucket_is_a_clear_error_or_created(S3, s3_server, raw):
     name = unique("nobucket")
     with open_backend(S3, {**s3_server.options, "url": f"s3://{name}"}) as b:
         with pytest.raises(BackendError, match="does not exist.*create_bucket"):
-            b.get([make_key(1)])
+            open_objects(b).get([make_key(1)])
         with pytest.raises(BackendError, match="does not exist"):
             list(b.keys())
     # an inspecting (read-only) open never creates it
     with open_backend(S3, {**s3_server.options, "url": f"s3://{name}", "create_bucket": True}, read_only=True) as b:
         with pytest.raises(BackendError, match="does not exist"):
-            b.contains([make_key(1)])
+            b.exists([make_key(1)])
     with open_backend(S3, {**s3_server.options, "url": f"s3://{name}/p", "create_bucket": True}) as b:
-        b.put([(make_key(1), make_obj(1))])
+        open_objects(b).put([(make_key(1), make_obj(1))])
         raw.head_bucket(Bucket=name)
         assert [k for k, _ in b.keys()] == [make_key(1)]
         wipe(b)
@@ -426,17 +432,17 @@ def test_an_internal_error_on_get_is_asked_again_three_times_then_raised(S3, opt
     pool = MemoryPool(16 << 20)
     obj = make_obj(7)
     with open_backend(S3, opts, pool=pool) as b:
-        b.put([(make_key(1), obj)])
+        open_objects(b).put([(make_key(1), obj)])
         proxy = Answer500(opts["endpoint_url"], fail)
         try:
             with open_backend(S3, {**opts, "endpoint_url": proxy.url, "retries": 0}, pool=pool) as via:
                 if served:
-                    (got,) = via.get([make_key(1)])
+                    (got,) = open_objects(via).get([make_key(1)])
                     assert got is not None and torch.equal(got.tensor, obj.tensor)
                     got.unref()
                 else:
                     with pytest.raises(Exception, match="InternalError"):
-                        via.get([make_key(1)])
+                        open_objects(via).get([make_key(1)])
             assert proxy.gets == 4
         finally:
             proxy.close()
@@ -454,15 +460,15 @@ def test_an_internal_error_on_put_is_sent_again_whole(S3, opts, fail, stored):
     try:
         with open_backend(S3, {**opts, "endpoint_url": proxy.url, "retries": 0}) as via:
             if stored:
-                via.put([(make_key(2), obj)])
+                open_objects(via).put([(make_key(2), obj)])
             else:
                 with pytest.raises(Exception, match="InternalError"):
-                    via.put([(make_key(2), obj)])
+                    open_objects(via).put([(make_key(2), obj)])
         assert proxy.gets == 4
     finally:
         proxy.close()
     with open_backend(S3, opts) as b:
-        (got,) = b.get([make_key(2)])
+        (got,) = open_objects(b).get([make_key(2)])
         if stored:
             assert got is not None and torch.equal(got.tensor, obj.tensor)
             got.unref()
@@ -478,8 +484,9 @@ def test_unreachable_at_start_then_raises_quickly(S3):
          "access_key_id": "lmcacheaccesskey", "secret_access_key": "lmcachesecretkey"}
     b = open_backend(S3, o)  # the constructor connects to nothing
     t0 = time.monotonic()
-    for call in (lambda: b.get([make_key(1), make_key(2)]), lambda: b.contains([make_key(1)]),
-                 lambda: b.put([(make_key(1), make_obj(1))]), lambda: list(b.keys())):
+    objects = open_objects(b)
+    for call in (lambda: objects.get([make_key(1), make_key(2)]), lambda: b.exists([make_key(1)]),
+                 lambda: objects.put([(make_key(1), make_obj(1))]), lambda: list(b.keys())):
         with pytest.raises(Exception):
             call()
     assert time.monotonic() - t0 < 10  # a hang guard, not a performance assertion
@@ -495,17 +502,18 @@ def test_unreachable_at_start_then_raises_quickly(S3):
 def test_backend_reconnects_after_a_restart(S3, fresh_server):
     o = {**fresh_server.options, "timeout": 0.5}
     with open_backend(S3, o) as b:
+        objects = open_objects(b)
         obj = make_obj(30)
-        b.put([(make_key(30), obj)])
+        objects.put([(make_key(30), obj)])
         fresh_server.kill()
         t0 = time.monotonic()
         with pytest.raises(Exception):
-            b.get([make_key(30)])
+            objects.get([make_key(30)])
         with pytest.raises(Exception):
-            b.contains([make_key(30)])
+            b.exists([make_key(30)])
         assert time.monotonic() - t0 < 5
         fresh_server.restart()
-        (g,) = b.get([make_key(30)])  # same client, new connections; rclone kept the data
+        (g,) = objects.get([make_key(30)])  # same client, new connections; rclone kept the data
         assert g is not None and torch.equal(g.tensor, obj.tensor)
         g.unref()
 

@@ -28,6 +28,7 @@ from lmcache.cli.main import app
 from lmcache.errors import ConfigError
 from lmcache.plugin_manager import get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing.conformance import make_key, make_obj
 
 from _procs import readline, stop
@@ -53,7 +54,7 @@ def _tree(path: Path) -> dict[str, bytes | None]:
 
 def _fs_dir(path: Path, n: int = 10) -> Path:
     fs = _fs(path)
-    fs.put([(make_key(i), make_obj(i)) for i in range(n)])
+    open_objects(fs).put([(make_key(i), make_obj(i)) for i in range(n)])
     fs.close()
     assert len(list(path.rglob("*.lmc"))) == n
     return path
@@ -94,7 +95,7 @@ def test_a_previous_versions_disk_directory_is_adopted(tmp_path):
     d = tmp_path / "kv"
     b = _disk(d)
     objs = {make_key(i): make_obj(i) for i in range(5)}
-    b.put(list(objs.items()))
+    open_objects(b).put(list(objs.items()))
     b.close()
     for p in d.glob(".lmcache-*"):  # the previous version wrote none of these
         p.unlink()
@@ -104,7 +105,7 @@ def test_a_previous_versions_disk_directory_is_adopted(tmp_path):
     b2 = _disk(d)
     try:
         assert (d / MARKER).exists() and not legacy_tmp.exists()
-        got = b2.get(list(objs))
+        got = open_objects(b2).get(list(objs))
         assert all(g is not None and g.tensor.equal(o.tensor) for g, o in zip(got, objs.values()))
     finally:
         b2.close()
@@ -113,7 +114,7 @@ def test_a_previous_versions_disk_directory_is_adopted(tmp_path):
 def test_an_fs_tier_refuses_a_disk_tiers_directory(tmp_path):
     d = tmp_path / "kv"
     b = _disk(d)
-    b.put([(make_key(i), make_obj(i)) for i in range(3)])
+    open_objects(b).put([(make_key(i), make_obj(i)) for i in range(3)])
     before = _tree(d)
     for read_only in (False, True):
         with pytest.raises(ConfigError, match=r"'url'.*belongs to a disk tier .*an fs tier needs|belongs to a disk tier"):
@@ -125,7 +126,7 @@ def test_an_fs_tier_refuses_a_disk_tiers_directory(tmp_path):
 def test_foreign_files_in_a_claimed_directory_are_left_alone(tmp_path):
     d = tmp_path / "kv"
     b = _disk(d)
-    b.put([(make_key(i), make_obj(i)) for i in range(3)])
+    open_objects(b).put([(make_key(i), make_obj(i)) for i in range(3)])
     b.close()
     sub = next(p for p in d.iterdir() if p.is_dir())
     foreign = [d / "notes.txt", d / ".tmp-other-program", sub / "lmc1%3Atest%3Ax.lmc", sub / "README"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmcache import payload
-from lmcache.backends.disk import DiskBackend
+from lmcache.backends.disk import DiskBackend, DiskObjects
 from lmcache.backends.file_io import PIECE
 from lmcache.config import load_config
 from lmcache import hierarchy
@@ -21,6 +21,7 @@ from lmcache.hookspecs import hookimpl
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import Registries, create_plugin_manager, get_registries
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import make_key
 
 REGS = get_registries()
@@ -49,9 +50,11 @@ def _entry(root: Path) -> Path:
 def test_a_raw_entry_is_the_payload_encode_describes_hashed_while_written(tmp_path, fsync):
     assert NBYTES > 2 * PIECE
     d = _disk(tmp_path, fsync=fsync)
+    objs = open_objects(d)
+    assert isinstance(objs, DiskObjects)
     pool = MemoryPool(4 * NBYTES)
     o, k = _obj(pool, 1), make_key(1)
-    size = d.put_one(k, o)
+    size = objs.put_one(k, o)
     data = _entry(tmp_path).read_bytes()
     # exactly the announced size; a header of known length whatever the checksum
     assert size == len(data) == payload.raw_header_len(k, o) + NBYTES
@@ -60,8 +63,9 @@ def test_a_raw_entry_is_the_payload_encode_describes_hashed_while_written(tmp_pa
     assert (h.key, h.codec, h.shape, h.body_len, h.body_xxh3) == (k, "raw", SHAPE, NBYTES, enc.body_xxh3)
     got = payload.decode(data, k, lambda name: REGS.codecs.load(name)(), pool.allocate)  # any reader reads it
     assert torch.equal(got.tensor.view(torch.int32), o.tensor.view(torch.int32))
-    back = d.get_one(k)
+    back = objs.get_one(k)
     assert torch.equal(back.tensor.view(torch.int32), o.tensor.view(torch.int32))
+    assert bytes(d.get_one(k)) == data  # the store's own read: the file's bytes
     for x in (got, back, o):
         x.unref()
     d.close()
@@ -70,9 +74,10 @@ def test_a_raw_entry_is_the_payload_encode_describes_hashed_while_written(tmp_pa
 @pytest.mark.parametrize("damage", ["flip in the last piece", "flip in the first piece", "torn body"])
 def test_a_damaged_raw_entry_read_in_pieces_is_a_miss_and_removed(tmp_path, damage):
     d = _disk(tmp_path)
+    objs = open_objects(d)
     pool = MemoryPool(4 * NBYTES)
     o, k = _obj(pool, 2), make_key(2)
-    d.put_one(k, o)
+    objs.put_one(k, o)
     f = _entry(tmp_path)
     raw = bytearray(f.read_bytes())
     if damage == "torn body":
@@ -81,25 +86,20 @@ def test_a_damaged_raw_entry_read_in_pieces_is_a_miss_and_removed(tmp_path, dama
         raw[-5 if "last" in damage else payload.raw_header_len(k, o) + 3] ^= 0x40
     f.write_bytes(bytes(raw))
     free = pool.free_bytes
-    assert d.get_one(k) is None and not f.exists() and d.integrity.corrupt == 1
+    assert objs.get_one(k) is None and not f.exists() and d.integrity.corrupt == 1
+    assert d.exists([k]) == [False]
     assert pool.free_bytes == free  # the memory it was read into went back to the pool
     o.unref()
     d.close()
 
 
-class _Rendezvous(DiskBackend):
-    """A real disk backend whose ``put_one`` notes how many run at once: each waits a
-    little for a second one to start, so that writes handed out together overlap."""
-
-    OPTIONS = {**DiskBackend.OPTIONS}
-    lock = threading.Lock()
-    running = 0
-    most = 0
-    two = threading.Event()
-    slow_key: str | None = None  # its write ends last (after the rendezvous)
+class _RendezvousObjects(DiskObjects):
+    """The disk view whose ``put_one`` (what the tier's writer calls) notes how many run
+    at once: each waits a little for a second one to start, so that writes handed out
+    together overlap."""
 
     def put_one(self, key, obj):
-        cls = type(self)
+        cls = _Rendezvous
         with cls.lock:
             cls.running += 1
             cls.most = max(cls.most, cls.running)
@@ -113,6 +113,18 @@ class _Rendezvous(DiskBackend):
         finally:
             with cls.lock:
                 cls.running -= 1
+
+
+class _Rendezvous(DiskBackend):
+    """A real disk backend opened through :class:`_RendezvousObjects`."""
+
+    OPTIONS = {**DiskBackend.OPTIONS}
+    objects_view = _RendezvousObjects
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    two = threading.Event()
+    slow_key: str | None = None  # its write ends last (after the rendezvous)
 
 
 class _Plugin:
@@ -169,13 +181,13 @@ def test_a_reopened_directory_has_its_io_threads_running_before_the_first_read(t
     pool = MemoryPool(4 * NBYTES)
     objs = [_obj(pool, i) for i in range(2)]
     for i, o in enumerate(objs):
-        d.put_one(make_key(i), o)
+        open_objects(d).put_one(make_key(i), o)
     d.close()
     again = _disk(tmp_path / "d")
     try:
         workers = again._io_pool()._max_workers
         assert io_threads() == before + workers >= before + 2
-        got = again.get([make_key(0), make_key(1)])
+        got = open_objects(again).get([make_key(0), make_key(1)])
         assert all(torch.equal(g.tensor.view(torch.int32), o.tensor.view(torch.int32)) for g, o in zip(got, objs))
         for g in got:
             g.unref()
@@ -184,3 +196,31 @@ def test_a_reopened_directory_has_its_io_threads_running_before_the_first_read(t
     for o in objs:
         o.unref()
     assert io_threads() == before
+
+
+def test_a_batch_read_hands_each_hit_to_on_ready_on_the_io_thread_that_read_it(tmp_path):
+    """The view a tier opens streams its gets and takes parallel puts (the tier asks it);
+    ``on_ready`` is called once per hit, never for a miss, on the I/O thread that read and
+    checked it, before ``get`` returns."""
+    d = _disk(tmp_path)
+    objs = open_objects(d)
+    assert objs.streams_gets and objs.parallel_puts
+    pool = MemoryPool(4 * NBYTES)
+    src = [_obj(pool, i) for i in range(3)]
+    assert objs.put([(make_key(i), o) for i, o in enumerate(src)]) == [payload.raw_header_len(make_key(0), src[0])
+                                                                         + NBYTES] * 3
+    seen: list[tuple[int, str]] = []
+    keys = [make_key(0), make_key(9), make_key(1), make_key(2)]
+    got = objs.get(keys, lambda i, obj: seen.append((i, threading.current_thread().name)))
+    try:
+        assert got[1] is None and sorted(i for i, _ in seen) == [0, 2, 3]
+        assert all("-io_" in name for _, name in seen), seen
+        for g, o in zip([got[0], got[2], got[3]], src):
+            assert torch.equal(g.tensor.view(torch.int32), o.tensor.view(torch.int32))
+    finally:
+        for g in got:
+            if g is not None:
+                g.unref()
+        for o in src:
+            o.unref()
+        d.close()

@@ -214,7 +214,7 @@ def test_v1_roundtrip_through_real_host_pool(sgl, engine, layout, mla):
     stats = engine.stats()["tiers"]["cpu"]
     assert stats["entries"] == n
     # stored in lmcache's chunk layout (layers, k/v, tokens, heads, dim) whatever the pool's
-    obj, tier = engine.hierarchy.get_one(backend.key_of(keys[1]))
+    obj, tier = engine.hierarchy.find_one(backend.key_of(keys[1]))
     try:
         assert torch.equal(obj.tensor, canonical(pool, src, mla)[1].permute(1, 2, 0, 3, 4))
     finally:
@@ -386,7 +386,9 @@ def test_entry_of_another_shape_is_dropped(sgl, engine):
 
 
 class FlakyDisk(DiskBackend):
-    """A disk tier whose device can be 'unplugged': every call then raises OSError."""
+    """A disk store whose device can be 'unplugged': every read, write and listing then
+    raises OSError (the object view a tier opens reads and writes through ``_load`` and
+    ``_commit``)."""
 
     OPTIONS = {**DiskBackend.OPTIONS}
     unplugged = False
@@ -395,21 +397,21 @@ class FlakyDisk(DiskBackend):
         if FlakyDisk.unplugged:
             raise OSError(5, "Input/output error (device unplugged)")
 
-    def contains(self, keys):
+    def exists(self, keys):
         self._check()
-        return super().contains(keys)
+        return super().exists(keys)
 
-    def get_one(self, key):
+    def _load(self, path, key):
         self._check()
-        return super().get_one(key)
+        return super()._load(path, key)
 
-    def get(self, keys):
+    def _commit(self, key, total, codec, fill):
         self._check()
-        return super().get(keys)
+        return super()._commit(key, total, codec, fill)
 
-    def put_one(self, key, obj):
+    def keys(self):
         self._check()
-        return super().put_one(key, obj)
+        return super().keys()
 
 
 class _FlakyPlugin:

@@ -589,7 +589,7 @@ def test_failed_load_reports_blocks(model_config, layerwise):
             assert new_req(out, "b").num_computed_tokens == 192
             _, keys = wb.engine.chunk_keys(prompt[:192])
             for tier in wb.engine.hierarchy.tiers:
-                tier.remove([keys[1]])
+                tier.delete([keys[1]])
 
         out, invalid = eng.step(wb, b_layers, layout, gen, layerwise=layerwise, before_load=evict)
         b = new_req(out, "b")
@@ -763,7 +763,7 @@ def test_shifted_reuse_chunk_gone_before_the_load_is_recomputed(model_config):
         eng.submit("b", b)
         a_keys = w.engine.chunk_keys(a)[1]
         # a's third chunk goes between the scheduler's lookup and the worker's load
-        out, invalid = eng.step(w, layers, layout, gen, before_load=lambda out: w.engine.hierarchy.tiers[0].remove([a_keys[2]]))
+        out, invalid = eng.step(w, layers, layout, gen, before_load=lambda out: w.engine.hierarchy.tiers[0].delete([a_keys[2]]))
         load = out.kv_connector_metadata.loads[0]
         assert load.shifted and load.load_end == 272
         # covered: head, tail and chunk 1 (b's tokens up to 88); blocks from 80 on are recomputed
@@ -1202,10 +1202,10 @@ def test_cache_salt_keeps_requests_apart_and_no_salt_keeps_the_old_keys(model_co
     prompt, tail = list(range(1, 201)), [5] * 20
     try:
         assert _asked(eng, w, layers, gen, "a", prompt, cache_salt="tenant-1") == 0
-        assert not any(w.engine.hierarchy.contains(_old_keys(w.engine, prompt)))  # salted: no plain key
+        assert not any(w.engine.hierarchy.exists(_old_keys(w.engine, prompt)))  # salted: no plain key
         assert _asked(eng, w, layers, gen, "b", prompt + tail, cache_salt="tenant-2") == 0
         assert _asked(eng, w, layers, gen, "c", prompt + tail) == 0  # no salt: no hit of a salted entry
-        assert all(w.engine.hierarchy.contains(_old_keys(w.engine, prompt + tail)))  # ... and the old keys
+        assert all(w.engine.hierarchy.exists(_old_keys(w.engine, prompt + tail)))  # ... and the old keys
         assert _asked(eng, w, layers, gen, "d", prompt + tail, cache_salt="tenant-1") == 192
         assert _asked(eng, w, layers, gen, "e", prompt + tail, cache_salt="tenant-2") == 208
         assert _asked(eng, w, layers, gen, "f", prompt + tail) == 208

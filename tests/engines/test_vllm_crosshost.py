@@ -133,7 +133,7 @@ def test_inband_chunk_evicted_between_lookup_and_load_is_recomputed(model_config
             assert new_req(out, "b").num_computed_tokens == 192
             _, keys = wb.engine.chunk_keys(prompt[:192])
             for tier in wb.engine.hierarchy.tiers:
-                tier.remove([keys[1]])
+                tier.delete([keys[1]])
 
         out, invalid = eng.step(wb, b_layers, LAYOUT, gen, before_load=evict)
         b = new_req(out, "b")

@@ -150,7 +150,7 @@ def test_a_full_decoder_buffer_backs_off_for_a_bounded_time_then_gives_up_and_no
         # another request's chunks fill the decoder's buffer
         squat = dec.services["transfer"].endpoint.buffer.reserve(
             "other", [ChunkMeta.of(k, o) for k, o in zip(pre.chunk_keys(PROMPT)[1], [
-                h[0] for h in pre.services["transfer"].view.chunks.fetch(pre.chunk_keys(PROMPT)[1], prefix=False, raw=True)])])
+                h[0] for h in pre.services["transfer"].view.chunks.find(pre.chunk_keys(PROMPT)[1], prefix=False, raw=True)])])
         assert squat is not None
         t0 = time.monotonic()
         w.send([PDSend("r", PROMPT, None, target=PushTarget(host, [port]), notify_id="19")])

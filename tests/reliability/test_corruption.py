@@ -208,7 +208,7 @@ def test_corrupt_entries_are_misses_and_removed(smollm2, reference, backend, tmp
             assert first.tokens == base.tokens
             tier = eng.hierarchy.tiers[0]
             bk = tier.backend
-            raw = raw_of(getattr(bk, "inner", bk))  # the store's own backend, under a size-limit view (lmcache.fit)
+            raw = raw_of(bk.raw)  # the store itself, under the tier's object view (lmcache.encoded)
             keys = eng.chunk_keys(ids)[1]
             assert len(keys) >= 4 and all(raw.get(k) for k in keys)
             warm = conn.generate(ids, max_new_tokens=NEW_TOKENS, store=False)
@@ -242,7 +242,7 @@ def test_corrupt_entries_are_misses_and_removed(smollm2, reference, backend, tmp
                 assert tier.info()["corrupt"] == counted_before + 1, (backend, kind)
                 # ... and the corrupt entry is gone from the store
                 assert raw.get(victim) is None, (backend, kind)
-                assert not tier.contains([victim])[0]
+                assert not tier.exists([victim])[0]
                 removed += 1
                 # the next store writes it again, valid
                 conn.generate(ids, max_new_tokens=1)
@@ -298,7 +298,7 @@ def test_hazards_in_the_disk_directory_cost_one_miss_never_the_tier(tmp_path):
     prompts = {name: [base + i for i in range(32)] for name, base in (("a", 1000), ("b", 2000), ("c", 3000),
                                                                     ("d", 4000), ("e", 5000), ("f", 6000))}
     with lmcache.CacheEngine.from_config(cfg) as e:
-        disk = e.hierarchy.tiers[0].backend
+        disk = e.hierarchy.tiers[0].backend.raw  # the store under the tier's object view
         for name in "abc":
             e.store(prompts[name], _kv(prompts[name]))
         e.flush()
@@ -354,7 +354,7 @@ def test_forged_sizes_on_disk_cost_one_miss(tmp_path, codec):
            "tiers": [{"backend": "disk", "path": str(tmp_path / "kv"), "capacity": "8MiB", "codec": codec}]}
     prompts = {name: [base + i for i in range(32)] for name, base in (("small", 1000), ("huge", 2000), ("ok", 3000))}
     with lmcache.CacheEngine.from_config(cfg) as e:
-        disk = e.hierarchy.tiers[0].backend
+        disk = e.hierarchy.tiers[0].backend.raw  # the store under the tier's object view
         for p in prompts.values():
             e.store(p, _kv(p))
         e.flush()

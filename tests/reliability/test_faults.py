@@ -145,7 +145,7 @@ def test_networked_tier_killed_and_restarted_during_a_workload(backend):
             warm = prompt(10**6)
             e.store(warm, kv_for(warm))
             e.hierarchy.flush()
-            assert e.hierarchy.tier(backend).contains(e.chunk_keys(warm)[1]) == [True] * 4
+            assert e.hierarchy.tier(backend).exists(e.chunk_keys(warm)[1]) == [True] * 4
             t_end = time.monotonic() + 25  # the whole fault phase is capped
             with Workload(e, seed=faults) as w:
                 time.sleep(0.3)
@@ -176,11 +176,11 @@ def test_networked_tier_killed_and_restarted_during_a_workload(backend):
                 keys = e.chunk_keys(probe)[1]
                 e.store(probe, kv_for(probe))
                 e.hierarchy.flush()
-                if remote_tier.contains(keys) == [True] * 4:
+                if remote_tier.exists(keys) == [True] * 4:
                     break
                 assert time.monotonic() < deadline, f"the {backend} tier did not serve again within 30 s"
                 time.sleep(0.2)
-            e.hierarchy.tier("cpu").remove(keys)
+            e.hierarchy.tier("cpu").delete(keys)
             t0 = time.monotonic()
             res = e.retrieve(probe)
             assert time.monotonic() - t0 < hang_guard
@@ -215,7 +215,7 @@ def test_write_through_writes_down_what_a_tier_missed_during_its_outage():
                 e.hierarchy.flush()
             assert e.stats()["hierarchy"]["dropped_writes"] >= 4
             missed_keys = e.chunk_keys(missed)[1]
-            assert e.hierarchy.tier("cpu").contains(missed_keys) == [True] * 4
+            assert e.hierarchy.tier("cpu").exists(missed_keys) == [True] * 4
             st.restart()
             deadline = time.monotonic() + 30  # the backoff is at most 10 s
             polls = 0
@@ -224,19 +224,19 @@ def test_write_through_writes_down_what_a_tier_missed_during_its_outage():
                 probe = prompt(4 * 10**6 + polls)
                 e.store(probe, kv_for(probe))
                 e.hierarchy.flush()
-                if lm_tier.contains(e.chunk_keys(probe)[1]) == [True] * 4:
+                if lm_tier.exists(e.chunk_keys(probe)[1]) == [True] * 4:
                     break
                 assert time.monotonic() < deadline, "the lm tier did not take writes again within 30 s"
                 time.sleep(0.2)
-            assert lm_tier.contains(missed_keys) == [False] * 4, "the outage did not make the lm tier miss them"
+            assert lm_tier.exists(missed_keys) == [False] * 4, "the outage did not make the lm tier miss them"
             e.release(missed)
             repairs_before = e.stats()["hierarchy"]["repairs"]
             for i in range(6):  # 24 new chunks through a 16-chunk CPU tier: the missed ones are evicted
                 churn = prompt(5 * 10**6 + i)
                 e.store(churn, kv_for(churn))
             e.hierarchy.flush()
-            assert e.hierarchy.tier("cpu").contains(missed_keys) == [False] * 4
-            assert lm_tier.contains(missed_keys) == [True] * 4, "evicted chunks were lost instead of written down"
+            assert e.hierarchy.tier("cpu").exists(missed_keys) == [False] * 4
+            assert lm_tier.exists(missed_keys) == [True] * 4, "evicted chunks were lost instead of written down"
             repairs = e.stats()["hierarchy"]["repairs"] - repairs_before
             assert repairs >= 4
             res = e.retrieve(missed)
@@ -431,8 +431,8 @@ def test_a_full_disk_skips_stores_and_keeps_serving(tmp_path, caplog):
             for j in early[:20]:
                 old = prompt(j)
                 keys = e.chunk_keys(old)[1]
-                e.hierarchy.tier("cpu").remove(keys)
-                until(lambda: disk.contains(keys) == [True] * 4, f"prompt {j} on the disk tier", timeout=30)
+                e.hierarchy.tier("cpu").delete(keys)
+                until(lambda: disk.exists(keys) == [True] * 4, f"prompt {j} on the disk tier", timeout=30)
                 res = timed(lambda: e.retrieve(old))
                 assert res.num_tokens == PROMPT_TOKENS and res.tiers == ["disk"] * 4, (j, res.tiers)
                 assert torch.equal(res.kv, kv_big(old))

@@ -114,9 +114,9 @@ class HierarchyMachine(RuleBasedStateMachine):
         TOTALS["steps"] += 1
         keys = [KEYS[(start + j) % UNIVERSE] for j in range(length)]
         self.h.flush()
-        names = self.h.contains_prefix(keys)
+        names = self.h.exists_prefix(keys)
         with self.h.pinned(keys):
-            res = self.h.get(keys)
+            res = self.h.find(keys)
         try:
             for j in range(len(names)):
                 assert res[j] is not None, f"lookup reported {keys[j]} in {names[j]} but get missed it"

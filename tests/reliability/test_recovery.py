@@ -59,7 +59,7 @@ def _outage(e: lmcache.CacheEngine, st) -> None:
     until the test moves the clock), then restart it: it comes back empty."""
     bottom = e.hierarchy.tier("redis")
     st.kill()
-    assert bottom.contains(["lmc1:probe"]) == [False]
+    assert bottom.exists(["lmc1:probe"]) == [False]
     assert not bottom.available
     st.restart()
 
@@ -93,14 +93,14 @@ def test_a_chunk_evicted_while_its_lower_tier_backs_off_waits_for_it_and_the_boo
 
         clock.t += 60  # the backoff ends: the writer writes what waited, then resyncs the books
         keys_a = e.chunk_keys(a)[1]
-        until(lambda: bottom.backend.contains(keys_a) == [True, True], "the parked writes reach redis")
+        until(lambda: bottom.backend.exists(keys_a) == [True, True], "the parked writes reach redis")
         until(lambda: bottom.stats.lost == 4, "the redis tier forgets the 4 entries the restart lost")
         assert e.hierarchy.pending_writes() == 0 and not e.hierarchy._inflight
         held = sorted(k for k, _ in bottom.backend.keys())
         assert sorted(k for k, _ in bottom.keys()) == held and set(keys_a) <= set(held)
         assert bottom.used == sum(size for _, size in bottom.backend.keys())
         assert {k for op, t, k in events if op == "evict" and t == "redis"} == before
-        e.hierarchy.tier("cpu").remove(keys_a)
+        e.hierarchy.tier("cpu").delete(keys_a)
         got = e.retrieve(a)
         assert got.tiers == ["redis", "redis"] and torch.equal(got.kv, kv_for(a))
         assert e.stats()["hierarchy"]["dropped_writes"] == 0
@@ -145,7 +145,7 @@ def test_a_shared_tier_back_from_an_outage_forgets_what_the_server_lost():
         e.hierarchy.add_listener(lambda op, tier, key: events.append((op, tier, key)))
         _outage(e, st)
         clock.t += 60
-        assert bottom.contains(["lmc1:probe"]) == [False]  # serves again
+        assert bottom.exists(["lmc1:probe"]) == [False]  # serves again
         until(lambda: len(bottom) == 0, "the redis tier forgets the 4 entries the restart lost", timeout=10)
         assert bottom.used == 0 and list(bottom.backend.keys()) == []
         assert {k for op, t, k in events if op == "evict" and t == "redis"} == counted

@@ -23,6 +23,7 @@ import torch
 import lmcache
 from lmcache import payload
 from lmcache import wire as proto
+from lmcache.encoded import open_objects
 from lmcache.errors import BackendError
 from lmcache.memory import MemoryPool
 from lmcache.server import CacheServer
@@ -225,7 +226,7 @@ def test_the_lm_client_proves_the_token_and_never_sends_it():
     try:
         b = LMBackend(BackendContext.standalone({"url": fake.url, "token": P2P_TOKEN}))
         with pytest.raises(BackendError, match="did not prove it knows the token"):
-            b.contains(["lmc1:ns:m:sig:00"])
+            b.exists(["lmc1:ns:m:sig:00"])
         b.close()
         assert not fake.saw_token(), "the token went to a listener that does not know it"
         assert [op for op, _, _ in fake.frames] == [proto.AUTH], fake.frames
@@ -238,7 +239,7 @@ def test_the_lm_client_proves_the_token_and_never_sends_it():
         url = f"lm://127.0.0.1:{srv.address[1]}"
         for opts in ({"url": url}, {"url": url, "peer_id": "peer-x"}, {"url": relay.url}):
             b = LMBackend(BackendContext.standalone({**opts, "token": P2P_TOKEN}))
-            assert b.contains(["k"]) == [False]
+            assert b.exists(["k"]) == [False]
             b.close()
         # what a listener saw of a complete handshake is of no use on a new connection
         captured = [v for f, _, v in relay.client_frames() if f.op == proto.AUTH]
@@ -258,7 +259,7 @@ def test_the_lm_client_proves_the_token_and_never_sends_it():
                           ({"url": url, "token": "other"}, "wrong token")):
             b = LMBackend(BackendContext.standalone({"token": P2P_TOKEN, **opts}))
             with pytest.raises(BackendError, match=why):
-                b.contains(["k"])
+                b.exists(["k"])
             b.close()
         # a peer endpoint takes no token sent in clear (lmcache server still does, for old clients)
         with socket.create_connection(srv.address, timeout=HANG) as s:
@@ -385,15 +386,16 @@ def test_a_peer_endpoint_serves_its_own_namespace_only_over_a_shared_tier(tmp_pa
         for t in b.hierarchy.tiers:
             t.refresh()
         ka, kb = a.chunk_keys(ta)[1], b.chunk_keys(tb)[1]
-        client = LMBackend(BackendContext.standalone({"url": b.peer_url, "token": P2P_TOKEN, "peer_id": b.instance_id}))
+        client = open_objects(LMBackend(BackendContext.standalone({"url": b.peer_url, "token": P2P_TOKEN,
+                                                                   "peer_id": b.instance_id})))
         try:
             got = client.get(ka + kb)
             assert [o is not None for o in got] == [False] * len(ka) + [True] * len(kb)
             for o in got:
                 if o is not None:
                     o.unref()
-            assert client.contains(ka) == [False] * len(ka)
-            assert sorted(k for k, _ in client.list()) == sorted(kb)
+            assert client.exists(ka) == [False] * len(ka)
+            assert sorted(k for k, _ in client.keys()) == sorted(kb)
         finally:
             client.close()
     finally:

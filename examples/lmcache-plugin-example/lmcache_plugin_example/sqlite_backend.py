@@ -2,13 +2,16 @@
 
 A tier declares it as ``{backend: sqlite, path: /var/cache/lmcache/kv.db, capacity: 20GiB}``.
 
-It derives from :class:`lmcache.storage.BytesBackend`, so it only moves opaque bytes:
-the base class encodes each chunk with the tier's codec into a self-describing payload
-(magic, version, codec, dtype, shape, checksums) and checks it again on every read; a row
-that fails those checks is reported as a miss and deleted. Each write is one
-``INSERT OR REPLACE`` inside a transaction, so a reader sees the old row or the new one,
-never half of one. The database runs in WAL mode, so other processes may read it while
-this one writes, and every entry survives closing and reopening the file.
+It derives from :class:`lmcache.storage.BytesBackend`: a store whose values are payload
+bytes, answering the five verbs of every store (``get``, ``put``, ``exists``, ``delete``,
+``keys``) over them, each batch in one SQL statement or one transaction. It never decodes:
+a tier opens it through :class:`lmcache.encoded.Encoded`, which encodes each chunk with the
+tier's codec into a self-describing payload (magic, version, codec, dtype, shape,
+checksums) and checks it again on every read; a row that fails those checks is reported
+as a miss and deleted. Each write is a ``DELETE`` and an ``INSERT`` inside one
+transaction, so a reader sees the old row or the new one, never half of one. The database
+runs in WAL mode, so other processes may read it while this one writes, and every entry
+survives closing and reopening the file.
 
 Options: ``path`` (required; the database file, created with its parent directories if
 missing) and ``timeout`` (seconds to wait for a lock held by another process, default 5).
@@ -26,7 +29,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lmcache import payload
 from lmcache.errors import BackendError, ConfigError, CorruptPayloadError
@@ -37,6 +40,16 @@ SCHEMA_VERSION = 2
 _TABLE = "lmcache_payloads"
 # Stay well under SQLite's limit on host parameters in one statement.
 _BATCH = 500
+
+
+def _batches(keys: Sequence[str]) -> Iterator[list[str]]:
+    """``keys`` in lists of at most ``_BATCH`` (one statement each)."""
+    for i in range(0, len(keys), _BATCH):
+        yield list(keys[i : i + _BATCH])
+
+
+def _marks(part: Sequence[str]) -> str:
+    return ",".join("?" * len(part))
 
 
 class SQLiteBackend(BytesBackend):
@@ -149,41 +162,61 @@ class SQLiteBackend(BytesBackend):
             except sqlite3.Error as exc:
                 raise BackendError(f"sqlite tier {self.context.tier} ({self.path}): {exc}") from exc
 
-    # ------------------------------------------------------------- BytesBackend
-    def write(self, key: str, buffers: Sequence[bytes | memoryview]) -> None:
-        data = b"".join(buffers)
-        try:  # the payload's own codec (an entry re-encoded by `lmcache compress` has another)
-            codec = payload.parse_header(data).codec
-        except CorruptPayloadError:
-            codec = self.context.codec.name
+    # ---------------------------------------- the five verbs over bytes, batch first
+    # Each is one statement (or one transaction) per batch of keys, under the lock; the
+    # single-key forms (get_one, put_one, exists_one, delete_one) are derived from them.
+    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[bytes | None]:
+        """The stored payload bytes of each key (``None``: missing), one ``SELECT ... IN``
+        per batch. Decoding and checking them is the object view's work, not this store's."""
+        found: dict[str, bytes] = {}
+        with self._db() as conn:
+            for part in _batches(keys) if conn is not None else ():
+                found.update(conn.execute(f"SELECT key, data FROM {_TABLE} WHERE key IN ({_marks(part)})", part))
+        return [found.get(k) for k in keys]
+
+    def put(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> list[int]:
+        """Each value (a sequence of buffers) stored as their concatenation, all in one
+        transaction: a reader sees the old rows or the new ones, never part of one.
+        Returns the bytes each row holds."""
+        rows = []
+        for key, buffers in items:
+            data = b"".join(buffers)
+            try:  # the payload's own codec (an entry re-encoded by `lmcache compress` has another)
+                codec = payload.parse_header(data).codec
+            except CorruptPayloadError:  # a part of a split payload, or not a payload
+                codec = self.context.codec.name
+            rows.append((key, data, len(data), codec))
+        now = time.time()
         with self._db() as conn:
             if conn is None:
-                raise BackendError(f"sqlite tier {self.context.tier}: opened read-only, cannot store {key}")
+                raise BackendError(f"sqlite tier {self.context.tier}: opened read-only, cannot store "
+                                   f"{', '.join(k for k, _ in items[:3])}")
             with conn:  # one transaction, committed or rolled back
-                # DELETE first: a rewritten key becomes the newest row (rowid order = age)
-                conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,))
-                conn.execute(
-                    f"INSERT INTO {_TABLE} (key, data, size, codec, stored_at) VALUES (?, ?, ?, ?, ?)",
-                    (key, data, len(data), codec, time.time()),
-                )
+                for key, data, size, codec in rows:
+                    # DELETE first: a rewritten key becomes the newest row (rowid order = age)
+                    conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,))
+                    conn.execute(f"INSERT INTO {_TABLE} (key, data, size, codec, stored_at) VALUES (?, ?, ?, ?, ?)",
+                                 (key, data, size, codec, now))
+        return [size for _, _, size, _ in rows]
 
-    def read(self, key: str) -> bytes | None:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """One ``SELECT key ... IN`` per batch of keys."""
+        found: set[str] = set()
         with self._db() as conn:
-            row = None if conn is None else conn.execute(f"SELECT data FROM {_TABLE} WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+            for part in _batches(keys) if conn is not None else ():
+                found.update(r[0] for r in conn.execute(f"SELECT key FROM {_TABLE} WHERE key IN ({_marks(part)})", part))
+        return [k in found for k in keys]
 
-    def delete(self, key: str) -> bool:
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key was there; one transaction for the batch (a key listed twice
+        is deleted by its first mention)."""
         with self._db() as conn:
             if conn is None:
-                return False
+                return [False] * len(keys)
             with conn:
-                return conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (key,)).rowcount > 0
+                return [conn.execute(f"DELETE FROM {_TABLE} WHERE key = ?", (k,)).rowcount > 0 for k in keys]
 
-    def exists(self, key: str) -> bool:
-        with self._db() as conn:
-            return conn is not None and conn.execute(f"SELECT 1 FROM {_TABLE} WHERE key = ?", (key,)).fetchone() is not None
-
-    def list(self) -> Iterator[tuple[str, int]]:
+    def keys(self) -> Iterator[tuple[str, int]]:
         # Read everything under the lock, then yield: the caller may call other methods
         # of this backend while iterating. Oldest first (see _init_schema).
         with self._db() as conn:
@@ -200,22 +233,6 @@ class SQLiteBackend(BytesBackend):
                 f"SELECT key, size, codec, stored_at FROM {_TABLE} ORDER BY rowid").fetchall()
         for key, size, codec, stored_at in rows:
             yield EntryInfo(key, size, codec or None, stored_at or None)
-
-    # ------------------------------------------- batch forms: one query per batch
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        found: set[str] = set()
-        with self._db() as conn:
-            for i in range(0, len(keys), _BATCH) if conn is not None else ():
-                part = list(keys[i : i + _BATCH])
-                marks = ",".join("?" * len(part))
-                found.update(r[0] for r in conn.execute(f"SELECT key FROM {_TABLE} WHERE key IN ({marks})", part))
-        return [k in found for k in keys]
-
-    def remove(self, keys: Sequence[str]) -> None:
-        with self._db() as conn:
-            if conn is not None:
-                with conn:
-                    conn.executemany(f"DELETE FROM {_TABLE} WHERE key = ?", [(k,) for k in keys])
 
     def usage(self) -> Usage:
         with self._db() as conn:

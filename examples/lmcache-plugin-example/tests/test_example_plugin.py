@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from lmcache import hookimpl, payload
-from lmcache.errors import ConfigError, PluginError
+from lmcache.errors import BackendError, ConfigError, PluginError
 from lmcache.plugin_manager import Registries, create_plugin_manager, plugin_source
 from lmcache.storage import BackendContext
+from lmcache.encoded import open_objects
 from lmcache.testing import BytesBackendTests, CodecTests, FileBackendTests, assert_rejects, make_key, make_obj
 from lmcache_plugin_example.sqlite_backend import SQLiteBackend
 from lmcache_plugin_example.zlib_codec import ZlibCodec
@@ -30,6 +31,11 @@ from lmcache_plugin_example.zlib_codec import ZlibCodec
 
 def _backend(path, codec=None, **options) -> SQLiteBackend:
     return SQLiteBackend(BackendContext.standalone({"path": str(path), **options}, codec=codec))
+
+
+def _objects(path, codec=None):
+    """The sqlite store as a tier opens it: memory objects through its object view."""
+    return open_objects(_backend(path, codec))
 
 
 # ----------------------------------------------------------------- 1. conformance
@@ -69,9 +75,9 @@ class TestZlibCodec(CodecTests):
 
 def test_entries_survive_reopening(tmp_path):
     obj = make_obj(1)
-    with _backend(tmp_path / "kv.db") as b:
+    with _objects(tmp_path / "kv.db") as b:
         size = b.put([(make_key(1), obj)])[0]
-    with _backend(tmp_path / "kv.db") as b:
+    with _objects(tmp_path / "kv.db") as b:
         assert list(b.keys()) == [(make_key(1), size)]
         (got,) = b.get([make_key(1)])
         assert got is not None and torch.equal(got.tensor, obj.tensor)
@@ -80,7 +86,7 @@ def test_entries_survive_reopening(tmp_path):
 
 def test_corrupt_row_is_a_miss_and_is_deleted(tmp_path):
     db = tmp_path / "kv.db"
-    with _backend(db) as b:
+    with _objects(db) as b:
         b.put([(make_key(1), make_obj(1)), (make_key(2), make_obj(2))])
         raw = sqlite3.connect(db)  # flip the last byte of one payload behind the backend's back
         with raw:
@@ -90,21 +96,63 @@ def test_corrupt_row_is_a_miss_and_is_deleted(tmp_path):
             raw.execute("UPDATE lmcache_payloads SET data = ? WHERE key = ?", (bytes(data), make_key(1)))
         raw.close()
         assert b.get([make_key(1)]) == [None]
-        assert b.contains([make_key(1), make_key(2)]) == [False, True]
-        assert b.integrity.corrupt == 1
+        assert b.exists([make_key(1), make_key(2)]) == [False, True]
+        assert b.integrity.corrupt == b.raw.integrity.corrupt == 1
+        assert b.raw.exists([make_key(1)]) == [False]  # deleted from the store itself
 
 
 def test_stored_payload_names_its_codec(tmp_path):
-    with _backend(tmp_path / "kv.db", codec=ZlibCodec(9)) as b:
+    with _objects(tmp_path / "kv.db", codec=ZlibCodec(9)) as b:
         b.put([(make_key(1), make_obj(1))])
-        header = payload.parse_header(b.read(make_key(1)))
+        header = payload.parse_header(b.raw.get_one(make_key(1)))
     assert header.codec == "zlib" and header.key == make_key(1)
+
+
+def test_the_byte_verbs_answer_batches_in_key_order(tmp_path):
+    """The store's own five verbs over bytes (what ``Encoded`` calls): batches larger than
+    one statement's host parameters, answers in the order of the keys asked, and the
+    single-key forms derived from the batch ones."""
+    keys = [make_key(i) for i in range(1200)]
+    with _backend(tmp_path / "kv.db") as b:
+        assert b.put([(k, [b"head-", k.encode()]) for k in keys[::2]]) == [5 + len(k) for k in keys[::2]]
+        assert b.exists(keys) == [i % 2 == 0 for i in range(1200)]
+        got = b.get(keys[::-1])
+        assert got[1::2] == [b"head-" + k.encode() for k in keys[-2::-2]] and got[::2] == [None] * 600
+        assert b.delete([keys[0], keys[1], keys[0]]) == [True, False, False]
+        assert b.exists_one(keys[0]) is False and b.get_one(keys[2]) == b"head-" + keys[2].encode()
+        assert b.put_one(keys[1], [memoryview(b"xy")]) == 2 and b.delete_one(keys[1]) is True
+        assert [k for k, _ in b.keys()] == keys[2::2]  # oldest first
+        assert b.usage().entries == 599
+
+
+def test_a_read_only_store_refuses_writes_and_deletes_nothing(tmp_path):
+    with _backend(tmp_path / "kv.db") as b:
+        b.put_one(make_key(1), [b"kept"])
+    ro = SQLiteBackend(BackendContext.standalone({"path": str(tmp_path / "kv.db")}, read_only=True))
+    try:
+        with pytest.raises(BackendError, match="read-?only"):
+            ro.put([(make_key(2), [b"new"])])
+        assert ro.get([make_key(1), make_key(2)]) == [b"kept", None]
+    finally:
+        ro.close()
+    missing = SQLiteBackend(BackendContext.standalone({"path": str(tmp_path / "none.db")}, read_only=True))
+    assert missing.delete([make_key(1)]) == [False] and missing.exists([make_key(1)]) == [False]
+    missing.close()
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_written_for_the_current_contract():
+    """None of the old verbs (read/write/list, contains/remove): the class is created
+    without the deprecation adapter of :mod:`lmcache.storage_legacy`."""
+    from lmcache.storage_legacy import BYTE_VERBS, RENAMED
+
+    assert not set(vars(SQLiteBackend)) & {*BYTE_VERBS, *RENAMED}
 
 
 def test_threads_share_one_backend(tmp_path):
     errors: list[BaseException] = []
 
-    with _backend(tmp_path / "kv.db") as b:
+    with _objects(tmp_path / "kv.db") as b:
 
         def work(t: int) -> None:
             try:
@@ -147,7 +195,7 @@ def test_entries_carry_codec_and_time_oldest_first(tmp_path):
     import time
 
     t0 = time.time()
-    with _backend(tmp_path / "kv.db", codec=ZlibCodec()) as b:
+    with _objects(tmp_path / "kv.db", codec=ZlibCodec()) as b:
         b.put([(make_key(i), make_obj(i)) for i in range(3)])
         b.put([(make_key(0), make_obj(0))])  # rewritten: now the newest
         entries = list(b.entries())
@@ -157,9 +205,9 @@ def test_entries_carry_codec_and_time_oldest_first(tmp_path):
 
 def test_a_version_1_database_is_read_and_upgraded(tmp_path):
     db = tmp_path / "kv.db"
-    with _backend(db) as b:
+    with _objects(db) as b:
         b.put([(make_key(1), make_obj(1))])
-        data = b.read(make_key(1))
+        data = b.raw.get_one(make_key(1))
     db.unlink()
     for extra in ("-wal", "-shm"):
         (tmp_path / f"kv.db{extra}").unlink(missing_ok=True)
@@ -172,7 +220,7 @@ def test_a_version_1_database_is_read_and_upgraded(tmp_path):
     ro = SQLiteBackend(BackendContext.standalone({"path": str(db)}, read_only=True))
     assert [e.key for e in ro.entries()] == [make_key(1)]
     ro.close()
-    with _backend(db) as b:
+    with _objects(db) as b:
         (got,) = b.get([make_key(1)])
         assert got is not None and torch.equal(got.tensor, make_obj(1).tensor)
         got.unref()

@@ -13,6 +13,7 @@ from lmcache.config import KVSpec, load_config
 from lmcache.errors import ConfigError
 from lmcache.memory import MemoryPool
 from lmcache.plugin_manager import get_registries
+from lmcache.encoded import open_objects
 from lmcache.storage import BackendContext
 from lmcache.testing import make_key
 
@@ -85,10 +86,10 @@ def test_payload_header_records_the_chain_and_any_reader_decodes_it(tmp_path, wr
     obj = MemoryPool.allocate_unpooled(kv.shape, kv.dtype)
     obj.tensor.copy_(kv)
     disk = REGS.backends.load("disk")
-    w = disk(_ctx(tmp_path, writer))
+    w = open_objects(disk(_ctx(tmp_path, writer)))
     w.put([(make_key(1), obj)])
     w.close()
-    r = disk(_ctx(tmp_path, "raw"))  # a reader whose own tier codec is another one
+    r = open_objects(disk(_ctx(tmp_path, "raw")))  # a reader whose own tier codec is another one
     assert [info.codec for info in r.entries()] == [writer]
     got = r.get([make_key(1)])[0]
     assert got is not None

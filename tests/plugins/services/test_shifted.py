@@ -188,7 +188,7 @@ def test_a_chunk_gone_before_its_load_is_computed_instead(smollm2, texts):
         conn.prefill(long)
         svc = e.services["approximate_reuse"]
         gone = svc.find(cut, 4, len(cut) - 1)[2:5]
-        e.hierarchy.tiers[0].remove([m.key for m in gone])
+        e.hierarchy.tiers[0].delete([m.key for m in gone])
         got = conn.prefill(cut, store=False)
         assert e.stats()["approximate_reuse"]["missing_chunks"] == 3
         left = sum(m.length for m in svc.find(cut, 4, len(cut) - 1)) - 3 * CHUNK
