@@ -439,7 +439,7 @@ def _p2p_peer_main(spec: dict[str, Any]) -> None:
         engine.flush()
         del kv
         store = engine.p2p.endpoint.store
-        held = [store.get(k) for k in engine.chunk_keys(tokens)[1]]  # the payloads a peer GET sends, encoded once
+        held = [store.get_one(k) for k in engine.chunk_keys(tokens)[1]]  # the payloads a peer GET sends, encoded once
         if any(h is None for h in held):
             raise SystemExit("the peer did not keep every chunk (cpu tier too small?)")
         lsock = socket.socket()
