@@ -203,7 +203,7 @@ class Store:
 
     def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        storage_legacy.adapt(cls)
+        storage_legacy.adapt(cls, Store)
         if abstract:  # the contract's own bases: what they define of the pairs is a default
             for pair in cls.PAIRS:
                 _DEFAULTS.update(cls.__dict__[n] for n in pair if n in cls.__dict__)
@@ -397,8 +397,7 @@ class BytesBackend(StorageBackend, abstract=True):
         super().__init__(context)
         self.integrity = IntegrityStats()
 
-    def get(self, keys: Sequence[str], on_ready: Callable[[int, Any], None] | None = None) -> list[Any]:
-        return [self.get_one(k) for k in keys]
+    get = Store.get  # the plain loop again: a byte store's reads stream through its object view
 
     def note_corrupt(self, key: str, exc: Exception) -> None:
         """Count and log a payload that failed its checks (the caller deletes it)."""

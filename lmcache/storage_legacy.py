@@ -34,16 +34,6 @@ def _put_by_write(write: Callable[..., Any]) -> Callable[..., int]:
     return put_one
 
 
-def _each(single: str) -> Callable[..., list[bool]]:
-    """A batch verb as a loop over its single-key form."""
-    def batch(self: Any, keys: Sequence[str]) -> list[bool]:
-        one = getattr(self, single)
-        return [one(k) for k in keys]
-
-    batch.__name__ = single[: -len("_one")]
-    return batch
-
-
 def _delete_by_remove(remove: Callable[..., Any]) -> Callable[..., list[bool]]:
     def delete(self: Any, keys: Sequence[str]) -> list[bool]:
         remove(self, keys)
@@ -52,9 +42,10 @@ def _delete_by_remove(remove: Callable[..., Any]) -> Callable[..., list[bool]]:
     return delete
 
 
-def adapt(cls: type) -> None:
+def adapt(cls: type, store: type) -> None:
     """Map the old verbs ``cls`` defines in its own body onto today's (see the module
-    docstring); nothing for a class written for today's contract."""
+    docstring); nothing for a class written for today's contract. ``store``:
+    :class:`lmcache.storage.Store`, whose batch forms loop over the single-key ones."""
     body = cls.__dict__
     byte_store = bool(getattr(cls, "supports_bytes", False)) and any(n in body for n in BYTE_VERBS)
     old = [n for n in RENAMED if n in body]
@@ -74,11 +65,9 @@ def adapt(cls: type) -> None:
                 setattr(cls, new, body[name])
         if "write" in body:
             cls.put_one = _put_by_write(body["write"])  # type: ignore[attr-defined]
-        # their old single-key bodies: the batch forms are derived again
-        if "exists" in body:
-            cls.exists = _each("exists_one")  # type: ignore[attr-defined]
-        if "delete" in body:
-            cls.delete = _each("delete_one")  # type: ignore[attr-defined]
+        for batch in ("exists", "delete"):  # their old single-key bodies: the batch forms are derived again
+            if batch in body:
+                setattr(cls, batch, store.__dict__[batch])
     for name in RENAMED:
         if name in body:
             fn = body[name]

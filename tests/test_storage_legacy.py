@@ -309,18 +309,24 @@ def test_a_damaged_payload_in_a_legacy_byte_backend_is_a_counted_miss(through):
 # ---------------------------------------------------------- what cannot be adapted
 
 
+class _ReadsNothing:
+    """The get/put/keys of a store that holds nothing (the pairs the tests below leave in place)."""
+
+    def get_one(self, key):
+        return None
+
+    def put_one(self, key, obj):
+        return 0
+
+    def keys(self):
+        return iter(())
+
+
 def test_a_class_overriding_neither_form_of_a_pair_is_a_type_error():
     with pytest.raises(TypeError) as info:
 
-        class HalfStore(StorageBackend):
-            def get_one(self, key):
-                return None
-
-            def put_one(self, key, obj):
-                return 0
-
-            def keys(self):
-                return iter(())
+        class HalfStore(_ReadsNothing, StorageBackend):
+            pass
 
     msg = str(info.value)
     assert "HalfStore" in msg and "exists or exists_one" in msg and "delete or delete_one" in msg, msg
@@ -334,18 +340,9 @@ def test_a_legacy_class_missing_a_pair_is_a_type_error_after_its_warning(kind):
     def make() -> type:
         if kind == "objects":
 
-            class NoRemove(StorageBackend):  # contains_one, but no remove_one
+            class NoRemove(_ReadsNothing, StorageBackend):  # contains_one, but no remove_one
                 def contains_one(self, key):
                     return False
-
-                def get_one(self, key):
-                    return None
-
-                def put_one(self, key, obj):
-                    return 0
-
-                def keys(self):
-                    return iter(())
 
             return NoRemove
 
