@@ -1,6 +1,6 @@
 """The ``lm`` backend: a remote tier on an ``lmcache server`` (``lm://host:port``).
 
-Why our own server: it speaks the framed protocol of :mod:`lmcache.server`, the same one
+Why our own server: it speaks the framed protocol of :mod:`lmcache.server.cache`, the same one
 peers use to fetch chunks from each other, so a value moves as one header and the raw
 payload bytes both ways, with nothing to parse in between. The server never decodes a
 value; what it stores is the self-describing payload (magic, version, codec, dtype,

@@ -77,7 +77,7 @@ def valkey_support() -> str | None:
     """``None`` when ``ControllerServer`` takes ``index="valkey://..."``; else why not."""
     import inspect
 
-    from lmcache.controller.service import ControllerServer
+    from lmcache.server.controller import ControllerServer
 
     if "index" not in inspect.signature(ControllerServer).parameters:
         return "ControllerServer takes no index= (the valkey index is not in this lmcache)"
@@ -87,7 +87,7 @@ def valkey_support() -> str | None:
 @contextlib.contextmanager
 def controller(index_url: str, token: str, max_keys: int) -> Iterator[Any]:
     """An in-process ``ControllerServer`` on loopback over ``index_url``."""
-    from lmcache.controller.service import ControllerServer
+    from lmcache.server.controller import ControllerServer
 
     kw: dict[str, Any] = {} if index_url == "memory" else {"index": index_url}
     srv = ControllerServer("127.0.0.1", 0, token=token, instance_timeout=600.0, max_keys_per_instance=max_keys, **kw)
@@ -112,7 +112,7 @@ def raw_reads(port: int, keys: list[str], instances: list[str]) -> Callable[[], 
     """One redis-py pipeline reading, on the same server, what the valkey index's lookup
     must read for the chunk ``keys`` of the prompt: the namespace's live leases
     (``ZRANGEBYSCORE lmc:{ns}:leases``) and, per instance, ``HMGET lmc:{ns}:k:<id> hash...``
-    (the tier bitmask of each chunk, held by its hash; :mod:`lmcache.controller.index_valkey`'s layout);
+    (the tier bitmask of each chunk, held by its hash; :mod:`lmcache.server.index_valkey`'s layout);
     no transaction, one round trip. The index's Lua script does this and the instances'
     records, their sessions and the scoring besides, so it cannot beat this."""
     import redis
@@ -137,7 +137,7 @@ def lookup_rows(kind: str, index_url: str, chunks: list[int], instances: int, co
                 valkey_port: int | None) -> list[dict[str, Any]]:
     """Per chunk count: direct and HTTP lookups of ``kind`` (p50/p99 ms, lookups/s), and,
     for valkey, the raw pipelined reads of the same keys and the ratio to them."""
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     token = secrets.token_hex(8)
     top = max(chunks)
@@ -271,7 +271,7 @@ def _kill_under_lookups(urls: list[str], token: str, kill: Callable[[], None], s
     """Lookups in a loop through a client given ``urls``; ``kill()`` after ``seconds``;
     the loop runs until lookups are answered again (:func:`_recovered`, at most 30 s),
     then ``seconds`` more: :func:`_gaps`."""
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     client = ControllerClient(urls, token, timeout=2.0)
     body = {"chunk_hashes": _hashes(32, "prompt"), "namespace": NAMESPACE, "model": MODEL}
@@ -379,7 +379,7 @@ def primary_failover(workdir: Path, spawn: Callable[..., Any], seconds: float = 
     the loop runs until lookups are answered again (at most 30 s). Failed lookups, and
     answered ones that missed the instance (incomplete) or came from the replica (stale)."""
     _spawn = spawn
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
     from lmcache.testing.stores.redis import command
 
     with sentinel_pair(down_after_ms) as sp:

@@ -129,7 +129,7 @@ def held_prefixes(instances: int, tokens: int, chunk: int) -> list[int]:
 
 
 def run_lookup(instances: int, tokens: int, chunk_size: int, count: int) -> dict[str, Any]:
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     ctl_token = secrets.token_hex(16)
     prompt = prompt_tokens(tokens)
@@ -369,7 +369,7 @@ def p2p_cmd(
 
 # --------------------------------------------------------------------------- process entry points
 def _controller_main(spec: dict[str, Any]) -> None:
-    from lmcache.controller.service import ControllerServer
+    from lmcache.server.controller import ControllerServer
 
     index = {"index": spec["index"]} if spec.get("index") else {}  # a valkey URL (lmcache bench controller's index part)
     server = ControllerServer("127.0.0.1", 0, token=spec["token"], instance_timeout=10.0, **index)

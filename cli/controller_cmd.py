@@ -54,7 +54,7 @@ TierOpt = Annotated[str | None, typer.Option("--tier", "-t", metavar="NAME", sho
 
 
 def _client(url: str, token: str | None, timeout: float):
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     return ControllerClient(url, token, timeout)
 
@@ -137,15 +137,15 @@ InstanceNetworksOpt = Annotated[
 def _check_serve_args(index: str, allowed_hosts: list[str] | None, instance_networks: list[str] | None) -> None:
     """``serve``'s --index, --allowed-host and --instance-network, each a BadParameter naming it."""
     if index != "memory":
-        from lmcache.controller.index_valkey import parse_url
+        from lmcache.server.index_valkey import parse_url
         from lmcache.errors import ConfigError
 
         try:
             parse_url(index)
         except ConfigError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--index'") from None
-    from lmcache.controller.reach import InstancePolicy
-    from lmcache.http import check_allowed_hosts
+    from lmcache.server.reach import InstancePolicy
+    from lmcache.server.http import check_allowed_hosts
 
     for check, values, hint in ((check_allowed_hosts, allowed_hosts, "'--allowed-host'"),
                                 (InstancePolicy, instance_networks, "'--instance-network'")):
@@ -197,7 +197,7 @@ def serve(
     ] = None,
 ) -> None:
     """Run the controller service until SIGTERM or Ctrl-C; its URL is printed on stdout."""
-    from lmcache.controller.service import ControllerServer, openapi
+    from lmcache.server.controller import ControllerServer, openapi
 
     if write_openapi is not None:
         write_openapi.write_text(json.dumps(openapi(), indent=2) + "\n")

@@ -78,7 +78,7 @@ def dashboard(
     url = urls[0]
     info: dict[str, object] = {"url": url, "checked": False}
     if check:
-        from lmcache.controller.client import ControllerClient
+        from lmcache.plugins.services.controller_client import ControllerClient
         from lmcache.errors import AdminError, AuthError, UnreachableError
 
         for i, url in enumerate(urls):  # replicas: the first that serves the page

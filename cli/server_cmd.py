@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from lmcache import server as lmserver
+from lmcache.server import cache as lmserver
 from lmcache import wire
 
 from ._util import CLIError, size_option

@@ -267,7 +267,7 @@ def _answer_line(w: Walk, who: str, a: dict[str, Any], expected: str) -> None:
 
 def walk_through(w: Walk, ctl_url: str, ctl_token: str, api_token: str, insts: dict[str, Instance],
                  max_new_tokens: int, instance_timeout: float) -> None:
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     client = ControllerClient(ctl_url, ctl_token, 10.0)
     a, b, c = insts[PREFILL], insts[DECODE], insts[PEER]

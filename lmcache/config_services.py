@@ -26,7 +26,7 @@ class ApiConfig:
     [tokens]}``) adds tokens scoped to one namespace each (see :mod:`lmcache.auth`).
     ``allowed_hosts`` names the ``Host`` names it answers to besides IP addresses,
     ``localhost`` and the bound name (``name``, ``.domain``, ``*``; a guard against DNS
-    rebinding, see :class:`lmcache.http.RequestGuard`).
+    rebinding, see :class:`lmcache.server.http.RequestGuard`).
     """
 
     enabled: bool = option(False, check.boolean, shorthand=bool)
@@ -44,7 +44,7 @@ class ApiConfig:
 
 
 def _host_names(key: str, v: Any, src: str | None) -> list[str]:
-    from .http import check_allowed_hosts
+    from .server.http import check_allowed_hosts
 
     items = v.split(",") if isinstance(v, str) else v
     if not isinstance(items, list):
@@ -71,7 +71,7 @@ _MAX_CONTROLLER_URLS = 16
 
 def _controller_urls(key: str, v: Any, src: str | None) -> str:
     """One controller URL, a comma-separated string or a YAML list of them (replicas, tried
-    in turn by :class:`~lmcache.controller.client.ControllerClient`): kept as one
+    in turn by :class:`~lmcache.plugins.services.controller_client.ControllerClient`): kept as one
     comma-separated string; an entry that is not ``http(s)://HOST:PORT`` is named."""
     items = v.split(",") if isinstance(v, str) else v if isinstance(v, list) else None
     if not items or len(items) > _MAX_CONTROLLER_URLS:
@@ -83,7 +83,7 @@ def _controller_urls(key: str, v: Any, src: str | None) -> str:
 
 @dataclass
 class ControllerConfig:
-    """The controller worker (see :mod:`lmcache.controller.worker`): off unless ``url``
+    """The controller worker (see :mod:`lmcache.plugins.services.controller`): off unless ``url``
     is set (``controller: http://...`` is short for ``{url: ...}``). ``url`` may name
     several controller replicas, comma-separated or as a YAML list: every call goes to
     the one that answered last and fails over to the next when it does not answer or

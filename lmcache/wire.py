@@ -1,5 +1,5 @@
 """The frames of lmcache's binary protocol: what ``lmcache server``
-(:mod:`lmcache.server`), the ``lm`` backend and the peer endpoint speak over TCP.
+(:mod:`lmcache.server.cache`), the ``lm`` backend and the peer endpoint speak over TCP.
 
 Frames (requests and responses have the same 24-byte header, little-endian)::
 

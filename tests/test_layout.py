@@ -1,6 +1,7 @@
 """The package's shape: test tooling stays out of the core, no import circles, and imports
 that run one way: ``lmcache.demos`` -> ``lmcache.benchmarks`` -> ``lmcache.cli.console`` ->
-the core. The command (``lmcache.cli``) imports neither the benchmarks nor the demos: they
+the core; the servers (``lmcache.server``) stand apart from the engine, joined to it at
+three faces. The command (``lmcache.cli``) imports neither the benchmarks nor the demos: they
 plug into it as entry points of the group ``lmcache.commands``."""
 
 from __future__ import annotations
@@ -116,22 +117,36 @@ def test_no_import_circles_in_the_cli_and_benchmarks():
     assert not circles, circles
 
 
+ROOMS = ("lmcache.server", "lmcache.cli", "lmcache.benchmarks", "lmcache.demos")
+
+
 def _room(name: str) -> str:
-    return next((r for r in ("lmcache.cli", "lmcache.benchmarks", "lmcache.demos") if name.startswith(r)), "core")
+    return next((r for r in ROOMS if name == r or name.startswith(r + ".")), "core")
 
 
-#: who may import whom across rooms (a room always imports itself)
+#: the servers' faces: what the engine's side may use of ``lmcache.server`` (the instance
+#: API's HTTP layer, the cache server the P2P endpoint embeds, the tier fields the
+#: controller worker reports)
+SERVER_FACES = {"lmcache.server.http", "lmcache.server.cache", "lmcache.server.limits"}
+#: what ``lmcache.server`` may use of the core: the shared vocabulary, never the engine
+SERVER_USES = {"lmcache", "lmcache.errors", "lmcache.auth", "lmcache.keys", "lmcache.wire", "lmcache.web",
+               "lmcache.redact", "lmcache.plugin_manager", "lmcache.plugins.services.api_client"}
+
+#: who may import whom across rooms (a room always imports itself): rooms, or single modules
 MAY_IMPORT = {
-    "core": set(),
-    "lmcache.cli": {"core"},
-    "lmcache.benchmarks": {"core", "lmcache.cli.console"},
-    "lmcache.demos": {"core", "lmcache.cli.console", "lmcache.benchmarks"},
+    "core": SERVER_FACES,
+    "lmcache.server": SERVER_USES,
+    "lmcache.cli": {"core", "lmcache.server"},
+    "lmcache.benchmarks": {"core", "lmcache.server", "lmcache.cli.console"},
+    "lmcache.demos": {"core", "lmcache.server", "lmcache.cli.console", "lmcache.benchmarks"},
 }
 
 
 def test_imports_run_one_way_demos_then_benchmarks_then_the_commands_console_then_core():
-    """The core imports none of the front; the command imports neither the benchmarks nor
-    the demos; the benchmarks import no demo, and of the command only its console."""
+    """The core imports none of the front and of the servers only their faces; the servers
+    import of the core only its shared vocabulary; the command imports neither the
+    benchmarks nor the demos; the benchmarks import no demo, and of the command only its
+    console."""
     core, front = _modules(), _modules(FRONT)
     both = {**core, **front}
     offenders = []
@@ -173,3 +188,44 @@ def test_every_error_lmcache_defines_is_an_lmcache_error():
                     and not attr.startswith("_") and not issubclass(obj, LMCacheError)):
                 stray.append(f"{name}.{attr}")
     assert not stray, stray
+
+
+def test_the_servers_load_no_engine_and_no_torch():
+    """``lmcache server`` and ``lmcache controller`` run without an engine: importing every
+    module of ``lmcache.server`` loads neither torch nor any engine module."""
+    import subprocess
+    import sys
+
+    mods = sorted(m for m in _modules() if _room(m) == "lmcache.server")
+    code = ("import importlib, json, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lmcache'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    import json
+
+    loaded = json.loads(out)
+    assert "torch" not in loaded, loaded
+    # besides the shared vocabulary: the packages it lives in, and what ``import lmcache`` runs
+    allowed = SERVER_USES | {m.rsplit(".", i)[0] for m in SERVER_USES for i in range(1, m.count(".") + 1)}
+    allowed |= {"lmcache.hookspecs"}
+    engine = [m for m in loaded if m.startswith("lmcache") and _room(m) != "lmcache.server" and m not in allowed]
+    assert not engine, engine
+
+
+def test_every_import_of_the_project_names_a_module_it_has():
+    """A module moved between rooms leaves no import behind (function-level ones
+    included, which run only when called)."""
+    mods = {**_modules(), **_modules(FRONT)}
+    missing = []
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                if mod.startswith("lmcache") and mod not in mods:
+                    missing += [f"{name}: {mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" not in mods]
+            elif isinstance(node, ast.Import):
+                missing += [f"{name}: {a.name}" for a in node.names if a.name.startswith("lmcache") and a.name not in mods]
+    assert not missing, sorted(missing)

@@ -43,7 +43,7 @@ def read(name: str) -> bytes:
 
 def serve(handler: Any, method: str, path: str) -> bool:
     """Answer a request for the page or its static files on ``handler`` (a
-    :class:`~lmcache.http.JSONHandler`); ``False`` if ``path`` is not the page's (the
+    :class:`~lmcache.server.http.JSONHandler`); ``False`` if ``path`` is not the page's (the
     caller routes it to its JSON API). ``path`` is the URL's path without the query.
     A path under ``/static/`` that is not one of the files is answered 404 here."""
     if path not in FILES:

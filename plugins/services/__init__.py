@@ -1,3 +1,3 @@
 """The built-in engine services (instance API, peer-to-peer endpoint, KV events; the
-controller worker lives in :mod:`lmcache.controller.worker`), registered through
+controller worker lives in :mod:`lmcache.plugins.services.controller`), registered through
 ``lmcache_register_services`` like a third-party plugin's (see :mod:`lmcache.services`)."""

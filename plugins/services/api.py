@@ -36,7 +36,7 @@ GET      /metrics          Prometheus text format (needs ``prometheus_client``)
 Errors are JSON ``{"error": "...", "status": n}``: 400 for a malformed request (the
 message names the field), 401 for a missing or wrong token, 403 for what a tenant token
 may not reach (and, before any route, for a ``Host`` name it does not answer to with no
-token set, or a write from another ``Origin``: :class:`lmcache.http.RequestGuard`,
+token set, or a write from another ``Origin``: :class:`lmcache.server.http.RequestGuard`,
 ``api.allowed_hosts``), 404 for an unknown path,
 tier or key, 405 for a wrong method, 413 for a body over 1 MiB, 503 when
 ``api.max_connections`` connections are open already. A client that does not finish
@@ -55,7 +55,7 @@ from lmcache import web
 from lmcache.auth import ADMIN, Credentials, Unauthorized, foreign
 from lmcache.config import ApiConfig
 from lmcache.errors import AdminError, ConfigError
-from lmcache.http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
+from lmcache.server.http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmcache.admin import Admin
@@ -114,7 +114,7 @@ class ApiServer:
         self.creds = Credentials(cfg.token, cfg.tenants)
         self._metrics: tuple[Any, Callable[[Any], bytes], str] | None = None
         self._metrics_lock = threading.Lock()
-        # Host and Origin checked before any route (DNS rebinding, cross-origin writes: lmcache.http)
+        # Host and Origin checked before any route (DNS rebinding, cross-origin writes: lmcache.server.http)
         guard = RequestGuard(cfg.host, cfg.allowed_hosts, token_required=not self.creds.open)
         handler = type("Handler", (_Handler,), {"api": self, "timeout": cfg.timeout, "guard": guard})
         try:

@@ -13,7 +13,7 @@ def lmcache_register_services(registry):
     registry.add("api", "lmcache.plugins.services.api:ApiService", description="the instance API (api.enabled)")
     registry.add("p2p", "lmcache.plugins.services.p2p:P2P",
                  description="the peer-to-peer endpoint, fetch on miss and push (p2p.enabled)")
-    registry.add("controller", "lmcache.controller.worker:ControllerWorker",
+    registry.add("controller", "lmcache.plugins.services.controller:ControllerWorker",
                  description="registers with the controller and reports admits/evicts (controller.url)")
     registry.add("kv_events", "lmcache.plugins.services.kv_events:KVEventsService",
                  description="vLLM-compatible KV events on ZMQ (kv_events.enabled)")

@@ -2,7 +2,7 @@
 one another (prefill -> decode, and the controller's ``move``).
 
 Why the peer endpoint is an ``lmcache server``: chunks already cross the network as
-self-describing payloads over the framed protocol of :mod:`lmcache.server` (the ``lm``
+self-describing payloads over the framed protocol of :mod:`lmcache.server.cache` (the ``lm``
 backend's), pipelined, with a token and bounded allocation. A peer endpoint is that
 server with a different store (:class:`EngineStore`): the engine's own tiers. A GET
 encodes the hierarchy's object as a payload on the fly (the raw codec: a header and a
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from lmcache import payload
-from lmcache import server as proto
+from lmcache.server import cache as proto
 from lmcache.errors import AdminError, BackendError, CorruptPayloadError, KVShapeError, NotFoundError
 from lmcache.keys import CacheKey, Chunk
 from lmcache.memory import MemoryObj, MemoryPool
@@ -338,7 +338,7 @@ class P2P:
         self._controller = None
         ctl = engine.config.controller
         if ctl.url:
-            from lmcache.controller.client import ControllerClient
+            from lmcache.plugins.services.controller_client import ControllerClient
 
             self._controller = ControllerClient(ctl.url, ctl.token, min(cfg.timeout, ctl.timeout))
         elif cfg.fetch:

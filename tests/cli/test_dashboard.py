@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lmcache.cli.main import app
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 
 runner = CliRunner()
 TOKEN = "dash-secret"

@@ -137,7 +137,7 @@ def pods(tmp_path):
 
 
 def test_the_overlays_index_fails_over_and_the_old_primary_returns_as_a_replica(pods):
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     names, ctl_host, start, env, tmp = pods
     procs = {pod: start(pod) for pod in PODS}

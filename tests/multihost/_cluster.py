@@ -163,7 +163,7 @@ class Cluster:
         return line
 
     def client(self, *names: str, timeout: float = 1.0):
-        from lmcache.controller.client import ControllerClient
+        from lmcache.plugins.services.controller_client import ControllerClient
 
         urls = [self.url(n) for n in names] if names else self.urls
         return ControllerClient(urls, self.token, timeout=timeout)

@@ -260,7 +260,7 @@ def _start_controller(port: int = 0) -> tuple[subprocess.Popen, str]:
 
 
 def test_engines_keep_serving_while_the_controller_is_killed_and_restarted():
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     ctl_timeout = 0.5
     hang_guard = 5 * ctl_timeout + 2.0

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import lmcache
 from lmcache import wire as proto
 from lmcache.config import load_config
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 from lmcache.errors import ConfigError
 from lmcache.testing.stores.lm import lm_store
 from _procs import talk

@@ -282,7 +282,7 @@ def test_yaml_syntax_error_does_not_echo_the_line(tmp_path, text, line):
 
 # ------------------------------------------------------------------ ControllerClient errors
 def test_controller_client_errors_mask_the_url_password():
-    from lmcache.controller.client import ControllerClient, split_urls
+    from lmcache.plugins.services.controller_client import ControllerClient, split_urls
 
     port = closed_port()
     r = lmcache("controller", "instances", "--url", f"http://admin:{CTL_PW}@127.0.0.1:{port}", "--timeout", "1")

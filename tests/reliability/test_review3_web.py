@@ -31,7 +31,7 @@ from _kv import wave
 from _procs import until
 
 import lmcache
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 
 HANG = 10.0
 ATTACKER = "attacker.example"

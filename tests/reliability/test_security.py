@@ -24,7 +24,7 @@ from _kv import wave
 import lmcache
 from lmcache import wire as proto
 from lmcache.config import ApiConfig, P2PConfig, load_config
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 from lmcache.testing.stores.lm import lm_store
 
 from _procs import readline, stop
@@ -528,7 +528,7 @@ def test_every_service_binds_loopback_by_default(tmp_path):
     import inspect
 
     from cli import controller_cmd, server_cmd
-    from lmcache.server import CacheServer
+    from lmcache.server.cache import CacheServer
 
     assert ApiConfig().host == "127.0.0.1" and P2PConfig().host == "127.0.0.1"
     assert load_config({}, environ={}).api.host == "127.0.0.1"

@@ -26,7 +26,7 @@ from lmcache import wire as proto
 from lmcache.encoded import open_objects
 from lmcache.errors import BackendError
 from lmcache.memory import MemoryPool
-from lmcache.server import CacheServer
+from lmcache.server.cache import CacheServer
 from lmcache.storage import BackendContext
 
 from test_security import http, lm_talk  # noqa: E402 - the same folder's helpers
@@ -173,7 +173,7 @@ def cluster():
     """A controller with tenant tokens; team-a's instances a1 and a2 and team-b's b1,
     each with an instance API (admin + tenant tokens), a peer endpoint (the cluster's
     P2P token) and a worker using its tenant's controller token."""
-    from lmcache.controller.service import ControllerServer
+    from lmcache.server.controller import ControllerServer
 
     with ControllerServer("127.0.0.1", 0, token=CTL_ADMIN, tenants=CTL_TENANTS, instance_timeout=5) as ctl:
         engines: dict[str, Any] = {}

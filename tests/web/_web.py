@@ -64,7 +64,7 @@ class Cluster:
         import torch
 
         import lmcache
-        from lmcache.controller.service import ControllerServer
+        from lmcache.server.controller import ControllerServer
 
         self.server = ControllerServer("127.0.0.1", 0, token=ADMIN, tenants=TENANTS, instance_timeout=5)
         self.url = self.server.url
@@ -107,7 +107,7 @@ class Cluster:
         return ApiClient(self.engines[iid].api_url, ADMIN, timeout=10)
 
     def ctl(self, token: str | None = ADMIN):
-        from lmcache.controller.client import ControllerClient
+        from lmcache.plugins.services.controller_client import ControllerClient
 
         return ControllerClient(self.url, token, timeout=10)
 

@@ -20,7 +20,7 @@ from _procs import until
 
 import lmcache
 from lmcache import web
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "admin-secret"

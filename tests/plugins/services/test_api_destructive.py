@@ -12,7 +12,7 @@ import socket
 import pytest
 from test_api import TOKEN, call, start
 
-from lmcache.http import MAX_BODY
+from lmcache.server.http import MAX_BODY
 
 
 @pytest.fixture

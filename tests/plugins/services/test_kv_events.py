@@ -425,8 +425,8 @@ def test_defaults_a_router_finds(monkeypatch):
 
 def test_controller_worker_and_kv_events_both_get_tier_events(ctx):
     """The publisher is chained after the controller worker's listener, not instead of it."""
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
 
     with ControllerServer(port=0, instance_timeout=5) as ctl:
         cfg = {

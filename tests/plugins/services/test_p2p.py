@@ -61,8 +61,8 @@ def p2p_cfg(ctl_url: str | None, iid: str, *, fetch: bool = True, token: str = P
 
 @pytest.fixture(scope="module")
 def controller():
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
 
     with ControllerServer(port=0, token=CTL_TOKEN, instance_timeout=5) as ctl:
         yield ctl, ControllerClient(ctl.url, CTL_TOKEN, 5)

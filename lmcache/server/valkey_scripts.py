@@ -1,4 +1,4 @@
-"""The Lua scripts of the ``valkey`` index (:mod:`lmcache.controller.index_valkey`): each
+"""The Lua scripts of the ``valkey`` index (:mod:`lmcache.server.index_valkey`): each
 runs atomically in Valkey; what their keys and arguments are is said where the index calls
 them. Kept apart so that the index module reads as Python."""
 

@@ -30,7 +30,7 @@ a token: that has sent no complete frame) must do so within ``auth_timeout``; su
 connections have a budget of their own (``max_unauthenticated``) in which a newcomer
 closes the oldest (from the address holding the most) rather than being refused, and with
 ``max_connections`` taken a newcomer closes the connection idle the longest
-(:mod:`lmcache.server_slots`).
+(:mod:`lmcache.server.cache_slots`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import auth
-from .server_slots import Slot, Slots, shut as _shut
-from .server_store import ENTRY_OVERHEAD, ByteStore, ServedStore, load_policy  # noqa: F401 (re-exported)
-from .wire import (
+from .. import auth
+from .cache_slots import Slot, Slots, shut as _shut
+from .cache_store import ENTRY_OVERHEAD, ByteStore, ServedStore, load_policy  # noqa: F401 (re-exported)
+from ..wire import (
     AUTH, DEFAULT_MAX_VALUE, DELETE, ERROR, EXISTS, FATAL, Frame, GET, HEADER_SIZE, HEALTH,
     LAZY_ALLOC, LIST, LIST_PAGE, MAGIC, MORE, NOT_FOUND, OK, PUT, ProtocolError, VERSION, alloc,
     check_request, encode, encode_list_page, pack_header, parse_header, recv_into_exact, send_buffers,
@@ -172,7 +172,7 @@ class CacheServer:
     (optional) must be the value of each connection's first frame, AUTH.
     ``max_value_size`` bounds every frame's value, so what one connection can make the
     server allocate is bounded; ``max_connections`` bounds the connections (one more
-    closes one that waits to authenticate or is idle, see :mod:`lmcache.server_slots`,
+    closes one that waits to authenticate or is idle, see :mod:`lmcache.server.cache_slots`,
     and is answered FATAL and closed only when every connection is busy)."""
 
     def __init__(

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import tracemalloc
 
-from lmcache.controller.index import KeyMap
-from lmcache.controller.index_memory import Index
+from lmcache.server.index import KeyMap
+from lmcache.server.index_memory import Index
 from test_index_valkey import retried_registration
 
 PREFIX = "lmc1:default:m:float32-L2-H2-D8-lt2hd-tp0of1:"

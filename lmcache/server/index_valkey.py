@@ -36,7 +36,7 @@ namespace (every script checks the session), the chunkings of the namespace's li
 lookup's script returns them; it asks for missing ones) and each record's parsed metadata, used only while the record's text is the
 same (an epoch can restart at 1 after ``expire_after`` of silence, so it is no identity).
 Lease time counts only while the index is reachable: after an outage the leases are
-moved forward by the time it was away (:mod:`~lmcache.controller.index_outage`).
+moved forward by the time it was away (:mod:`~lmcache.server.index_outage`).
 
 Lookups through a failover (issue 45): over ``valkey+sentinel://``, while the primary is
 away (a call failed for want of it, until the probe reaches a primary again and closes the
@@ -64,14 +64,14 @@ from urllib.parse import unquote, urlsplit
 
 from ..auth import ADMIN
 from ..errors import ConfigError
-from ..http import HTTPError
+from .http import HTTPError
 from .index import IndexBase, Instance, Query, tier_stats, unknown_tier, wrong_session
 from .index_outage import RESUME, LeaseGuard
 from .valkey_scripts import (
     _REGISTER, _BEAT, _EVENTS, _DROP, _DISOWN, _CLAIM, _LOOKUP, _LOOKUP_STALE, _LOOKUP_STALE_SHA, _GET, _LIST,
 )
 
-log = logging.getLogger("lmcache.controller.service")
+log = logging.getLogger("lmcache.server.controller")
 PASSWORD_ENV = "LMCACHE_CONTROLLER_INDEX_PASSWORD"
 NAMESPACES = "lmc:namespaces"
 _BATCH = 500  # keys per HMGET/HSET inside a script (Lua's unpack limit is ~8000)
@@ -172,7 +172,7 @@ def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str, int]:
 
 
 class ValkeyIndex(IndexBase):
-    """The index in Valkey: same answers as :class:`~lmcache.controller.index_memory.Index`."""
+    """The index in Valkey: same answers as :class:`~lmcache.server.index_memory.Index`."""
 
     kind = "valkey"
 

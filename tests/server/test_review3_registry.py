@@ -19,9 +19,9 @@ import tracemalloc
 import pytest
 
 from _missing import loopback_store
-from lmcache.controller.index_valkey import ValkeyIndex
-from lmcache.controller.limits import MAX_CHUNKINGS, MAX_MODEL_LEN
-from lmcache.controller.service import ControllerServer
+from lmcache.server.index_valkey import ValkeyIndex
+from lmcache.server.limits import MAX_CHUNKINGS, MAX_MODEL_LEN
+from lmcache.server.controller import ControllerServer
 from test_controller import call
 
 ADMIN = "adm-tok"

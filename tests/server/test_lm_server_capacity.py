@@ -15,7 +15,7 @@ import pytest
 from _procs import talk
 
 from lmcache import wire as proto
-from lmcache.server import ENTRY_OVERHEAD, exposure_warning
+from lmcache.server.cache import ENTRY_OVERHEAD, exposure_warning
 from lmcache.testing.stores.lm import lm_store
 
 CAPACITY = 1 << 20

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import lmcache
 from lmcache import wire as proto
-from lmcache.server import ENTRY_OVERHEAD, CacheServer
+from lmcache.server.cache import ENTRY_OVERHEAD, CacheServer
 from lmcache.codecs import load_codec
 from lmcache.errors import BackendError, ConfigError
 from lmcache.testing.stores import free_port
@@ -41,7 +41,7 @@ from _procs import talk
 REGS = get_registries()
 LMBackend = REGS.backends.load("lm")
 L, H, D = 2, 2, 8
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 PEER_DIR = TESTS / "backends"  # shared_store_peer.py, the peer process of backends/test_shared_stores.py
 
 

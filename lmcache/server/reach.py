@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import AdminError, UnreachableError
-from ..http import HTTPError
+from .http import HTTPError
 from ..plugins.services.api_client import ApiClient
 
 #: an --instance-network list holds at most this many entries

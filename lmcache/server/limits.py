@@ -9,7 +9,7 @@ memory-index controller by hundreds of MiB and took Lua memory in Valkey, outsid
 ``maxmemory``, stalling every tenant (docs/benchmarks.md#measurements-behind-the-code). Now
 every registered field has a bound (:func:`check_registration`: one 400 naming the
 field), the key prefix always fits in a key, and lookups match chunk hashes without
-building per-chunk strings (the memory index's :class:`~lmcache.controller.index.KeyMap`
+building per-chunk strings (the memory index's :class:`~lmcache.server.index.KeyMap`
 and the Valkey index's key hashes hold a chunk of the instance's prefix as its hash).
 
 And: the token processors kept to hash lookups' tokens, one per chunking, are at most
@@ -25,9 +25,18 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import quote
 
-from ..http import HTTPError
+from .http import HTTPError
 from ..keys import TokenProcessor
 
+#: what a worker reports of each tier (``tier_stats`` of register and heartbeat, shown by
+#: ``/v1/instances``; the engine's worker reads the names from here): field -> JSON
+#: types; counts and bytes are integers >= 0
+TIER_STATS: dict[str, tuple[type, ...]] = {
+    "entries": (int,), "used_bytes": (int,), "capacity_bytes": (int,), "pinned": (int,), "hits": (int,),
+    "misses": (int,), "evictions": (int,), "errors": (int,), "refused_writes": (int,), "skipped_puts": (int,),
+    "hit_rate": (float, int), "retry_in_s": (float, int), "available": (bool,), "write_refused": (str,),
+    "backend": (str,),
+}
 #: the longest ``model``, in characters and in characters once URL-quoted as in keys
 MAX_MODEL_LEN = 512
 #: the longest ``api_url``/``peer_url``, ``api_token`` and ``version`` (characters)

@@ -1,6 +1,6 @@
 """The controller's index: which registered instance holds which chunk, kept true by the
 workers' registrations, heartbeats and admit/evict events, and answering lookups
-(see :mod:`lmcache.controller.service` for the HTTP side and the why).
+(see :mod:`lmcache.server.controller` for the HTTP side and the why).
 
 Why caps: the index lives in memory and its callers are instances, which a tenant
 token can register. Without bounds one instance reporting made-up keys grew the
@@ -22,11 +22,11 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from ..auth import ADMIN, foreign
-from ..http import HTTPError
+from .http import HTTPError
 from ..keys import KEY_PREFIX, TokenProcessor
-from .limits import Processors, check_count, check_model, check_registration
+from .limits import TIER_STATS, Processors, check_count, check_model, check_registration
 
-log = logging.getLogger("lmcache.controller.service")
+log = logging.getLogger("lmcache.server.controller")
 
 MAX_KEY_LEN = 1024
 #: default caps (``lmcache controller serve --max-keys-per-instance``, ``--max-instances-per-tenant``)
@@ -180,7 +180,7 @@ class IndexBase:
     """What every index shares: the checks of each call (fields, tenancy, caps' errors),
     the chunking of a lookup and the scoring of its hits. A storage implements the
     ``_``-methods below; :class:`Index` keeps everything in this process,
-    :class:`lmcache.controller.index_valkey.ValkeyIndex` in Valkey. Both answer alike."""
+    :class:`lmcache.server.index_valkey.ValkeyIndex` in Valkey. Both answer alike."""
 
     kind = "memory"
 
@@ -452,16 +452,6 @@ def own_keys(tenant: str, keys: list) -> None:
             raise HTTPError(400, f"field 'keys'[{i}] is not an lmcache key: {json.dumps(k)[:100]}")
         if ns != tenant:
             raise HTTPError(403, f"field 'keys'[{i}]: a key of namespace {ns!r}; this token is scoped to namespace {tenant!r}")
-
-
-#: what a worker reports of each tier (``tier_stats`` of register and heartbeat, shown by
-#: ``/v1/instances``): field -> JSON types; counts and bytes are integers >= 0
-TIER_STATS: dict[str, tuple[type, ...]] = {
-    "entries": (int,), "used_bytes": (int,), "capacity_bytes": (int,), "pinned": (int,), "hits": (int,),
-    "misses": (int,), "evictions": (int,), "errors": (int,), "refused_writes": (int,), "skipped_puts": (int,),
-    "hit_rate": (float, int), "retry_in_s": (float, int), "available": (bool,), "write_refused": (str,),
-    "backend": (str,),
-}
 
 
 def tier_stats(raw: Any, tiers: list[str]) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,7 @@ import pytest
 
 from _missing import loopback_store, missing
 from _procs import until
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 from test_controller import call
 
 GUARD = 30.0  # a generous guard against a hang, not a timing assertion

@@ -115,7 +115,7 @@ class ByteStore:
 
 
 def load_policy(name: str) -> Any:
-    from .plugin_manager import get_registries
+    from ..plugin_manager import get_registries
 
     return get_registries().policies.load(name)()
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from _procs import until
-from lmcache.controller.service import ControllerServer
+from lmcache.server.controller import ControllerServer
 from test_controller import call
 import test_review3_valkey_stale as stale
 from test_review3_valkey_stale import GUARD, REG, engine, key, ok, raw, sentinel_pair

@@ -332,8 +332,8 @@ def test_worker_resyncs_after_dropping_events(tmp_path):
     import torch
 
     import lmcache
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
 
     with ControllerServer(port=0, instance_timeout=5) as ctl:
         cfg = {"chunk_size": CHUNK, "kv_spec": KV_SPEC, "tiers": [{"backend": "cpu", "capacity": "8MiB"}],
@@ -371,8 +371,8 @@ def test_worker_survives_a_controller_that_is_down(tmp_path):
         assert engine.lookup(PROMPT) == 128
         until(lambda: engine.controller_worker.failed_calls > 0, "tried")
         assert not engine.controller_worker.registered
-        from lmcache.controller.client import ControllerClient
-        from lmcache.controller.service import ControllerServer
+        from lmcache.plugins.services.controller_client import ControllerClient
+        from lmcache.server.controller import ControllerServer
 
         with ControllerServer(port=port) as ctl:
             until(lambda: ControllerClient(ctl.url).lookup(PROMPT)["results"], "registered with its snapshot")

@@ -101,7 +101,7 @@ def test_a_worker_over_the_key_cap_drops_events_without_resyncing():
     import torch
 
     import lmcache
-    from lmcache.controller.service import ControllerServer
+    from lmcache.server.controller import ControllerServer
 
     with ControllerServer(port=0, instance_timeout=5, max_keys_per_instance=4) as ctl:
         cfg = {"chunk_size": CHUNK, "kv_spec": KV_SPEC, "tiers": [{"backend": "cpu", "capacity": "8MiB"}],

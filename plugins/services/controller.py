@@ -21,10 +21,11 @@ without a resync (a snapshot would be refused the same way); the index then lack
 keys, and lookups under-report this instance until it re-registers.
 
 Several controller URLs (``controller.url`` as a list; replicas): the client fails over
-to the next URL when one does not answer (see :mod:`lmcache.controller.client`). A
-replica that does not know this instance's session (its own ``memory`` index) answers
-404, and the worker registers again at once on that replica and resends its snapshot;
-over the shared ``valkey`` index the session stays valid and events keep flowing.
+to the next URL when one does not answer (see
+:mod:`lmcache.plugins.services.controller_client`). A replica that does not know this
+instance's session (its own ``memory`` index) answers 404, and the worker registers again
+at once on that replica and resends its snapshot; over the shared ``valkey`` index the
+session stays valid and events keep flowing.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AdminError, AuthError, NotFoundError
-from .client import ControllerClient
+from lmcache.errors import AdminError, AuthError, NotFoundError
+from .controller_client import ControllerClient
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..config import Config
-    from ..services import EngineView
+    from lmcache.config import Config
+    from lmcache.services import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class ControllerWorker:
 
     # ------------------------------------------------------------ the thread
     def _info(self) -> dict[str, Any]:
-        from .. import __version__
+        from lmcache import __version__
 
         e = self.engine
         c = e.config
@@ -283,8 +284,8 @@ class ControllerWorker:
 
     def _tier_stats(self) -> list[dict[str, Any]]:
         """Per tier what the controller shows of it (``TIER_STATS`` of
-        :mod:`lmcache.controller.index`): usage, counters, hit rate, backoff."""
-        from .index import TIER_STATS
+        :mod:`lmcache.server.limits`): usage, counters, hit rate, backoff."""
+        from lmcache.server.limits import TIER_STATS
 
         out = []
         for t in self.engine.hierarchy.tiers:

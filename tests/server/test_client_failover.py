@@ -87,7 +87,7 @@ def two_controllers() -> Iterator[list[tuple[subprocess.Popen, str]]]:
 def test_sigkilled_controller_loses_no_lookup(two_controllers):
     """A storm of lookups through a client with two URLs: the first controller is
     SIGKILLed in the middle; every lookup is answered (by the second from then on)."""
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     (a, url_a), (_, url_b) = two_controllers
     client = ControllerClient(f"{url_a},{url_b}", TOKEN, timeout=2.0)
@@ -128,7 +128,7 @@ def test_sigkilled_controller_loses_no_lookup(two_controllers):
 def test_a_silent_first_url_costs_one_timeout_then_is_skipped(two_controllers, listener):
     """The first URL accepts connections and never answers: the first call times out on
     it and is answered by the second URL; later calls go straight to the second."""
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     (_, url), _ = two_controllers
     client = ControllerClient([listener.url, url], TOKEN, timeout=0.5)
@@ -139,8 +139,8 @@ def test_a_silent_first_url_costs_one_timeout_then_is_skipped(two_controllers, l
 
 
 def test_401_is_final_and_the_next_url_is_never_called(listener):
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
     from lmcache.errors import AuthError
 
     with ControllerServer(port=0, token="the-right-one") as ctl:
@@ -172,8 +172,8 @@ class _Unavailable(http.server.BaseHTTPRequestHandler):
 
 
 def test_503_fails_over_and_all_down_names_every_url():
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
     from lmcache.errors import UnreachableError
     from lmcache.testing.stores import free_port
 
@@ -199,7 +199,7 @@ def test_503_fails_over_and_all_down_names_every_url():
 
 def test_a_bad_url_in_the_list_is_named():
     from lmcache.config import load_config
-    from lmcache.controller.client import ControllerClient, split_urls
+    from lmcache.plugins.services.controller_client import ControllerClient, split_urls
     from lmcache.errors import AdminError, ConfigError
 
     assert split_urls("http://a:1, http://b:2/,http://a:1") == ["http://a:1", "http://b:2"]
@@ -240,8 +240,8 @@ def test_worker_moves_to_the_other_controller(tmp_path):
     import torch
 
     import lmcache
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
 
     a, url_a = start_controller()
     try:
@@ -279,7 +279,7 @@ def test_worker_session_stays_valid_on_the_other_valkey_replica(tmp_path):
 
     import lmcache
     from _missing import loopback_store
-    from lmcache.controller.client import ControllerClient
+    from lmcache.plugins.services.controller_client import ControllerClient
 
     with loopback_store("valkey") as store:
         index = store.options["url"]
@@ -320,8 +320,8 @@ def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_pa
 
     import lmcache
     from _missing import loopback_store
-    from lmcache.controller.client import ControllerClient
-    from lmcache.controller.service import ControllerServer
+    from lmcache.plugins.services.controller_client import ControllerClient
+    from lmcache.server.controller import ControllerServer
 
     with loopback_store("valkey") as store:
         with ControllerServer(port=0, token=TOKEN, instance_timeout=30, index=store.options["url"],
@@ -349,6 +349,6 @@ def test_a_worker_keeps_its_session_while_the_valkey_index_is_unavailable(tmp_pa
                 assert w.registrations == 1 and w.dropped_events == 0, w.stats()
                 assert w.registered
                 # its log says what it does (before: "dropping events ... then resending a snapshot")
-                said = [r.getMessage() for r in caplog.records if r.name == "lmcache.controller.worker"]
+                said = [r.getMessage() for r in caplog.records if r.name == "lmcache.plugins.services.controller"]
                 assert any("keeping this session and its unsent events" in m for m in said), said
                 assert not any("dropping" in m or "snapshot" in m for m in said), said

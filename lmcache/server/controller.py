@@ -12,7 +12,7 @@ instance of its own namespace only, and ``clear``/``compress`` without keys act 
 tenant's entries only. The OpenAPI document is served at ``/openapi.json``.
 
 Why an index of events and not polling: a router asks on every request, so the answer
-must come from memory. Each instance's worker (:mod:`lmcache.controller.worker`)
+must come from memory. Each instance's worker (:mod:`lmcache.plugins.services.controller`)
 registers (with its chunking, so the controller can hash a router's tokens exactly as
 that instance does), heartbeats, and reports batched admit/evict events; the index maps
 a chunk key to the instances holding it and in which tiers. An instance whose heartbeats
@@ -23,8 +23,8 @@ registers again, which resets what the controller knew of it, and resends a snap
 Commands (``clear``, ``pin``, ``unpin``, ``compress``, ``decompress``) go to the
 instance's own API with the token the worker registered, and are answered when the
 instance answered. Which ``api_url`` a registration may name, and which of an instance's
-answers are passed on, is :mod:`lmcache.controller.reach`; the ``Host`` and ``Origin``
-checks are :class:`lmcache.http.RequestGuard`. ``move`` tells the source instance
+answers are passed on, is :mod:`lmcache.server.reach`; the ``Host`` and ``Origin``
+checks are :class:`lmcache.server.http.RequestGuard`. ``move`` tells the source instance
 (through its API's ``/v1/push``) to send the chunks to the destination instance, named
 by its id: the source resolves
 it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .. import web
-from ..http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
+from .http import BoundedHTTPServer, HTTPError, JSONHandler, RequestGuard
 from ..auth import ADMIN, Credentials, Unauthorized
 from ..errors import AdminError, ConfigError, NotFoundError, UnreachableError
 from .index import (
@@ -115,10 +115,10 @@ class ControllerServer:
         instance_networks: tuple[str, ...] = (),
     ):
         """``max_keys_per_instance`` and ``max_instances_per_tenant`` cap the index
-        (see :mod:`lmcache.controller.index`): over them a call is answered 429.
+        (see :mod:`lmcache.server.index`): over them a call is answered 429.
         ``index`` is ``"memory"`` (this process) or a Valkey URL (``valkey://``,
         ``valkey+sentinel://``, ``valkey+cluster://``, see
-        :mod:`lmcache.controller.index_valkey`): then this process holds no index state,
+        :mod:`lmcache.server.index_valkey`): then this process holds no index state,
         each Valkey call is bounded by ``index_timeout`` and Valkey unreachable is a 503."""
         expire = expire_after if expire_after is not None else max(300.0, 6 * instance_timeout)
         caps = {"max_keys_per_instance": max_keys_per_instance, "max_instances_per_tenant": max_instances_per_tenant}
@@ -134,7 +134,7 @@ class ControllerServer:
         self.creds = Credentials(token, tenants)
         from .reach import InstancePolicy
 
-        try:  # which api_url hosts a registration may name; which Host names it answers to (lmcache.http)
+        try:  # which api_url hosts a registration may name; which Host names it answers to (lmcache.server.http)
             self.reach = InstancePolicy(instance_networks)
             guard = RequestGuard(host, allowed_hosts, token_required=not self.creds.open)
         except ValueError as exc:
@@ -288,7 +288,7 @@ class ControllerServer:
 
         if inst.api_url is None:
             raise HTTPError(409, f"instance {inst.instance_id!r} has no instance API: enable it with api: {{enabled: true}}")
-        try:  # answers and errors passed on only in the instance API's own shape (lmcache.controller.reach)
+        try:  # answers and errors passed on only in the instance API's own shape (lmcache.server.reach)
             with InstanceClient(inst.api_url, inst.api_token, self.dispatch_timeout) as api:
                 return call(api)
         except UnreachableError as exc:  # the same line whatever the reason: no port scanner (details logged)

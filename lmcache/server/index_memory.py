@@ -1,6 +1,6 @@
 """The ``memory`` controller index (:class:`Index`): every instance's record and keys in
-this process, behind one lock (:mod:`lmcache.controller.index` holds what the memory and
-Valkey indexes share; :mod:`lmcache.controller.index_valkey` the other)."""
+this process, behind one lock (:mod:`lmcache.server.index` holds what the memory and
+Valkey indexes share; :mod:`lmcache.server.index_valkey` the other)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 from typing import Any, Callable
 
 from ..auth import ADMIN, foreign
-from ..http import HTTPError
+from .http import HTTPError
 from .index import IndexBase, Instance, Query, tier_bit, tier_stats, unknown_tier, wrong_session
 
-log = logging.getLogger("lmcache.controller.service")
+log = logging.getLogger("lmcache.server.controller")
 
 
 class Index(IndexBase):

@@ -46,9 +46,9 @@ import threading
 import time
 from typing import Any
 
-from ..http import HTTPError
+from .http import HTTPError
 
-log = logging.getLogger("lmcache.controller.service")
+log = logging.getLogger("lmcache.server.controller")
 
 # KEYS leases; ARGV key base 'lmc:{ns}:', ms since the last call that reached the index, lease ms.
 # Answers {leases moved, by ms}.

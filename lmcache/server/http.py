@@ -1,5 +1,5 @@
 """The HTTP layer under lmcache's two HTTP services, the instance API
-(:mod:`lmcache.plugins.services.api`) and the controller (:mod:`lmcache.controller.service`):
+(:mod:`lmcache.plugins.services.api`) and the controller (:mod:`lmcache.server.controller`):
 a bounded ``ThreadingHTTPServer``, a JSON request handler that bounds each whole request in
 time and checks bodies and query strings field by field, and :class:`HTTPError`, the one
 place where an error becomes an HTTP status.
@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable
 from urllib.parse import parse_qs, urlsplit
 
-from .errors import LMCacheError
+from ..errors import LMCacheError
 
 log = logging.getLogger(__name__)
 

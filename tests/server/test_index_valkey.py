@@ -15,10 +15,10 @@ import pytest
 
 from _missing import loopback_store
 from _procs import until
-from lmcache.controller.index_valkey import ValkeyIndex, parse_url
-from lmcache.controller.service import ControllerServer
+from lmcache.server.index_valkey import ValkeyIndex, parse_url
+from lmcache.server.controller import ControllerServer
 from lmcache.errors import ConfigError
-from lmcache.http import HTTPError
+from lmcache.server.http import HTTPError
 from test_controller import call
 
 ROOT = Path(__file__).resolve().parents[2]
