@@ -26,6 +26,7 @@ import struct
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
@@ -103,17 +104,21 @@ def pack_tokens(tokens: list[int] | tuple[int, ...]) -> np.ndarray:
     into the array (in batches of :data:`PACK_BATCH`): about twice ``array('q', tokens)``'s
     rate from a few hundred tokens up (docs/benchmarks.md#measurements-behind-the-code);
     only integers (or ``__index__`` objects) within int64 pass, anything else raises
-    ``struct.error``."""
+    ``struct.error``.
+
+    The call goes through ``functools.partial`` so that the tokens become the call's
+    argument tuple once (``pack_into(arr, 0, *tokens)`` copies them into a list first,
+    then into the tuple)."""
     n = len(tokens)
     arr = np.empty(n, dtype="<i8")
     if n <= PACK_BATCH:
-        struct.pack_into(f"<{n}q", arr, 0, *tokens)
+        partial(struct.Struct(f"<{n}q").pack_into, arr, 0)(*tokens)
         return arr
     full = n - n % PACK_BATCH
     for i in range(0, full, PACK_BATCH):
-        _PACK.pack_into(arr, i * 8, *tokens[i : i + PACK_BATCH])
+        partial(_PACK.pack_into, arr, i * 8)(*tokens[i : i + PACK_BATCH])
     if full < n:
-        struct.pack_into(f"<{n - full}q", arr, full * 8, *tokens[full:])
+        partial(struct.Struct(f"<{n - full}q").pack_into, arr, full * 8)(*tokens[full:])
     return arr
 
 
