@@ -1,8 +1,9 @@
 """The controller service: which instance holds which chunks, for KV-aware routers.
 
-A bounded ``ThreadingHTTPServer`` (like the instance API, :mod:`lmcache.plugins.services.api`, whose request
-plumbing it shares: JSON bodies of at most 1 MiB, fields checked by name, a timeout for
-slow clients) bound to ``127.0.0.1`` unless told otherwise. With a token set, every
+A bounded ``ThreadingHTTPServer`` (like the instance API,
+:mod:`lmcache.plugins.services.api`, whose request plumbing, :mod:`lmcache.server.http`,
+it shares: JSON bodies of at most 1 MiB, fields checked by name, a timeout for slow
+clients) bound to ``127.0.0.1`` unless told otherwise. With a token set, every
 call, the workers' included, must carry ``Authorization: Bearer <token>`` (compared in
 constant time). Tenant tokens (``tenants``: ``{namespace: token}``, see
 :mod:`lmcache.auth`) are scoped to one namespace: instances, health counts and lookups
@@ -26,8 +27,7 @@ instance answered. Which ``api_url`` a registration may name, and which of an in
 answers are passed on, is :mod:`lmcache.server.reach`; the ``Host`` and ``Origin``
 checks are :class:`lmcache.server.http.RequestGuard`. ``move`` tells the source instance
 (through its API's ``/v1/push``) to send the chunks to the destination instance, named
-by its id: the source resolves
-it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
+by its id: the source resolves it to its peer endpoint (``peer_url``, registered by instances with ``p2p.enabled``)
 and the endpoint must prove it knows the cluster's peer token and announce that id, so a
 ``peer_url`` registered with a tenant token that points elsewhere gets nothing. It
 answers when the source answered, i.e. when the destination has stored them; the
