@@ -30,11 +30,11 @@ def _modules(folders: dict[str, Path] | None = None) -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, mods: dict[str, Path], type_only: bool = False) -> set[str]:
-    """Project modules ``name`` imports, at any depth (function-level imports count:
-    they run), except under ``if TYPE_CHECKING:`` unless ``type_only`` (a type-only
-    import ties two rooms together as much as one that runs)."""
-    found: set[str] = set()
+def _statements(name: str, path: Path, type_only: bool = False) -> list[tuple[str, list[str]]]:
+    """Each import in module ``name`` as ``(module, names)``, relative ones resolved
+    (``import m``: ``(m, [])``), at any depth (function-level imports count: they run),
+    except under ``if TYPE_CHECKING:`` unless ``type_only``."""
+    out: list[tuple[str, list[str]]] = []
     is_pkg = path.name == "__init__.py"
 
     def visit(node: ast.AST) -> None:
@@ -42,7 +42,7 @@ def _imports(name: str, path: Path, mods: dict[str, Path], type_only: bool = Fal
             if not type_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
+                out.extend((a.name, []) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = name.split(".") if is_pkg else name.split(".")[:-1]
@@ -50,13 +50,22 @@ def _imports(name: str, path: Path, mods: dict[str, Path], type_only: bool = Fal
                     mod = ".".join(base + ([child.module] if child.module else []))
                 else:
                     mod = child.module or ""
-                subs = {f"{mod}.{a.name}" for a in child.names}
-                found.update(subs)
-                if not subs <= set(mods):  # `from pkg import submodule` imports the submodule
-                    found.add(mod)
+                out.append((mod, [a.name for a in child.names]))
             visit(child)
 
     visit(ast.parse(path.read_text()))
+    return out
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path], type_only: bool = False) -> set[str]:
+    """Project modules ``name`` imports (see :func:`_statements`; a type-only import ties
+    two rooms together as much as one that runs)."""
+    found: set[str] = set()
+    for mod, names in _statements(name, path, type_only):
+        subs = {f"{mod}.{n}" for n in names}
+        found.update(subs)
+        if not names or not subs <= set(mods):  # `from pkg import submodule` imports the submodule
+            found.add(mod)
     return {m for m in found if m in mods and m != name}
 
 
@@ -216,16 +225,7 @@ def test_every_import_of_the_project_names_a_module_it_has():
     """A module moved between rooms leaves no import behind (function-level ones
     included, which run only when called)."""
     mods = {**_modules(), **_modules(FRONT)}
-    missing = []
-    for name, path in mods.items():
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)] if node.level else []
-                mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
-                if mod.startswith("lmcache") and mod not in mods:
-                    missing += [f"{name}: {mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" not in mods]
-            elif isinstance(node, ast.Import):
-                missing += [f"{name}: {a.name}" for a in node.names if a.name.startswith("lmcache") and a.name not in mods]
-    assert not missing, sorted(missing)
+    missing = sorted(f"{name}: {mod}" for name, path in mods.items()
+                     for mod, _ in _statements(name, path, type_only=True)
+                     if mod.split(".")[0] == "lmcache" and mod not in mods)
+    assert not missing, missing
